@@ -1,0 +1,5 @@
+import sys
+
+from nestpipe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Dataset schemas (KuaiRand), the synthetic generator, and the training-shard format."""

@@ -1,0 +1,263 @@
+"""The training-shard format: WebDataset tar files of batch records, and the manifest beside them.
+
+One tar record = one batch of exactly B samples for one worker. Its members (basename = the record key, a
+zero-padded batch index with no dots) are ``.npy`` arrays and one ``.json`` header; never pickle. Field names:
+
+common to every task
+    ``meta.json``            {"index", "split", "task", "samples", "micro_batches"}
+    ``mb.npy``               int32 [B]   micro-batch id of each sample (the key-centric clustering's partition)
+per sparse table ``t`` listed in the manifest (jagged: sample s owns values[off[s]:off[s+1]], off = cumsum(lengths))
+    ``t.values.npy``         int64 [nnz] raw ids as read (the trainer maps out-of-vocabulary ids by its own rule)
+    ``t.lengths.npy``        int32 [B]
+    ``t.unique.npy``         int64 [U]   the batch's sorted unique ids of this table
+    ``t.inverse.npy``        int32 [nnz] position of every value in ``t.unique`` (unique[inverse] == values)
+    ``t.mb_unique.npy``      int32 [sum_i U_i] for each micro-batch i, its sorted unique ids as positions into
+                                         ``t.unique``, concatenated in micro-batch order
+    ``t.mb_offsets.npy``     int64 [N+1] micro-batch i owns mb_unique[mb_offsets[i]:mb_offsets[i+1]]
+task ``gr`` (generative recommendation; one sample = a chronological window of one user's interactions)
+    ``user.npy``             int64 [B]
+    ``time.npy``             int64 [nnz] interaction time, epoch milliseconds
+    ``play.npy``             int64 [nnz] play_time_ms
+    ``duration.npy``         int64 [nnz] duration_ms
+    In the ``eval`` split the last token of every sample is the held-out next interaction (leave-one-out).
+task ``ctr`` (one sample = one interaction)
+    ``dense.npy``            float32 [B, D] (names in manifest ``dense_features``)
+    ``labels.npy``           float32 [B, K] (names in manifest ``labels``)
+
+Tar members carry a pinned mtime, uid, gid and mode so the bytes depend only on the content.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import tarfile
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+TABLE_FIELDS = ("values", "lengths", "unique", "inverse", "mb_unique", "mb_offsets")
+FIELD_DTYPES = {
+    "values": np.int64, "lengths": np.int32, "unique": np.int64, "inverse": np.int32,
+    "mb_unique": np.int32, "mb_offsets": np.int64,
+}
+_PINNED_MTIME = 0
+
+
+class ShardError(ValueError):
+    """A shard or manifest is missing, corrupt or of a format this version cannot read."""
+
+
+Batch = Dict[str, Any]  # field name ("meta", "mb", "item.values", ...) -> np.ndarray or dict for "meta"
+
+
+def _npy_bytes(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(arr), allow_pickle=False)
+    return buf.getvalue()
+
+
+def encode_record(key: str, batch: Batch) -> List[Tuple[str, bytes]]:
+    """Tar members of one batch record, in a fixed (sorted) order."""
+    if "." in key:
+        raise ValueError(f"record key {key!r} must not contain dots")
+    members = []
+    for field in sorted(batch):
+        value = batch[field]
+        if field == "meta":
+            members.append((f"{key}.meta.json", json.dumps(value, sort_keys=True).encode()))
+        else:
+            arr = np.asarray(value)
+            if arr.dtype == object:
+                raise TypeError(f"field {field!r}: object arrays would need pickle; refusing")
+            members.append((f"{key}.{field}.npy", _npy_bytes(arr)))
+    return members
+
+
+def write_shard(path: str, records: Iterable[Tuple[str, Batch]]) -> Tuple[str, int]:
+    """Write a tar shard atomically (temporary name, fsync, rename). Returns (sha256 hex, size in bytes).
+
+    webdataset's ``TarWriter`` stamps members with the current time; NestPipe needs byte-identical output for
+    identical input, so members are written with :mod:`tarfile` directly with pinned metadata.
+    """
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as raw:
+        with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for key, batch in records:
+                for name, data in encode_record(key, batch):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    info.mtime = _PINNED_MTIME
+                    info.mode = 0o444
+                    info.uid = info.gid = 0
+                    info.uname = info.gname = ""
+                    tar.addfile(info, io.BytesIO(data))
+        raw.flush()
+        os.fsync(raw.fileno())
+    digest, size = sha256_file(tmp)
+    os.replace(tmp, path)
+    return digest, size
+
+
+def sha256_file(path: str, chunk: int = 1 << 20) -> Tuple[str, int]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+            size += len(b)
+    return h.hexdigest(), size
+
+
+def decode_sample(sample: Dict[str, Any]) -> Batch:
+    """Turn a decoded WebDataset sample (``.decode()`` output) into a batch dict keyed by field name."""
+    out: Batch = {}
+    for k, v in sample.items():
+        if k.startswith("__"):
+            continue
+        if k == "meta.json":
+            out["meta"] = v if isinstance(v, dict) else json.loads(v)
+        elif k.endswith(".npy"):
+            out[k[: -len(".npy")]] = v
+    return out
+
+
+def iter_shard(path: str) -> Iterator[Batch]:
+    """Read one shard with stock WebDataset (no pickle decoders involved for .npy/.json)."""
+    import webdataset as wds
+
+    if not os.path.exists(path):
+        raise ShardError(f"{path}: shard missing")
+    ds = wds.WebDataset(path, shardshuffle=False, empty_check=False).decode()
+    for sample in ds:
+        yield decode_sample(sample)
+
+
+@dataclasses.dataclass
+class TableSpec:
+    """A sparse table: vocabulary size (ids >= vocab are hashed into it by the trainer), default dim, kind.
+
+    kind: ``sequence`` (jagged tokens; rows travel deduplicated: unique-based exchange) or ``pooled``
+    (multi-hot bag per sample; the owner may pool: reduction-based exchange) or ``single`` (one id per sample).
+    """
+
+    vocab: int
+    dim: int = 64
+    kind: str = "sequence"
+
+
+@dataclasses.dataclass
+class ShardEntry:
+    path: str  # relative to the manifest's directory
+    batches: int
+    samples: int
+    sha256: str
+    bytes: int
+
+
+@dataclasses.dataclass
+class Manifest:
+    task: str
+    batch_size: int
+    micro_batches: int
+    tables: Dict[str, TableSpec]
+    sets: Dict[str, List[ShardEntry]]
+    format_version: int = FORMAT_VERSION
+    max_seq_len: Optional[int] = None
+    dense_features: List[str] = dataclasses.field(default_factory=list)
+    labels: List[str] = dataclasses.field(default_factory=list)
+    rejected_rows: int = 0
+    rejects_file: Optional[str] = None
+    dropped_samples: Dict[str, int] = dataclasses.field(default_factory=dict)
+    inputs: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
+    options: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    stats: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def totals(self) -> Dict[str, Dict[str, int]]:
+        return {
+            name: {
+                "shards": len(entries),
+                "batches": sum(e.batches for e in entries),
+                "samples": sum(e.samples for e in entries),
+                "bytes": sum(e.bytes for e in entries),
+            }
+            for name, entries in self.sets.items()
+        }
+
+    def to_json(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["totals"] = self.totals()
+        return d
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any], where: str = "manifest") -> "Manifest":
+        version = d.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ShardError(
+                f"{where}: shard format version {version!r}, this NestPipe reads version {FORMAT_VERSION}; "
+                "re-run `nestpipe ingest` with this version"
+            )
+        d = dict(d)
+        d.pop("totals", None)
+        d["tables"] = {k: TableSpec(**v) for k, v in d["tables"].items()}
+        d["sets"] = {k: [ShardEntry(**e) for e in v] for k, v in d["sets"].items()}
+        return cls(**d)
+
+
+def save_manifest(directory: str, manifest: Manifest) -> str:
+    path = os.path.join(directory, MANIFEST_NAME)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(manifest.to_json(), f, indent=1, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def load_manifest(directory: str) -> Manifest:
+    path = directory if directory.endswith(".json") else os.path.join(directory, MANIFEST_NAME)
+    if not os.path.exists(path):
+        raise ShardError(f"{path}: no manifest (is this the output directory of `nestpipe ingest`?)")
+    with open(path) as f:
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ShardError(f"{path}: corrupt manifest: {e}") from e
+    return Manifest.from_json(d, where=path)
+
+
+def shard_paths(directory: str, manifest: Manifest, split: str) -> List[str]:
+    if split not in manifest.sets:
+        raise ShardError(f"{directory}: manifest has no {split!r} set (sets: {sorted(manifest.sets)})")
+    return [os.path.join(directory, e.path) for e in manifest.sets[split]]
+
+
+def verify_shard(directory: str, entry: ShardEntry) -> None:
+    """Check one shard's presence and sha256 against the manifest; raise naming the shard."""
+    path = os.path.join(directory, entry.path)
+    if not os.path.exists(path):
+        raise ShardError(f"{path}: shard listed in the manifest is missing")
+    digest, size = sha256_file(path)
+    if digest != entry.sha256 or size != entry.bytes:
+        raise ShardError(
+            f"{path}: shard is corrupt (sha256 {digest[:12]}..., {size} bytes; manifest says "
+            f"{entry.sha256[:12]}..., {entry.bytes} bytes)"
+        )
+
+
+def table_offsets(batch: Batch, table: str) -> np.ndarray:
+    """int64 [B+1] offsets of a table's jagged values."""
+    lengths = batch[f"{table}.lengths"].astype(np.int64)
+    off = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=off[1:])
+    return off

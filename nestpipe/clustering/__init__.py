@@ -1,5 +1,12 @@
-"""Key-centric sample clustering and unique-key extraction (see ``docs/clustering.md``)."""
+"""Key-centric sample clustering and unique-key extraction (see ``docs/clustering.md``).
 
-from nestpipe.clustering.core import assign, redundancy, unique_keys
+``assign`` partitions a batch's samples into balanced micro-batches so that samples sharing keys travel
+together (fewer rows per micro-batch All2All); ``redundancy`` measures a partition; ``unique_keys`` gives the
+batch's unique keys, inverse indices and per-micro-batch key lists; ``combine_keys`` merges several tables' keys
+into one id space.
+"""
 
-__all__ = ["assign", "redundancy", "unique_keys"]
+from nestpipe.clustering.core import assign, method_names, redundancy, unique_keys
+from nestpipe.clustering.keys import combine_keys
+
+__all__ = ["assign", "combine_keys", "method_names", "redundancy", "unique_keys"]

@@ -1,64 +1,56 @@
-"""Partition a batch's samples into micro-batches and extract unique keys.
+"""Partition a batch's samples into micro-batches and extract unique keys (the public entry points).
 
-Invariant: ``assign`` returns a balanced partition (micro-batch sizes differ by at most one) and is deterministic
-for a seed. Only the partition changes; the samples and so the batch's summed gradient do not.
+Invariant: ``assign`` returns a balanced partition (micro-batch sizes differ by at most one; micro-batch g has
+``ceil(B/N)`` samples for g < B % N and ``floor(B/N)`` otherwise) and is deterministic for a seed. Only the
+partition changes; the samples, and so the batch's summed gradient, do not.
 """
 
 from __future__ import annotations
 
-from typing import List, Tuple
-
 import numpy as np
 
+from nestpipe.clustering.balance import capacities, chunk_order
+from nestpipe.clustering.incidence import build_incidence, check_batch
+from nestpipe.clustering.methods import DEFAULT_METHOD, METHODS
+from nestpipe.clustering.objective import redundancy, unique_keys
+from nestpipe.clustering.refine import Problem
 
-def _check(values: np.ndarray, offsets: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    values = np.asarray(values, dtype=np.int64)
-    offsets = np.asarray(offsets, dtype=np.int64)
-    if offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(values):
-        raise ValueError("offsets must be int64 of length B+1 with offsets[0] == 0 and offsets[-1] == len(values)")
-    if np.any(np.diff(offsets) < 0):
-        raise ValueError("offsets must be non-decreasing")
-    return values, offsets
+__all__ = ["assign", "redundancy", "unique_keys", "method_names"]
+
+
+def method_names():
+    """Accepted values of ``assign(method=...)``: ``default`` plus every registered method."""
+    return ["default", *METHODS]
 
 
 def assign(values, offsets, num_micro_batches: int, *, method: str = "default", seed: int = 0, weights=None) -> np.ndarray:
-    """Micro-batch id (0..N-1) of each sample; balanced and deterministic for ``seed``."""
-    values, offsets = _check(values, offsets)
+    """Micro-batch id (0..N-1, int32) of each of the B samples, chosen to minimise redundancy.
+
+    ``values``: int64 keys of all samples concatenated (combine several tables with ``combine_keys``);
+    ``offsets``: int64 [B+1]; ``weights``: optional cost per key occurrence (equal for equal keys, e.g. the row's
+    bytes) so costlier rows weigh more. ``method``: ``default`` (= ``minhash``), ``minhash``, ``kmeans`` or
+    ``random`` (see ``nestpipe.clustering.methods``). Requires 1 <= N <= B.
+    """
+    values, offsets = check_batch(values, offsets)
     b = len(offsets) - 1
+    if isinstance(num_micro_batches, (bool, np.bool_)) or not isinstance(num_micro_batches, (int, np.integer)):
+        raise TypeError(f"num_micro_batches must be an int, got {type(num_micro_batches).__name__}")
     n = int(num_micro_batches)
     if n < 1:
         raise ValueError(f"num_micro_batches must be >= 1, got {n}")
     if n > b:
-        raise ValueError(f"num_micro_batches={n} exceeds the batch size {b}: some micro-batches would be empty")
-    if method not in ("default", "random"):
-        raise ValueError(f"unknown clustering method {method!r}")
-    rng = np.random.default_rng(seed)
-    perm = rng.permutation(b)
-    out = np.empty(b, dtype=np.int32)
-    out[perm] = np.arange(b) % n
-    return out
-
-
-def redundancy(values, offsets, assignment) -> float:
-    """Sum over micro-batches of unique-key counts / the batch's unique-key count (1.0 is the lower bound)."""
-    values, offsets = _check(values, offsets)
-    total = len(np.unique(values))
-    if total == 0:
-        return 1.0
-    sample_of = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
-    mb = np.asarray(assignment)[sample_of].astype(np.int64)
-    pairs = np.unique(np.stack([mb, values]), axis=1)
-    return pairs.shape[1] / total
-
-
-def unique_keys(values, offsets, assignment) -> Tuple[np.ndarray, np.ndarray, List[np.ndarray]]:
-    """(sorted unique keys, int32 inverse of every occurrence, per-micro-batch int32 positions into unique)."""
-    values, offsets = _check(values, offsets)
-    assignment = np.asarray(assignment)
-    uniq, inverse = np.unique(values, return_inverse=True)
-    inverse = inverse.astype(np.int32)
-    n = int(assignment.max()) + 1 if len(assignment) else 0
-    sample_of = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
-    mb_of_value = assignment[sample_of]
-    per_mb = [np.unique(inverse[mb_of_value == i]).astype(np.int32) for i in range(n)]
-    return uniq, inverse, per_mb
+        raise ValueError(f"num_micro_batches={n} exceeds the batch size B={b}: some micro-batches would be empty")
+    name = DEFAULT_METHOD if method == "default" else method
+    if name not in METHODS:
+        raise ValueError(f"unknown clustering method {method!r}; choose one of {method_names()}")
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    caps = capacities(b, n)
+    if n == 1:
+        return np.zeros(b, dtype=np.int32)
+    if name == "random":  # needs no keys: skip building the incidence
+        if weights is not None:
+            build_incidence(values, offsets, weights)  # still validate the weights
+        return chunk_order(np.random.default_rng(int(seed)).permutation(b), caps).astype(np.int32)
+    problem = Problem(build_incidence(values, offsets, weights), caps)
+    return METHODS[name](problem, int(seed)).astype(np.int32)

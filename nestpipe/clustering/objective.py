@@ -1,0 +1,71 @@
+"""What a partition costs: redundancy (All2All row volume relative to ideal) and per-micro-batch unique keys.
+
+Both are sort-based and loop-free over micro-batches: the distinct (micro-batch, key) pairs are the distinct
+values of ``mb * K + key_index`` (no overflow: K <= nnz < 2**31 and mb < N <= B < 2**31).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from nestpipe.clustering.incidence import (
+    check_assignment,
+    check_batch,
+    distinct_codes,
+    sample_of_occurrence,
+    unique_inverse,
+)
+
+
+def _mb_key_codes(values, offsets, assignment, num_micro_batches=None):
+    values, offsets = check_batch(values, offsets)
+    a, n = check_assignment(assignment, len(offsets) - 1, num_micro_batches)
+    keys, inverse = unique_inverse(values)
+    codes = distinct_codes(a[sample_of_occurrence(offsets)] * max(len(keys), 1) + inverse)
+    return values, keys, inverse, codes, n
+
+
+def redundancy(values, offsets, assignment, *, weights=None) -> float:
+    """Sum over micro-batches of their unique-key count, divided by the batch's unique-key count.
+
+    1.0 is the lower bound (every key in one micro-batch); N is the upper bound. With ``weights`` (one
+    non-negative cost per key occurrence, equal for equal keys, e.g. the row's bytes) both counts are weighted.
+    A batch without keys (or of zero total weight) has redundancy 1.0.
+    """
+    values, keys, inverse, codes, _ = _mb_key_codes(values, offsets, assignment)
+    if len(keys) == 0:
+        return 1.0
+    if weights is None:
+        return len(codes) / len(keys)
+    w = np.asarray(weights, dtype=np.float64)
+    if w.shape != values.shape:
+        raise ValueError(f"weights must give one cost per key occurrence: shape {values.shape}, got {w.shape}")
+    if not np.all(np.isfinite(w)) or (w.size and w.min() < 0):
+        raise ValueError("weights must be finite and >= 0")
+    key_weight = np.zeros(len(keys))
+    key_weight[inverse] = w
+    if not np.array_equal(key_weight[inverse], w):
+        raise ValueError("weights must be equal for every occurrence of the same key")
+    total = key_weight.sum()
+    if total == 0:
+        return 1.0
+    return float(key_weight[codes % len(keys)].sum() / total)
+
+
+def unique_keys(
+    values, offsets, assignment, *, num_micro_batches: Optional[int] = None
+) -> Tuple[np.ndarray, np.ndarray, List[np.ndarray]]:
+    """(sorted unique int64 keys U, int32 inverse with ``U[inverse] == values``, per-micro-batch positions).
+
+    The third item has one sorted int32 array per micro-batch i in 0..N-1 (N = ``num_micro_batches`` or max id
+    + 1): the positions in U of the keys that micro-batch i holds, each once. So the trainer routes U once per
+    batch and never dedups again.
+    """
+    _, keys, inverse, codes, n = _mb_key_codes(values, offsets, assignment, num_micro_batches)
+    k = max(len(keys), 1)
+    mb, position = np.divmod(codes, k)
+    bounds = np.searchsorted(mb, np.arange(1, n))
+    per_mb = np.split(position.astype(np.int32), bounds) if n else []
+    return keys, inverse.astype(np.int32), per_mb

@@ -658,8 +658,9 @@ def _video_stat_frame(cfg: SynthConfig, layout: _Layout, rows: np.ndarray) -> pl
         "report_user_num": users(report, 0.9), "reduce_similar_cnt": reduce_similar,
         "reduce_similar_user_num": users(reduce_similar, 0.9), "collect_cnt": collect,
         "collect_user_num": users(collect, 0.95), "cancel_collect_cnt": b(collect, 0.05),
-        "cancel_collect_user_num": 0, "direct_comment_user_num": b(comment_user, 0.8),
-        "reply_comment_user_num": b(comment_user, 0.3), "share_all_cnt": share_all,
+        "cancel_collect_user_num": 0,
+        "direct_comment_user_num": np.minimum(b(comment_user, 0.8), direct_comment),
+        "reply_comment_user_num": np.minimum(b(comment_user, 0.3), comment - direct_comment), "share_all_cnt": share_all,
         "share_all_user_num": users(share_all), "outsite_share_all_cnt": b(share_all, 0.3),
     }
     for paired, src in (("cancel_like_user_num", "cancel_like_cnt"), ("delete_comment_user_num", "delete_comment_cnt"),

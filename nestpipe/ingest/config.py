@@ -1,0 +1,64 @@
+"""Options of one ingest run."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional
+
+TASKS = ("gr", "ctr")
+
+# Options that do not change the output bytes (excluded from the run's fingerprint).
+NON_SEMANTIC = ("raw", "out", "workers", "force", "progress", "keep_work")
+
+
+@dataclasses.dataclass
+class IngestConfig:
+    """``nestpipe ingest`` options. Output depends only on the inputs and the semantic options, never on
+    ``workers``."""
+
+    raw: str
+    out: str
+    task: str = "gr"
+    batch_size: int = 512
+    micro_batches: int = 8
+    max_seq_len: int = 256  # gr: window length; ctr: recent-history window length is ``history_len``
+    history_len: int = 20
+    max_reject_fraction: float = 0.001
+    workers: int = 1
+    force: bool = False
+    seed: int = 0
+    partitions: Optional[int] = None  # hash partitions for the spill; default from the input size
+    chunk_mb: int = 64
+    batches_per_shard: Optional[int] = None  # default: about 128 MB per shard
+    clustering: str = "default"
+    dim: int = 64
+    ctr_eval_days: int = 3
+    release: Optional[str] = None
+    progress: bool = True
+    keep_work: bool = False
+
+    def validate(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"--task must be one of {TASKS}, got {self.task!r}")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if not 1 <= self.micro_batches <= self.batch_size:
+            raise ValueError(
+                f"--micro-batches must be between 1 and --batch-size ({self.batch_size}), got {self.micro_batches}"
+            )
+        if self.max_seq_len < 2:
+            raise ValueError(f"--max-seq-len must be >= 2, got {self.max_seq_len}")
+        if not 0.0 <= self.max_reject_fraction <= 1.0:
+            raise ValueError(f"--max-reject-fraction must be in [0, 1], got {self.max_reject_fraction}")
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if self.partitions is not None and self.partitions < 1:
+            raise ValueError(f"--partitions must be >= 1, got {self.partitions}")
+        if self.batches_per_shard is not None and self.batches_per_shard < 1:
+            raise ValueError(f"--batches-per-shard must be >= 1, got {self.batches_per_shard}")
+
+    def semantic(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k in NON_SEMANTIC:
+            d.pop(k)
+        return d

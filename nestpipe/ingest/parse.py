@@ -1,0 +1,279 @@
+"""Chunked, validating CSV reading with bounded memory and nothing lost.
+
+A file is read in byte chunks cut at line ends (fixed size, so chunk boundaries depend only on the file, never
+on the number of workers). Each chunk is parsed by Polars' native CSV reader with an explicit schema (the fast
+path) when a cheap exact pre-check says every line is well-formed; otherwise the chunk takes the validating
+path, which splits lines itself, keeps every good row and returns every bad one with its line and raw text.
+
+Why a hand-written validating path: Polars (like every CSV reader) either aborts on a malformed row or drops /
+nulls it (``ignore_errors``, ``truncate_ragged_lines``), and then the row's line and raw text are lost. The
+fast path is Polars itself; the validating path is still Polars expressions, only the row splitting differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+_NL = 10
+_COMMA = 44
+_QUOTE = 34
+
+
+@dataclasses.dataclass
+class Reject:
+    """A row that could not be used: where it came from, why, and its raw text (without the line ending)."""
+
+    file: str
+    line: int  # 1-based line number in the file (the header is line 1)
+    reason: str
+    raw: str
+
+
+@dataclasses.dataclass
+class Chunk:
+    """A byte range of a file that starts at a line start; ``first_line`` is its 1-based file line number."""
+
+    path: str
+    index: int
+    start: int
+    end: int
+    first_line: int
+
+
+def plan_chunks(path: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Tuple[bytes, List[Chunk]]:
+    """Split ``path`` after its header into chunks of about ``chunk_bytes`` that end at a line end.
+
+    Returns the raw header line and the chunks, each with its first line number (one counting pass over the
+    file, so chunks can then be parsed in any order or in parallel with exact line numbers).
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        header = f.readline()
+        start = f.tell()
+        line = 2
+        chunks: List[Chunk] = []
+        while start < size:
+            data = f.read(chunk_bytes)
+            rest = f.readline() if start + len(data) < size else b""
+            end = start + len(data) + len(rest)
+            chunks.append(Chunk(path, len(chunks), start, end, line))
+            line += data.count(b"\n") + rest.count(b"\n")
+            if end == size and not (rest or data).endswith(b"\n"):
+                line += 1
+            start = end
+    return header, chunks
+
+
+def read_chunk_bytes(chunk: Chunk) -> bytes:
+    with open(chunk.path, "rb") as f:
+        f.seek(chunk.start)
+        return f.read(chunk.end - chunk.start)
+
+
+def line_starts(data: bytes) -> np.ndarray:
+    """int64 offsets of every line start plus the end; a final line without newline is a line too."""
+    buf = np.frombuffer(data, dtype=np.uint8)
+    nl = np.flatnonzero(buf == _NL)
+    ends = nl + 1
+    if len(data) and (len(nl) == 0 or nl[-1] != len(data) - 1):
+        ends = np.append(ends, len(data))
+    return np.concatenate([[0], ends]).astype(np.int64)
+
+
+def count_lines(data: bytes) -> int:
+    return len(line_starts(data)) - 1
+
+
+def _lines_series(data: bytes, offsets: np.ndarray) -> pl.Series:
+    # Zero-copy: one Arrow string per line (with its line ending), then strip CR/LF.
+    arr = pa.LargeStringArray.from_buffers(len(offsets) - 1, pa.py_buffer(offsets), pa.py_buffer(data))
+    return pl.Series("raw", arr).str.strip_chars_end("\r\n")
+
+
+@dataclasses.dataclass
+class ColumnSpec:
+    """How one file kind is parsed: ordered columns, their dtypes, which must be present, quoted last column."""
+
+    columns: Sequence[str]
+    dtypes: Dict[str, pl.DataType]
+    required: Sequence[str]
+    quoted_last: bool = False  # the last column may contain commas inside double quotes (KuaiRand `tag`)
+    quoted_any: bool = False  # any column may be quoted (small files only: parsed with the csv module)
+    keep: Optional[Sequence[str]] = None  # columns to return (default: all)
+
+
+def parse_chunk(data: bytes, spec: ColumnSpec, *, path: str, first_line: int) -> Tuple[pl.DataFrame, List[Reject]]:
+    """Parse one chunk. Returns good rows (with a ``line`` column, 1-based) and the rejects.
+
+    ``first_line`` is the file line number of the chunk's first line.
+    """
+    offsets = line_starts(data)
+    n_lines = len(offsets) - 1
+    keep = list(spec.keep or spec.columns)
+    if n_lines == 0:
+        empty = pl.DataFrame(schema={**{c: spec.dtypes[c] for c in keep}, "line": pl.Int64})
+        return empty, []
+    ncols = len(spec.columns)
+    if spec.quoted_any:
+        return _parse_csv_module(data, offsets, spec, path=path, first_line=first_line, keep=keep)
+    # Exact pre-check: every line has ncols-1 field separators outside quotes and balanced quotes.
+    buf = np.frombuffer(data, dtype=np.uint8)
+    is_quote = buf == _QUOTE
+    has_quotes = bool(is_quote.any())
+    if has_quotes and not spec.quoted_last:
+        fast = False
+    else:
+        sep = buf == _COMMA
+        if has_quotes:
+            inside = (np.cumsum(is_quote) & 1).astype(bool)
+            sep &= ~inside
+            quotes_per_line = np.add.reduceat(is_quote.astype(np.int32), offsets[:-1])
+        lens = np.diff(offsets)
+        # reduceat on an empty line picks the next element; mask those lines out explicitly.
+        commas = np.where(lens > 0, np.add.reduceat(sep.astype(np.int32), offsets[:-1]), 0)
+        fast = bool(np.all(commas == ncols - 1))
+        if has_quotes:
+            fast = fast and bool(np.all(np.where(lens > 0, quotes_per_line, 0) % 2 == 0))
+    if fast:
+        try:
+            df = pl.read_csv(
+                io.BytesIO(data), has_header=False, schema={c: spec.dtypes[c] for c in spec.columns},
+                quote_char='"' if spec.quoted_last else None,
+            )
+        except (pl.exceptions.ComputeError, pl.exceptions.SchemaError, pl.exceptions.NoDataError):
+            fast = False
+        else:
+            ok = len(df) == n_lines and not any(df[c].null_count() for c in spec.required)
+            if ok:
+                df = df.select(keep).with_columns(
+                    pl.int_range(first_line, first_line + n_lines, dtype=pl.Int64).alias("line")
+                )
+                return df, []
+    return _parse_validating(data, offsets, spec, path=path, first_line=first_line, keep=keep)
+
+
+def _parse_csv_module(
+    data: bytes, offsets: np.ndarray, spec: ColumnSpec, *, path: str, first_line: int, keep: List[str]
+) -> Tuple[pl.DataFrame, List[Reject]]:
+    """Quote-aware validating path for small files whose fields may all be quoted (user features)."""
+    import csv
+
+    ncols = len(spec.columns)
+    text = [data[offsets[i]:offsets[i + 1]].decode("utf-8", errors="replace").rstrip("\r\n")
+            for i in range(len(offsets) - 1)]
+    good_rows: List[List[str]] = []
+    good_lines: List[int] = []
+    rejects: List[Reject] = []
+    for i, line in enumerate(text):
+        lineno = first_line + i
+        if not line:
+            rejects.append(Reject(path, lineno, "empty line", line))
+            continue
+        try:
+            fields = next(csv.reader([line], strict=True))
+        except csv.Error as e:
+            rejects.append(Reject(path, lineno, f"malformed quoting: {e}", line))
+            continue
+        if len(fields) != ncols:
+            rejects.append(Reject(path, lineno, f"wrong number of columns (expected {ncols})", line))
+            continue
+        good_rows.append(fields)
+        good_lines.append(lineno)
+    cols = {c: pl.Series(c, [r[i] for r in good_rows], dtype=pl.Utf8) for i, c in enumerate(spec.columns)}
+    reasons: List[Optional[str]] = [None] * len(good_rows)
+    converted = {}
+    for c, s in cols.items():
+        s = s.str.strip_chars(" ")
+        dtype = spec.dtypes[c]
+        if dtype == pl.Utf8:
+            val = s.replace("", None)
+        elif dtype in (pl.Float64, pl.Float32):
+            val = s.cast(pl.Float64, strict=False)
+        else:
+            val = s.str.to_integer(strict=False)
+        bad = ((s != "") & val.is_null()).to_numpy() if dtype != pl.Utf8 else np.zeros(len(s), bool)
+        missing = (s == "").to_numpy() if c in spec.required else np.zeros(len(s), bool)
+        for j in np.flatnonzero(bad | missing):
+            if reasons[j] is None:
+                reasons[j] = f"column {c}: {'not a number' if bad[j] else 'missing value'}"
+        converted[c] = val.cast(dtype, strict=False) if dtype != pl.Utf8 else val
+    ok = np.array([r is None for r in reasons], bool)
+    for j in np.flatnonzero(~ok):
+        idx = good_lines[j] - first_line
+        rejects.append(Reject(path, good_lines[j], reasons[j], text[idx]))
+    rejects.sort(key=lambda r: r.line)
+    df = pl.DataFrame({c: converted[c] for c in keep}).with_columns(
+        pl.Series("line", good_lines, dtype=pl.Int64)
+    ).filter(pl.Series(ok))
+    return df, rejects
+
+
+def _parse_validating(
+    data: bytes, offsets: np.ndarray, spec: ColumnSpec, *, path: str, first_line: int, keep: List[str]
+) -> Tuple[pl.DataFrame, List[Reject]]:
+    ncols = len(spec.columns)
+    raw = _lines_series(data, offsets)
+    n = len(raw)
+    if spec.quoted_last:
+        # Split off the first ncols-1 fields; the remainder is the (possibly quoted) last column.
+        parts = raw.str.splitn(",", ncols).struct.rename_fields([f"f{i}" for i in range(ncols)])
+        fields = pl.DataFrame({"s": parts}).unnest("s")
+        last = fields[f"f{ncols - 1}"]
+        last_ok = last.is_null() | last.str.contains(r'^("[^"]*"|[^",]*)$')
+        count_ok = fields[f"f{ncols - 1}"].is_not_null() & last_ok.fill_null(False)
+        unq = last.str.strip_chars('"')
+        fields = fields.with_columns(unq.alias(f"f{ncols - 1}"))
+    else:
+        parts = raw.str.split_exact(",", ncols).struct.rename_fields([f"f{i}" for i in range(ncols + 1)])
+        fields = pl.DataFrame({"s": parts}).unnest("s")
+        count_ok = fields[f"f{ncols - 1}"].is_not_null() & fields[f"f{ncols}"].is_null()
+    reasons = pl.select(
+        pl.when(raw.str.len_bytes() == 0).then(pl.lit("empty line"))
+        .when(~count_ok).then(pl.lit(f"wrong number of columns (expected {ncols})"))
+        .otherwise(pl.lit(None, dtype=pl.Utf8))
+    ).to_series()
+    converted = {}
+    for i, c in enumerate(spec.columns):
+        s = fields[f"f{i}"].str.strip_chars(" ")
+        dtype = spec.dtypes[c]
+        if dtype == pl.Utf8:
+            val = s.replace("", None) if c not in spec.required else s
+        elif dtype in (pl.Float64, pl.Float32):
+            val = s.cast(pl.Float64, strict=False)
+        else:
+            val = s.str.to_integer(strict=False)
+        bad = (s.is_not_null() & (s != "") & val.is_null()) if dtype != pl.Utf8 else pl.Series([False] * n)
+        missing = (s.is_null() | (s == "")) if c in spec.required else pl.Series([False] * n)
+        reasons = pl.select(
+            pl.when(reasons.is_not_null()).then(reasons)
+            .when(bad).then(pl.lit(f"column {c}: not a {'number' if dtype != pl.Utf8 else 'string'}"))
+            .when(missing).then(pl.lit(f"column {c}: missing value"))
+            .otherwise(pl.lit(None, dtype=pl.Utf8))
+        ).to_series()
+        converted[c] = val.cast(dtype, strict=False) if dtype != pl.Utf8 else val
+    lines = pl.int_range(first_line, first_line + n, dtype=pl.Int64, eager=True).alias("line")
+    good_mask = reasons.is_null()
+    df = pl.DataFrame({c: converted[c] for c in keep}).with_columns(lines).filter(good_mask)
+    bad_idx = np.flatnonzero(~good_mask.to_numpy())
+    rejects = [
+        Reject(path, int(first_line + i), reasons[int(i)], raw[int(i)] or "") for i in bad_idx
+    ]
+    return df, rejects
+
+
+def iter_file(
+    path: str, spec: ColumnSpec, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> Iterator[Tuple[Chunk, pl.DataFrame, List[Reject]]]:
+    """Sequentially parse a whole file (header excluded), yielding each chunk's rows and rejects."""
+    _, chunks = plan_chunks(path, chunk_bytes)
+    for ch in chunks:
+        df, rej = parse_chunk(read_chunk_bytes(ch), spec, path=path, first_line=ch.first_line)
+        yield ch, df, rej

@@ -1,0 +1,564 @@
+"""The ingest: raw KuaiRand-format logs -> clustered WebDataset batch shards + manifest, with bounded memory.
+
+Stages (each unit of work writes one file atomically; an interrupted run redoes only missing units):
+
+1. parse    every input file in fixed-size byte chunks (Polars native CSV, validating fallback); bad rows go to
+            the rejects; good rows are spilled to Parquet hash-partitioned by video id (one row group each).
+2. join     per video partition: the logs meet the video tables (deduplicated by video id), then are spilled
+            again, hash-partitioned by user id.
+3. samples  per user partition: a total sort by (user, time, video, source, line), then samples (GR windows or
+            CTR rows with their recent history), kept as flat numpy arrays.
+4. shards   the samples of each split, in a seeded order, cut into batches of exactly B; each batch is partitioned
+            into N micro-batches by key-centric clustering and carries its unique keys per table; S batches per
+            WebDataset shard.
+
+Memory is bounded by the chunk size and by one partition at a time (the number of partitions grows with the
+input), never by the whole input. The output depends only on the inputs and the semantic options, not on
+``--workers``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import glob
+import hashlib
+import json
+import math
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import polars as pl
+
+from nestpipe import clustering
+from nestpipe.datasets import kuairand as K
+from nestpipe.datasets import shards as S
+from nestpipe.ingest import ctr, gr
+from nestpipe.ingest.config import IngestConfig
+from nestpipe.ingest.parse import ColumnSpec, Reject, parse_chunk, plan_chunks, read_chunk_bytes
+from nestpipe.ingest.spill import read_partition, write_partitioned
+
+WORK = "_work"
+STATE = "state.json"
+REJECTS = "rejects.csv"
+
+
+class IngestError(RuntimeError):
+    """The ingest cannot go on (too many rejects, a foreign output directory, ...)."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# input specs
+
+LOG_KEEP = [
+    "user_id", "video_id", "date", "hourmin", "time_ms", *K.ACTION_FLAGS, "play_time_ms", "duration_ms",
+    "is_rand", "tab",
+]
+LOG_SPEC = ColumnSpec(K.LOG_COLUMNS, K.LOG_DTYPES, ["user_id", "video_id", "time_ms"], keep=LOG_KEEP)
+VBASIC_SPEC = ColumnSpec(K.VIDEO_BASIC_COLUMNS, K.VIDEO_BASIC_DTYPES, ["video_id"], quoted_last=True)
+VSTAT_SPEC = ColumnSpec(K.VIDEO_STAT_COLUMNS, K.VIDEO_STAT_DTYPES, ["video_id"], keep=["video_id", *ctr.STAT_FEATURES])
+
+
+def _input_units(found: K.Discovered, cfg: IngestConfig) -> List[Tuple[str, int, str]]:
+    """(kind, file index, path) of every file this task reads; file index is global and stable."""
+    units = []
+    idx = 0
+    kinds = ["log_standard", "log_random", "video_features_basic"]
+    if cfg.task == "ctr":
+        kinds += ["video_features_statistic", "user_features"]
+    for kind in kinds:
+        for path in found.paths(kind):
+            units.append((kind, idx, path))
+            idx += 1
+    return units
+
+
+def _spec_for(kind: str) -> ColumnSpec:
+    if kind.startswith("log_"):
+        return LOG_SPEC
+    if kind == "video_features_basic":
+        return VBASIC_SPEC
+    if kind == "video_features_statistic":
+        return VSTAT_SPEC
+    if kind == "user_features":
+        return ctr.USER_SPEC
+    raise KeyError(kind)
+
+
+def _fingerprint_file(path: str) -> Dict[str, Any]:
+    """Name, size and sha256 of the first and last MiB: cheap, and catches replaced or appended files."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        if size > 2 << 20:
+            f.seek(size - (1 << 20))
+            h.update(f.read(1 << 20))
+    return {"name": os.path.basename(path), "bytes": size, "head_tail_sha256": h.hexdigest()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# unit functions (top level: they run in worker processes)
+
+def _unit_parse(args: Tuple[str, str, int, str, int, int, int, int, int]) -> Dict[str, Any]:
+    work, kind, file_idx, path, chunk_idx, start, end, first_line, num_parts = args
+    out = os.path.join(work, "s1", f"{kind}-{file_idx:03d}-{chunk_idx:05d}.parquet")
+    if os.path.exists(out):
+        with open(out + ".stats.json") as f:
+            return json.load(f)
+    from nestpipe.ingest.parse import Chunk
+
+    data = read_chunk_bytes(Chunk(path, chunk_idx, start, end, first_line))
+    df, rejects = parse_chunk(data, _spec_for(kind), path=path, first_line=first_line)
+    df = df.with_columns(pl.lit(file_idx, dtype=pl.Int32).alias("src"))
+    stats: Dict[str, Any] = {"rows": len(df) + len(rejects), "good": len(df), "rejected": len(rejects), "max": {}}
+    for c in ("user_id", "video_id", "author_id", "music_id", "date"):
+        if c in df.columns and len(df):
+            v = df[c].max()
+            stats["max"][c] = int(v) if v is not None else -1
+    if kind == "video_features_basic" and len(df):
+        tags = df["tag"].str.split(",").explode().str.to_integer(strict=False).max()
+        stats["max"]["tag"] = int(tags) if tags is not None else -1
+    with open(out + ".rejects.jsonl.tmp", "w") as f:
+        for r in rejects:
+            f.write(json.dumps(dataclasses.asdict(r)) + "\n")
+    os.replace(out + ".rejects.jsonl.tmp", out + ".rejects.jsonl")
+    with open(out + ".stats.json.tmp", "w") as f:
+        json.dump(stats, f)
+    os.replace(out + ".stats.json.tmp", out + ".stats.json")
+    if kind == "user_features":
+        df = df.with_columns((pl.col("user_id") % num_parts).alias("_part"))
+    else:
+        df = df.with_columns((pl.col("video_id") % num_parts).alias("_part"))
+    write_partitioned(out, df, "_part", num_parts)
+    return stats
+
+
+def _unit_join(args: Tuple[str, str, int, int]) -> Dict[str, Any]:
+    work, task, p, num_parts = args
+    out = os.path.join(work, "s2", f"joined-{p:05d}.parquet")
+    if os.path.exists(out):
+        with open(out + ".stats.json") as f:
+            return json.load(f)
+    s1 = os.path.join(work, "s1")
+    logs = read_partition(sorted(glob.glob(os.path.join(s1, "log_*.parquet"))), p)
+    videos = read_partition(sorted(glob.glob(os.path.join(s1, "video_features_basic-*.parquet"))), p)
+    dup = 0
+    if len(videos):
+        n0 = len(videos)
+        videos = videos.sort(["video_id", "src", "line"]).unique(subset="video_id", keep="first", maintain_order=True)
+        dup = n0 - len(videos)
+    vcols = ["video_id", "author_id"] if task == "gr" else ["video_id", *ctr.VIDEO_BASIC_FEATURES]
+    if len(videos) == 0:
+        videos = pl.DataFrame(schema={c: K.VIDEO_BASIC_DTYPES[c] for c in vcols})
+    joined = logs.join(videos.select(vcols), on="video_id", how="left", maintain_order="left")
+    missing = int(joined["author_id"].null_count()) if len(joined) else 0
+    if task == "ctr":
+        stats_df = read_partition(sorted(glob.glob(os.path.join(s1, "video_features_statistic-*.parquet"))), p)
+        if len(stats_df):
+            stats_df = stats_df.sort(["video_id", "src", "line"]).unique(
+                subset="video_id", keep="first", maintain_order=True
+            )
+        else:
+            stats_df = pl.DataFrame(schema={c: K.VIDEO_STAT_DTYPES[c] for c in ["video_id", *ctr.STAT_FEATURES]})
+        joined = joined.join(
+            stats_df.select(["video_id", *ctr.STAT_FEATURES]), on="video_id", how="left", maintain_order="left"
+        )
+    joined = joined.with_columns((pl.col("user_id") % num_parts).alias("_part"))
+    write_partitioned(out, joined, "_part", num_parts)
+    stats = {"rows": len(joined), "missing_video_features": missing, "duplicate_video_rows": dup}
+    with open(out + ".stats.json.tmp", "w") as f:
+        json.dump(stats, f)
+    os.replace(out + ".stats.json.tmp", out + ".stats.json")
+    return stats
+
+
+def _unit_samples(args: Tuple[str, str, int, Dict[str, Any]]) -> Dict[str, Any]:
+    work, task, q, opts = args
+    out = os.path.join(work, "s3", f"samples-{q:05d}.npz")
+    if os.path.exists(out):
+        with open(out + ".stats.json") as f:
+            return json.load(f)
+    rows = read_partition(sorted(glob.glob(os.path.join(work, "s2", "joined-*.parquet"))), q)
+    if task == "gr":
+        arrays, stats = gr.build_partition(rows, opts["max_seq_len"])
+    else:
+        users = read_partition(sorted(glob.glob(os.path.join(work, "s1", "user_features-*.parquet"))), q)
+        arrays, stats = ctr.build_partition(rows, users, opts)
+    tmp = out + ".tmp.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, out)
+    with open(out + ".stats.json.tmp", "w") as f:
+        json.dump(stats, f)
+    os.replace(out + ".stats.json.tmp", out + ".stats.json")
+    return stats
+
+
+class _PartitionCache:
+    """Loads per-partition sample arrays on demand, keeping the most recent few (bounded memory)."""
+
+    def __init__(self, work: str, keep: int = 3):
+        self.work = work
+        self.keep = keep
+        self.items: Dict[int, Dict[str, np.ndarray]] = {}
+
+    def get(self, q: int) -> Dict[str, np.ndarray]:
+        if q not in self.items:
+            if len(self.items) >= self.keep:
+                self.items.pop(next(iter(self.items)))
+            with np.load(os.path.join(self.work, "s3", f"samples-{q:05d}.npz"), allow_pickle=False) as z:
+                self.items[q] = {k: z[k] for k in z.files}
+        return self.items[q]
+
+
+def _batch_order(counts: Sequence[int], seed: int, split: str) -> Tuple[np.ndarray, np.ndarray]:
+    """Global sample order of a split: partitions in order, each shuffled by a generator keyed by
+    (seed, split, partition). Returns (partition id, index within partition) per sample."""
+    parts, idxs = [], []
+    split_key = {"train": 0, "eval": 1}[split]
+    for q, n in enumerate(counts):
+        rng = np.random.default_rng([seed, split_key, q])
+        parts.append(np.full(n, q, np.int32))
+        idxs.append(rng.permutation(n))
+    if not parts:
+        return np.zeros(0, np.int32), np.zeros(0, np.int64)
+    return np.concatenate(parts), np.concatenate(idxs).astype(np.int64)
+
+
+def cluster_fields(batch: Dict[str, Any], tables: Sequence[str], cluster_tables: Sequence[str], n: int,
+                   method: str, seed: int) -> Dict[str, Any]:
+    """Add the micro-batch partition and per-table unique keys to a batch."""
+    offs = [S.table_offsets(batch, t) for t in cluster_tables]
+    if len(cluster_tables) == 1:
+        values, offsets = batch[f"{cluster_tables[0]}.values"], offs[0]
+    else:
+        # Several tables: one combined id space, per-sample concatenation of every table's keys.
+        per_sample = []
+        b = len(offs[0]) - 1
+        lens = np.zeros(b, np.int64)
+        for tid, (t, off) in enumerate(zip(cluster_tables, offs)):
+            lens += np.diff(off)
+        offsets = np.zeros(b + 1, np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        values = np.empty(offsets[-1], np.int64)
+        cursor = offsets[:-1].copy()
+        for tid, (t, off) in enumerate(zip(cluster_tables, offs)):
+            v = clustering.combine_keys(tid, batch[f"{t}.values"])
+            ln = np.diff(off)
+            dst = np.repeat(cursor - off[:-1], ln) + np.arange(off[-1])
+            values[dst] = v
+            cursor += ln
+        del per_sample
+    mb = clustering.assign(values, offsets, n, method=method, seed=seed).astype(np.int32)
+    batch["mb"] = mb
+    for t in tables:
+        uniq, inverse, per_mb = clustering.unique_keys(batch[f"{t}.values"], S.table_offsets(batch, t), mb)
+        batch[f"{t}.unique"] = uniq.astype(np.int64)
+        batch[f"{t}.inverse"] = inverse.astype(np.int32)
+        sizes = np.array([len(x) for x in per_mb], np.int64)
+        mo = np.zeros(n + 1, np.int64)
+        np.cumsum(sizes, out=mo[1:])
+        batch[f"{t}.mb_unique"] = (np.concatenate(per_mb) if per_mb else np.zeros(0)).astype(np.int32)
+        batch[f"{t}.mb_offsets"] = mo
+    return batch
+
+
+def _unit_shard(args: Tuple[str, str, str, int, int, int, Dict[str, Any]]) -> Dict[str, Any]:
+    work, out_dir, split, k, first_batch, n_batches, opts = args
+    name = f"{split}-{k:06d}.tar"
+    path = os.path.join(out_dir, name)
+    order_path = os.path.join(work, f"order-{split}.npz")
+    B = opts["batch_size"]
+    if os.path.exists(path):
+        digest, size = S.sha256_file(path)
+        return {"path": name, "batches": n_batches, "samples": n_batches * B, "sha256": digest, "bytes": size,
+                "resumed": True}
+    with np.load(order_path, allow_pickle=False) as z:
+        parts = z["parts"][first_batch * B:(first_batch + n_batches) * B]
+        idxs = z["idxs"][first_batch * B:(first_batch + n_batches) * B]
+    cache = _PartitionCache(work)
+    task = opts["task"]
+    records = []
+    tables = opts["tables"]
+    for j in range(n_batches):
+        bi = first_batch + j
+        sl = slice(j * B, (j + 1) * B)
+        bp, bx = parts[sl], idxs[sl]
+        pieces = []
+        # keep the batch's own sample order: consecutive runs of one partition
+        cut = np.flatnonzero(np.diff(bp)) + 1
+        for run in np.split(np.arange(B), cut):
+            q = int(bp[run[0]])
+            arrays = cache.get(q)
+            pieces.append((arrays, bx[run]))
+        if task == "gr":
+            key = "train_start" if split == "train" else "eval_start"
+            kend = "train_end" if split == "train" else "eval_end"
+            batch = gr.assemble([(a, a[key][ix], a[kend][ix]) for a, ix in pieces])
+            cluster_tables = ["item"]
+        else:
+            batch = ctr.assemble(pieces, split, opts)
+            cluster_tables = opts["cluster_tables"]
+        seed = (opts["seed"] * 1_000_003 + bi * 2 + (0 if split == "train" else 1)) % (2**63)
+        batch = cluster_fields(batch, tables, cluster_tables, opts["micro_batches"], opts["clustering"], seed)
+        batch["meta"] = {"index": bi, "split": split, "task": task, "samples": B,
+                         "micro_batches": opts["micro_batches"]}
+        records.append((f"{bi:09d}", batch))
+    digest, size = S.write_shard(path, records)
+    return {"path": name, "batches": n_batches, "samples": n_batches * B, "sha256": digest, "bytes": size,
+            "resumed": False}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# orchestration
+
+def _progress(total: int, desc: str, enabled: bool, unit: str = "unit"):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, file=sys.stderr, dynamic_ncols=True,
+                mininterval=0.5)
+
+
+def _run_units(fn: Callable, units: List[Any], cfg: IngestConfig, desc: str,
+               rows_of: Callable[[Dict[str, Any]], int] = lambda s: s.get("rows", 0)) -> List[Dict[str, Any]]:
+    """Run units in order (workers == 1) or on a spawn pool; results come back in unit order."""
+    results: List[Optional[Dict[str, Any]]] = [None] * len(units)
+    bar = _progress(len(units), desc, cfg.progress)
+    t0 = time.time()
+    rows = 0
+
+    def done(i: int, r: Dict[str, Any]) -> None:
+        nonlocal rows
+        results[i] = r
+        rows += rows_of(r)
+        bar.update(1)
+        bar.set_postfix_str(f"{rows / max(time.time() - t0, 1e-9):,.0f} rows/s")
+
+    try:
+        if cfg.workers <= 1 or len(units) <= 1:
+            for i, u in enumerate(units):
+                done(i, fn(u))
+        else:
+            threads = max(1, (os.cpu_count() or 1) // cfg.workers)
+            old = os.environ.get("POLARS_MAX_THREADS")
+            os.environ["POLARS_MAX_THREADS"] = str(threads)
+            try:
+                with cf.ProcessPoolExecutor(cfg.workers, mp_context=mp.get_context("spawn")) as pool:
+                    futs = {pool.submit(fn, u): i for i, u in enumerate(units)}
+                    for fut in cf.as_completed(futs):
+                        done(futs[fut], fut.result())
+            finally:
+                if old is None:
+                    os.environ.pop("POLARS_MAX_THREADS", None)
+                else:
+                    os.environ["POLARS_MAX_THREADS"] = old
+    finally:
+        bar.close()
+    return results  # type: ignore[return-value]
+
+
+def _prepare_out(cfg: IngestConfig, fingerprint: Dict[str, Any]) -> str:
+    """Create or reuse the output directory. Returns "fresh", "resume" or "complete"."""
+    out = cfg.out
+    work = os.path.join(out, WORK)
+    if os.path.isdir(out) and os.listdir(out):
+        state_path = os.path.join(work, STATE)
+        manifest_path = os.path.join(out, S.MANIFEST_NAME)
+        same = False
+        complete = False
+        if os.path.exists(state_path):
+            with open(state_path) as f:
+                same = json.load(f).get("fingerprint") == fingerprint
+        elif os.path.exists(manifest_path):
+            try:
+                with open(manifest_path) as f:
+                    m = json.load(f)
+                same = m.get("stats", {}).get("fingerprint") == fingerprint
+                complete = same
+            except (OSError, json.JSONDecodeError):
+                same = False
+        if same and not cfg.force:
+            return "complete" if complete else "resume"
+        if not cfg.force:
+            raise FileExistsError(
+                f"{out}: output directory is not empty and is not a partial run of these inputs and options; "
+                "choose another --out or pass --force to replace its contents"
+            )
+        for entry in os.listdir(out):
+            p = os.path.join(out, entry)
+            shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
+    os.makedirs(out, exist_ok=True)
+    for sub in ("s1", "s2", "s3"):
+        os.makedirs(os.path.join(work, sub), exist_ok=True)
+    tmp = os.path.join(work, STATE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"fingerprint": fingerprint}, f, indent=1, sort_keys=True)
+    os.replace(tmp, os.path.join(work, STATE))
+    return "fresh"
+
+
+def _auto_partitions(total_bytes: int) -> int:
+    # about 128 MB of raw input per partition, at least 4; a partition is the unit of memory in stages 2 and 3
+    return int(min(4096, max(4, math.ceil(total_bytes / (128 << 20)))))
+
+
+def _write_rejects(cfg: IngestConfig, work: str, units: List[Tuple[str, int, str]], parse_units) -> Tuple[int, str]:
+    path = os.path.join(cfg.out, REJECTS)
+    tmp = path + ".tmp"
+    n = 0
+    with open(tmp, "w", newline="") as f:
+        import csv
+
+        w = csv.writer(f)
+        w.writerow(["file", "line", "reason", "raw"])
+        for u in parse_units:
+            _, kind, fidx, _, cidx, *_ = u
+            rp = os.path.join(work, "s1", f"{kind}-{fidx:03d}-{cidx:05d}.parquet.rejects.jsonl")
+            with open(rp) as rf:
+                for line in rf:
+                    r = json.loads(line)
+                    w.writerow([os.path.basename(r["file"]), r["line"], r["reason"], r["raw"]])
+                    n += 1
+    os.replace(tmp, path)
+    return n, REJECTS
+
+
+def ingest(cfg: IngestConfig) -> S.Manifest:
+    """Run (or resume) the ingest; returns the manifest written beside the shards."""
+    cfg.validate()
+    t_start = time.time()
+    found = K.discover(cfg.raw, cfg.release)
+    inputs = _input_units(found, cfg)
+    fps = [_fingerprint_file(p) for _, _, p in inputs]
+    total_bytes = sum(f["bytes"] for f in fps)
+    num_parts = cfg.partitions or _auto_partitions(total_bytes)
+    semantic = cfg.semantic()
+    semantic["partitions"] = num_parts
+    fingerprint = {"inputs": fps, "options": semantic, "format_version": S.FORMAT_VERSION, "release": found.release}
+    status = _prepare_out(cfg, fingerprint)
+    if status == "complete":
+        if cfg.progress:
+            print(f"{cfg.out}: already complete for these inputs and options; nothing to do", file=sys.stderr)
+        return S.load_manifest(cfg.out)
+    work = os.path.join(cfg.out, WORK)
+
+    # 1. parse
+    parse_units = []
+    chunk_bytes = cfg.chunk_mb << 20
+    for kind, fidx, path in inputs:
+        _, chunks = plan_chunks(path, chunk_bytes)
+        for ch in chunks:
+            parse_units.append((work, kind, fidx, path, ch.index, ch.start, ch.end, ch.first_line, num_parts))
+    s1 = _run_units(_unit_parse, parse_units, cfg, "1/4 parse")
+    rows = sum(s["rows"] for s in s1)
+    rejected = sum(s["rejected"] for s in s1)
+    n_rejects, rejects_file = _write_rejects(cfg, work, inputs, parse_units)
+    assert n_rejects == rejected
+    if rows and rejected / rows > cfg.max_reject_fraction:
+        raise IngestError(
+            f"{rejected} of {rows} input rows ({rejected / rows:.3%}) were rejected, more than "
+            f"--max-reject-fraction {cfg.max_reject_fraction:g}; see {os.path.join(cfg.out, rejects_file)} "
+            "(file, line, reason, raw text of each)"
+        )
+    maxima: Dict[str, int] = {}
+    for s in s1:
+        for k, v in s["max"].items():
+            maxima[k] = max(maxima.get(k, -1), v)
+
+    # 2. join
+    s2 = _run_units(_unit_join, [(work, cfg.task, p, num_parts) for p in range(num_parts)], cfg, "2/4 join")
+    # 3. samples
+    opts = {"max_seq_len": cfg.max_seq_len, "history_len": cfg.history_len, "ctr_eval_days": cfg.ctr_eval_days,
+            "max_date": maxima.get("date", 0)}
+    s3 = _run_units(_unit_samples, [(work, cfg.task, q, opts) for q in range(num_parts)], cfg, "3/4 samples",
+                    rows_of=lambda s: s.get("tokens", s.get("rows", 0)))
+
+    # 4. shards
+    tables = _tables(cfg, maxima)
+    B = cfg.batch_size
+    sets: Dict[str, List[S.ShardEntry]] = {}
+    dropped: Dict[str, int] = {}
+    shard_units = []
+    for split in ("train", "eval"):
+        counts = [s[f"{split}_samples"] for s in s3]
+        parts, idxs = _batch_order(counts, cfg.seed, split)
+        np.savez(os.path.join(work, f"order-{split}.tmp.npz"), parts=parts, idxs=idxs)
+        os.replace(os.path.join(work, f"order-{split}.tmp.npz"), os.path.join(work, f"order-{split}.npz"))
+        n_batches = len(parts) // B
+        dropped[split] = int(len(parts) - n_batches * B)
+        per_shard = cfg.batches_per_shard or _auto_batches_per_shard(cfg, s3)
+        for k, first in enumerate(range(0, n_batches, per_shard)):
+            shard_units.append((work, cfg.out, split, k, first, min(per_shard, n_batches - first),
+                                _shard_opts(cfg, tables)))
+    s4 = _run_units(_unit_shard, shard_units, cfg, "4/4 shards", rows_of=lambda s: s["samples"])
+    for u, r in zip(shard_units, s4):
+        sets.setdefault(u[2], []).append(S.ShardEntry(r["path"], r["batches"], r["samples"], r["sha256"], r["bytes"]))
+    for split in ("train", "eval"):
+        sets.setdefault(split, [])
+    if not sets["train"]:
+        raise IngestError(
+            f"no complete training batch of {B} samples could be formed ({dropped['train']} samples); "
+            "lower --batch-size or provide more data"
+        )
+
+    stats = {
+        "fingerprint": fingerprint,
+        "input_rows": rows,
+        "partitions": num_parts,
+        "missing_video_features": sum(s["missing_video_features"] for s in s2),
+        "duplicate_video_rows": sum(s["duplicate_video_rows"] for s in s2),
+        "samples": {split: int(sum(s[f"{split}_samples"] for s in s3)) for split in ("train", "eval")},
+        "resumed_shards": sum(1 for r in s4 if r.get("resumed")),
+        "seconds": round(time.time() - t_start, 3),
+    }
+    for key in ("users", "tokens", "users_too_short"):
+        if all(key in s for s in s3):
+            stats[key] = int(sum(s[key] for s in s3))
+    manifest = S.Manifest(
+        task=cfg.task, batch_size=B, micro_batches=cfg.micro_batches, tables=tables, sets=sets,
+        max_seq_len=cfg.max_seq_len if cfg.task == "gr" else None,
+        dense_features=list(ctr.DENSE_FEATURES) if cfg.task == "ctr" else [],
+        labels=list(ctr.LABELS) if cfg.task == "ctr" else [],
+        rejected_rows=rejected, rejects_file=rejects_file, dropped_samples=dropped,
+        inputs=[{**f, "kind": kind} for f, (kind, _, _) in zip(fps, inputs)],
+        options=semantic, stats=stats,
+    )
+    S.save_manifest(cfg.out, manifest)
+    if not cfg.keep_work:
+        shutil.rmtree(work, ignore_errors=True)
+    return manifest
+
+
+def _tables(cfg: IngestConfig, maxima: Dict[str, int]) -> Dict[str, S.TableSpec]:
+    videos = maxima.get("video_id", 0) + 1
+    if cfg.task == "gr":
+        return {
+            "item": S.TableSpec(vocab=videos, dim=cfg.dim, kind="sequence"),
+            "author": S.TableSpec(vocab=maxima.get("author_id", 0) + 1, dim=cfg.dim, kind="sequence"),
+            "action": S.TableSpec(vocab=1 << len(K.ACTION_FLAGS), dim=cfg.dim, kind="sequence"),
+        }
+    return ctr.tables(cfg, maxima)
+
+
+def _shard_opts(cfg: IngestConfig, tables: Dict[str, S.TableSpec]) -> Dict[str, Any]:
+    return {
+        "task": cfg.task, "batch_size": cfg.batch_size, "micro_batches": cfg.micro_batches, "seed": cfg.seed,
+        "clustering": cfg.clustering, "tables": list(tables), "history_len": cfg.history_len,
+        "cluster_tables": ctr.CLUSTER_TABLES if cfg.task == "ctr" else ["item"],
+    }
+
+
+def _auto_batches_per_shard(cfg: IngestConfig, s3: List[Dict[str, Any]]) -> int:
+    if cfg.task == "gr":
+        tokens = sum(s["tokens"] for s in s3)
+        samples = max(1, sum(s["train_samples"] for s in s3))
+        per_sample = min(cfg.max_seq_len, max(1.0, tokens / samples)) * 6 * 8 * 2
+    else:
+        per_sample = (len(ctr.DENSE_FEATURES) + len(ctr.LABELS)) * 4 + (cfg.history_len + 30) * 8 * 2
+    per_batch = per_sample * cfg.batch_size
+    return int(max(1, min(256, (128 << 20) // max(1, int(per_batch)))))

@@ -1,1 +1,216 @@
-"""nestpipe.kernels"""
+"""nestpipe.kernels: the embedding hot paths, each with a plain-torch reference and a fast path per device.
+
+Public API (the trainer calls only these):
+
+* placement: :func:`placement`, :func:`placement_hash`, :func:`block_size`, :func:`owner_num_rows`,
+  :func:`affine_params`, :func:`map_into_vocab` (see :mod:`nestpipe.kernels.sharding`).
+* :func:`route_keys`: dedup a batch's keys and bucket them by owner -> :class:`RoutedKeys` (All2All splits,
+  local rows per owner, permutation back to the requester's unique-key order).
+* :func:`gather_rows` / :func:`gather_to_device`: store rows at local ids -> a contiguous buffer (on CUDA via a
+  pinned host buffer and an asynchronous host-to-device copy).
+* :func:`sequence_lookup` / :func:`pooled_lookup`: lookups by inverse index with an order-stable backward.
+* :func:`adagrad_update`: fused row-wise AdaGrad into the store (optionally momentum-scaled for 2D-SP).
+* :func:`dual_buffer_sync`: copy the rows of keys(t) ∩ keys(t+1) from the active into the prefetch buffer.
+* :func:`select_path` / :func:`kernel_paths`: the fixed path rule and its record for run metadata.
+
+Paths are chosen per op from the device of the tensors (see :mod:`nestpipe.kernels.select`), never by timing.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from . import reference
+from .sharding import (
+    MAX_VOCAB,
+    affine_params,
+    block_size,
+    map_into_vocab,
+    owner_num_rows,
+    placement,
+    placement_hash,
+    splitmix64,
+)
+from .routing import RoutedKeys, route
+from .select import OPS, kernel_paths, select_path
+
+__all__ = [
+    "MAX_VOCAB", "OPS", "RoutedKeys", "adagrad_update", "affine_params", "block_size", "dual_buffer_sync",
+    "gather_rows", "gather_to_device", "kernel_paths", "map_into_vocab", "owner_num_rows", "placement",
+    "placement_hash", "pooled_lookup", "route_keys", "select_path", "sequence_lookup", "splitmix64",
+]
+
+
+def backend(path: str):
+    """The module implementing ``path`` (``reference`` has no module of segment primitives: see callers)."""
+    if path == "numba":
+        from . import cpu
+
+        return cpu
+    if path == "triton":
+        from . import triton_kernels
+
+        return triton_kernels
+    if path == "npu":
+        from . import npu
+
+        return npu
+    raise ValueError(f"path {path!r} has no kernel module")
+
+
+def route_keys(
+    ids: torch.Tensor,
+    vocabs: Union[int, Sequence[int]],
+    world: int,
+    table_lengths: Optional[Sequence[int]] = None,
+    table_ids: Optional[Sequence[int]] = None,
+) -> RoutedKeys:
+    """Route a batch's keys: ``ids`` holds the ids of table 0, then table 1, ... (``table_lengths`` each; one
+    table when None); ``vocabs`` one size per table (or one for all); ``table_ids`` the tables' global ids used by
+    the placement hash (default ``0..T-1``)."""
+    path = select_path("route_keys", ids.device)
+    return route(ids, table_lengths, vocabs, world, table_ids, use_fbgemm=path == "fbgemm")
+
+
+def gather_rows(weights: torch.Tensor, rows: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``weights[rows]`` into a contiguous buffer (``out`` when given, e.g. pinned memory). Same device as
+    ``weights``."""
+    if weights.dim() != 2:
+        raise ValueError(f"weights must be [rows, dim], got shape {tuple(weights.shape)}")
+    path = select_path("gather_rows", weights.device)
+    if path == "reference":
+        result = reference.gather_rows(weights, rows)
+        return out.copy_(result) if out is not None else result
+    return backend(path).gather_rows(weights, rows.to(weights.device), out)
+
+
+def gather_to_device(
+    weights: torch.Tensor, rows: torch.Tensor, device: Union[str, torch.device], staging: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Gather host-store rows into ``staging`` (pinned when CUDA is available; allocated when None) and copy them
+    to ``device`` asynchronously. ``staging`` must not be reused before the copy's stream has passed it."""
+    device = torch.device(device)
+    if staging is None:
+        staging = torch.empty(rows.numel(), weights.shape[1], dtype=weights.dtype, pin_memory=device.type == "cuda")
+    gathered = gather_rows(weights, rows.cpu(), staging)
+    return gathered.to(device, non_blocking=True) if device.type != "cpu" else gathered
+
+
+def adagrad_update(
+    weights: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    grads: torch.Tensor,
+    lr: float,
+    eps: float = 1e-8,
+    momentum_scale: float = 1.0,
+) -> None:
+    """Fused row-wise AdaGrad into the store, in place (formula in :mod:`nestpipe.kernels.reference`).
+
+    ``weights`` [R, D] and ``state`` [R] float32 contiguous; ``rows`` [n] distinct local row ids; ``grads`` [n, D]
+    the summed gradient of each row (moved to the store's device when elsewhere). ``momentum_scale`` = M > 1
+    divides the accumulator by M before the square root (2D sparse parallelism with M replica groups).
+    """
+    if weights.dtype != torch.float32 or state.dtype != torch.float32:
+        raise ValueError("the store's weights and AdaGrad state must be float32")
+    if state.dim() != 1 or state.shape[0] != weights.shape[0]:
+        raise ValueError(f"state must be [{weights.shape[0]}], got {tuple(state.shape)}")
+    if grads.dim() != 2 or grads.shape != (rows.numel(), weights.shape[1]):
+        raise ValueError(f"grads must be [{rows.numel()}, {weights.shape[1]}], got {tuple(grads.shape)}")
+    if momentum_scale <= 0:
+        raise ValueError(f"momentum_scale must be positive, got {momentum_scale}")
+    grads = grads.to(weights.device)
+    rows = rows.to(weights.device)
+    path = select_path("adagrad_update", weights.device)
+    if path == "reference":
+        reference.adagrad_update(weights, state, rows, grads.float(), lr, eps, momentum_scale)
+    else:
+        backend(path).adagrad_update(weights, state, rows, grads, lr, eps, momentum_scale)
+
+
+def dual_buffer_sync(
+    active_keys: torch.Tensor, active_rows: torch.Tensor, prefetch_keys: torch.Tensor, prefetch_rows: torch.Tensor
+) -> None:
+    """For every key in both strictly ascending key lists, copy its row from ``active_rows`` (aligned with
+    ``active_keys``) into ``prefetch_rows`` (aligned with ``prefetch_keys``), in place. Keys are the served
+    (global) keys of batches t and t+1; both buffers are on one device."""
+    if active_rows.shape[0] != active_keys.numel() or prefetch_rows.shape[0] != prefetch_keys.numel():
+        raise ValueError("each buffer must have one row per key")
+    if active_rows.shape[1:] != prefetch_rows.shape[1:]:
+        raise ValueError("active and prefetch rows must have the same dim")
+    path = select_path("dual_buffer_sync", prefetch_rows.device)
+    if path == "reference":
+        reference.dual_buffer_sync(active_keys, active_rows, prefetch_keys, prefetch_rows)
+    else:
+        backend(path).dual_buffer_sync(active_keys, active_rows, prefetch_keys, prefetch_rows)
+
+
+class _SequenceLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, inverse, path):
+        ctx.save_for_backward(inverse)
+        ctx.num_rows, ctx.path = rows.shape[0], path
+        if path == "reference":
+            return reference.sequence_lookup(rows, inverse)
+        return backend(path).gather_rows(rows.detach(), inverse)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (inverse,) = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        if ctx.path == "reference":
+            return reference.sequence_lookup_backward(grad_out, inverse, ctx.num_rows), None, None
+        kernels = backend(ctx.path)
+        order, offsets = kernels.csr_by_segment(inverse, ctx.num_rows)
+        return kernels.segment_sum_rows(grad_out, order.to(grad_out.device), offsets.to(grad_out.device)), None, None
+
+
+class _PooledLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, inverse, offsets, path):
+        ctx.save_for_backward(inverse, offsets)
+        ctx.num_rows, ctx.path = rows.shape[0], path
+        if path == "reference":
+            return reference.pooled_lookup(rows, inverse, offsets)
+        return backend(path).segment_sum_rows(rows.detach(), inverse, offsets)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        inverse, offsets = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        if ctx.path == "reference":
+            return reference.pooled_lookup_backward(grad_out, inverse, offsets, ctx.num_rows), None, None, None
+        kernels = backend(ctx.path)
+        order, row_offsets = kernels.csr_by_segment(inverse, ctx.num_rows)
+        bag = reference.bag_of_token(offsets)
+        src_index = kernels.take(bag, order.to(bag.device))
+        grad_rows = kernels.segment_sum_rows(grad_out, src_index, row_offsets.to(grad_out.device))
+        return grad_rows, None, None, None
+
+
+def _check_lookup(rows: torch.Tensor, inverse: torch.Tensor) -> None:
+    if rows.dim() != 2:
+        raise ValueError(f"rows must be [num_rows, dim], got shape {tuple(rows.shape)}")
+    if inverse.dim() != 1 or inverse.dtype not in (torch.int64, torch.int32):
+        raise ValueError("inverse must be a 1-D int32/int64 tensor")
+
+
+def sequence_lookup(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Jagged lookup: ``out[i] = rows[inverse[i]]`` ([n, D]). Backward: ``grad_rows[u]`` = sum of ``grad_out[i]``
+    over tokens with ``inverse[i] == u``, added in ascending ``i`` (bitwise reproducible)."""
+    _check_lookup(rows, inverse)
+    return _SequenceLookup.apply(rows, inverse.to(torch.int64), select_path("lookup", rows.device))
+
+
+def pooled_lookup(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Pooled lookup (sum per bag): ``out[b] = sum(rows[inverse[i]] for offsets[b] <= i < offsets[b+1])`` ([B, D]),
+    in ascending ``i``. Backward: ``grad_rows[u]`` = sum of ``grad_out[bag(i)]`` over ``inverse[i] == u``, ascending
+    ``i``."""
+    _check_lookup(rows, inverse)
+    if offsets.dim() != 1 or offsets.numel() < 1 or int(offsets[-1]) != inverse.numel():
+        raise ValueError("offsets must be [B + 1] with offsets[-1] == len(inverse)")
+    return _PooledLookup.apply(
+        rows, inverse.to(torch.int64), offsets.to(torch.int64), select_path("lookup", rows.device)
+    )

@@ -1,0 +1,145 @@
+"""CPU fast paths: Numba-compiled loops over numpy views of the (contiguous) torch tensors.
+
+Why Numba: fbgemm's CPU build has no standalone row-wise AdaGrad, gather-into-buffer or sorted-intersection op
+(its fused AdaGrad lives inside the table-batched embedding backward and cannot update a store we own), and
+Inductor lowers ``index_put_`` to separate kernels with extra passes plus an 18 s cold compile. A Numba loop reads
+each store row once and writes it once, touches no temporaries, and compiles in about a second (cached on disk).
+Measured here on 200k sorted rows of a 4M x 64 table: AdaGrad 4.7-6x faster than the unfused torch composition,
+gather 22 GB/s against 18 GB/s for ``index_select`` (see docs/kernels.md for the benchmark).
+
+Determinism: every parallel loop gives one output row to one iteration, and that iteration sums in a fixed order
+(ascending source position), so results are bitwise identical run to run and for any thread count. ``fastmath``
+is off, so float32 arithmetic is IEEE and matches the torch reference to rounding.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+_JIT = dict(nopython=True, nogil=True, cache=True)
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    if t.device.type != "cpu":
+        raise ValueError(f"CPU kernel got a tensor on {t.device}")
+    return t.detach().contiguous().numpy() if not t.is_contiguous() else t.detach().numpy()
+
+
+@numba.jit(parallel=True, **_JIT)
+def _gather(weights, rows, out):
+    for i in numba.prange(rows.shape[0]):
+        out[i, :] = weights[rows[i], :]
+
+
+@numba.jit(parallel=True, **_JIT)
+def _adagrad(weights, state, rows, grads, lr, eps, momentum_scale, scale_state):
+    n, dim = grads.shape
+    inv_dim = np.float32(dim)
+    for i in numba.prange(n):
+        r = rows[i]
+        acc = np.float32(0.0)
+        for d in range(dim):
+            acc += grads[i, d] * grads[i, d]
+        s = state[r] + acc / inv_dim
+        state[r] = s
+        if scale_state:
+            s = s / momentum_scale
+        multiplier = lr / (np.sqrt(s) + eps)
+        for d in range(dim):
+            weights[r, d] -= multiplier * grads[i, d]
+
+
+@numba.jit(parallel=True, **_JIT)
+def _sync(active_keys, active_rows, prefetch_keys, prefetch_rows):
+    copied = 0
+    n_active = active_keys.shape[0]
+    for j in numba.prange(prefetch_keys.shape[0]):
+        key = prefetch_keys[j]
+        pos = np.searchsorted(active_keys, key)
+        if pos < n_active and active_keys[pos] == key:
+            prefetch_rows[j, :] = active_rows[pos, :]
+            copied += 1
+    return copied
+
+
+@numba.jit(**_JIT)
+def _counting_sort(segment_of, num_segments):
+    """Stable counting sort: positions grouped by segment, ascending within a segment (O(n), serial)."""
+    offsets = np.zeros(num_segments + 1, dtype=np.int64)
+    for i in range(segment_of.shape[0]):
+        offsets[segment_of[i] + 1] += 1
+    for s in range(num_segments):
+        offsets[s + 1] += offsets[s]
+    cursor = offsets[:-1].copy()
+    order = np.empty(segment_of.shape[0], dtype=np.int64)
+    for i in range(segment_of.shape[0]):
+        s = segment_of[i]
+        order[cursor[s]] = i
+        cursor[s] += 1
+    return order, offsets
+
+
+@numba.jit(parallel=True, **_JIT)
+def _segment_sum(src, src_index, offsets, out):
+    dim = src.shape[1]
+    for s in numba.prange(offsets.shape[0] - 1):
+        for d in range(dim):
+            out[s, d] = 0.0
+        for i in range(offsets[s], offsets[s + 1]):
+            k = src_index[i]
+            for d in range(dim):
+                out[s, d] += src[k, d]
+
+
+@numba.jit(parallel=True, **_JIT)
+def _take(values, index, out):
+    for i in numba.prange(index.shape[0]):
+        out[i] = values[index[i]]
+
+
+def _rows64(rows: torch.Tensor) -> np.ndarray:
+    return _np(rows.to(torch.int64))
+
+
+def gather_rows(weights: torch.Tensor, rows: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
+    """``weights[rows]`` into ``out`` (allocated when None; may be pinned memory)."""
+    if out is None:
+        out = torch.empty(rows.numel(), weights.shape[1], dtype=weights.dtype)
+    _gather(_np(weights), _rows64(rows), _np(out))
+    return out
+
+
+def adagrad_update(weights, state, rows, grads, lr: float, eps: float, momentum_scale: float = 1.0) -> None:
+    if not (weights.is_contiguous() and state.is_contiguous()):
+        raise ValueError("the store's weights and state must be contiguous (they are updated in place)")
+    _adagrad(
+        _np(weights), _np(state), _rows64(rows), _np(grads.to(torch.float32)),
+        np.float32(lr), np.float32(eps), np.float32(momentum_scale), momentum_scale != 1.0,
+    )
+
+
+def dual_buffer_sync(active_keys, active_rows, prefetch_keys, prefetch_rows) -> int:
+    if not prefetch_rows.is_contiguous():
+        raise ValueError("the prefetch buffer must be contiguous (it is updated in place)")
+    return int(_sync(_rows64(active_keys), _np(active_rows), _rows64(prefetch_keys), _np(prefetch_rows)))
+
+
+def csr_by_segment(segment_of: torch.Tensor, num_segments: int):
+    """``(order, offsets)``: positions of ``segment_of`` grouped by value (stable), as int64 tensors."""
+    order, offsets = _counting_sort(_rows64(segment_of), num_segments)
+    return torch.from_numpy(order), torch.from_numpy(offsets)
+
+
+def segment_sum_rows(src: torch.Tensor, src_index: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``out[s] = sum(src[src_index[i]] for i in range(offsets[s], offsets[s+1]))`` in ascending ``i``."""
+    out = torch.empty(offsets.numel() - 1, src.shape[1], dtype=src.dtype)
+    _segment_sum(_np(src.contiguous()), _rows64(src_index), _rows64(offsets), _np(out))
+    return out
+
+
+def take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(index.numel(), dtype=values.dtype)
+    _take(_np(values), _rows64(index), _np(out))
+    return out

@@ -1,0 +1,91 @@
+"""Plain-torch references: the unfused compositions every fast path must equal.
+
+Formulas (float32 throughout):
+  * row-wise AdaGrad, for each (unique) local row ``r`` with summed gradient ``g`` (length ``D``):
+        state[r] += sum(g * g) / D
+        multiplier = lr / (sqrt(state[r] / M) + eps)          # M = 1 is plain row-wise AdaGrad
+        w[r]     -= multiplier * g
+    ``eps`` is added outside the square root, as in fbgemm's row-wise AdaGrad; ``M > 1`` is the momentum-scaled
+    variant for 2D sparse parallelism (the accumulator of a shard replicated over ``M`` groups grows ``M`` times
+    faster).
+  * segment sums (pooled forward, every backward) add rows in ascending source order, left to right, starting
+    from zero. On CPU ``index_add_`` is that serial loop; on other devices the reference computes on the CPU and
+    copies back, so the reference is deterministic everywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_rows(weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``weights[rows]`` as a new contiguous tensor."""
+    return weights.index_select(0, rows)
+
+
+def adagrad_update(
+    weights: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    grads: torch.Tensor,
+    lr: float,
+    eps: float,
+    momentum_scale: float = 1.0,
+) -> None:
+    """Unfused row-wise AdaGrad (index_select, math, index_copy_), in place. ``rows`` must be distinct."""
+    if torch.unique(rows).numel() != rows.numel():
+        raise ValueError("adagrad_update needs distinct rows (sum the gradients of duplicate rows first)")
+    new_state = state.index_select(0, rows) + grads.pow(2).sum(1) / grads.shape[1]
+    state.index_copy_(0, rows, new_state)
+    scaled = new_state / momentum_scale if momentum_scale != 1.0 else new_state
+    multiplier = lr / (scaled.sqrt() + eps)
+    weights.index_copy_(0, rows, weights.index_select(0, rows) - multiplier.unsqueeze(1) * grads)
+
+
+def dual_buffer_sync(
+    active_keys: torch.Tensor, active_rows: torch.Tensor, prefetch_keys: torch.Tensor, prefetch_rows: torch.Tensor
+) -> int:
+    """Copy the rows of keys present in both (strictly ascending) key lists from active to prefetch.
+
+    Returns the number of rows copied.
+    """
+    if active_keys.numel() == 0 or prefetch_keys.numel() == 0:
+        return 0
+    pos = torch.searchsorted(active_keys, prefetch_keys).clamp_(max=active_keys.numel() - 1)
+    hit = active_keys[pos] == prefetch_keys
+    targets = hit.nonzero().squeeze(1)
+    prefetch_rows.index_copy_(0, targets, active_rows.index_select(0, pos[targets]))
+    return int(targets.numel())
+
+
+def segment_sum_rows(src: torch.Tensor, src_index: torch.Tensor, num_segments: int, segment_of: torch.Tensor):
+    """``out[s] = sum of src[src_index[i]] over i with segment_of[i] == s``, in ascending ``i`` (serial order)."""
+    device = src.device
+    out = torch.zeros(num_segments, src.shape[1], dtype=src.dtype)
+    out.index_add_(0, segment_of.cpu(), src.cpu().index_select(0, src_index.cpu()))
+    return out.to(device)
+
+
+def sequence_lookup(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Forward of the jagged lookup: one row per token."""
+    return rows.index_select(0, inverse)
+
+
+def sequence_lookup_backward(grad_out: torch.Tensor, inverse: torch.Tensor, num_rows: int) -> torch.Tensor:
+    return segment_sum_rows(grad_out, torch.arange(inverse.numel(), device=inverse.device), num_rows, inverse)
+
+
+def bag_of_token(offsets: torch.Tensor) -> torch.Tensor:
+    """Bag id of every token given bag offsets ``[B + 1]``."""
+    return torch.repeat_interleave(torch.arange(offsets.numel() - 1, device=offsets.device), offsets.diff())
+
+
+def pooled_lookup(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Forward of the pooled lookup: ``out[b] = sum of rows[inverse[i]]`` for ``offsets[b] <= i < offsets[b+1]``."""
+    return segment_sum_rows(rows, inverse, offsets.numel() - 1, bag_of_token(offsets))
+
+
+def pooled_lookup_backward(
+    grad_out: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, num_rows: int
+) -> torch.Tensor:
+    return segment_sum_rows(grad_out, bag_of_token(offsets), num_rows, inverse)

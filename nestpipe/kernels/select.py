@@ -1,0 +1,97 @@
+"""The fixed rule that picks each op's path: device kind and installed extras only, never timings.
+
+Given the same installed packages, every rank picks the same paths; :func:`kernel_paths` returns them for the
+run's metadata.
+
+| device | ``route_keys``                                | every other op                          |
+|--------|-----------------------------------------------|-----------------------------------------|
+| cpu    | ``fbgemm`` if fbgemm_gpu imports, else torch   | ``numba`` if numba imports, else torch  |
+| cuda   | ``fbgemm`` if its op has a CUDA kernel, else torch | ``triton`` if triton imports, else torch |
+| npu    | ``npu`` (torch_npu required)                   | ``npu``                                 |
+| other  | ``reference``                                  | ``reference``                           |
+
+``NESTPIPE_KERNELS=reference`` forces the plain-torch references everywhere (for debugging; set it on every
+rank alike).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Dict, Union
+
+import torch
+
+OPS = ("route_keys", "gather_rows", "lookup", "adagrad_update", "dual_buffer_sync")
+PATHS = ("reference", "fbgemm", "numba", "triton", "npu")
+FORCE_ENV = "NESTPIPE_KERNELS"
+
+
+@functools.lru_cache(maxsize=None)
+def has_fbgemm() -> bool:
+    try:
+        import fbgemm_gpu  # noqa: F401
+    except Exception:  # a build against another torch fails with OSError/ImportError/RuntimeError
+        return False
+    return hasattr(torch.ops.fbgemm, "block_bucketize_sparse_features")
+
+
+@functools.lru_cache(maxsize=None)
+def has_fbgemm_cuda() -> bool:
+    return has_fbgemm() and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "fbgemm::block_bucketize_sparse_features", "CUDA"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def has_numba() -> bool:
+    try:
+        import numba  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def has_torch_npu() -> bool:
+    try:
+        import torch_npu  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def select_path(op: str, device: Union[str, torch.device]) -> str:
+    """The path op ``op`` takes for tensors on ``device`` (one of :data:`PATHS`)."""
+    if op not in OPS:
+        raise ValueError(f"unknown kernel op {op!r}; ops are {', '.join(OPS)}")
+    forced = os.environ.get(FORCE_ENV, "")
+    if forced not in ("", "reference"):
+        raise ValueError(f"{FORCE_ENV} must be unset or 'reference', got {forced!r}")
+    if forced == "reference":
+        return "reference"
+    kind = torch.device(device).type
+    if kind == "cpu":
+        if op == "route_keys":
+            return "fbgemm" if has_fbgemm() else "reference"
+        return "numba" if has_numba() else "reference"
+    if kind == "cuda":
+        if op == "route_keys":
+            return "fbgemm" if has_fbgemm_cuda() else "reference"
+        return "triton" if has_triton() else "reference"
+    if kind == "npu":
+        if not has_torch_npu():
+            raise RuntimeError("tensors on an npu device but torch_npu does not import")
+        return "npu"
+    return "reference"
+
+
+def kernel_paths(device: Union[str, torch.device]) -> Dict[str, str]:
+    """``{op: path}`` for ``device``: record this in the run's metadata."""
+    return {op: select_path(op, device) for op in OPS}

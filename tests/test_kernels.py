@@ -1,0 +1,316 @@
+"""nestpipe.kernels on CPU: placement, routing (fbgemm), and the Numba fast paths against the torch references."""
+
+import math
+import random
+
+import numba
+import pytest
+import torch
+
+import nestpipe.kernels as K
+from nestpipe.kernels import sharding as P
+from nestpipe.kernels import reference as R
+from nestpipe.kernels import routing
+
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+EXTREMES = [I64_MIN, I64_MIN + 1, -1, 0, 1, 2**31 - 1, 2**31, 2**62, I64_MAX - 1, I64_MAX]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_paths_active():
+    # The tests below claim to test these paths: fail (not skip) when an extra is missing.
+    assert K.select_path("route_keys", "cpu") == "fbgemm", "fbgemm-gpu-cpu is not installed"
+    for op in ("gather_rows", "lookup", "adagrad_update", "dual_buffer_sync"):
+        assert K.select_path(op, "cpu") == "numba", "numba is not installed"
+
+
+# ---------------------------------------------------------------- placement
+
+
+def _placement_int(table_id, x, vocab, world):
+    """Pure Python-int placement: the specification the tensor code must match."""
+    x = x if 0 <= x < vocab else P.splitmix64_int(x) % vocab
+    a, b = P.affine_params(table_id, vocab)
+    p = (a * x + b) % vocab
+    block = -(-vocab // world)
+    return p // block, p % block
+
+
+def test_splitmix64_matches_python_ints_at_extremes():
+    ids = EXTREMES + [random.Random(0).randrange(I64_MIN, I64_MAX) for _ in range(200)]
+    got = P.splitmix64(torch.tensor(ids, dtype=torch.int64)).tolist()
+    assert got == [P._signed64(P.splitmix64_int(x)) for x in ids]
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 7, 1000, 32_000_000, 2**40 + 15, 2**52])
+@pytest.mark.parametrize("world", [1, 3, 8])
+def test_placement_matches_python_ints(vocab, world):
+    rng = random.Random(vocab + world)
+    ids = EXTREMES + [vocab - 1, vocab, vocab + 1] + [rng.randrange(I64_MIN, I64_MAX) for _ in range(100)]
+    ids += [rng.randrange(0, vocab) for _ in range(100)]
+    owner, local = K.placement(5, torch.tensor(ids, dtype=torch.int64), vocab, world)
+    expect = [_placement_int(5, x, vocab, world) for x in ids]
+    assert list(zip(owner.tolist(), local.tolist())) == expect
+    assert all(0 <= o < world and 0 <= r < K.owner_num_rows(vocab, world, o) for o, r in expect)
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 12, 97, 1024, 5000])
+def test_placement_hash_is_a_bijection(vocab):
+    for table in (0, 3):
+        a, _ = K.affine_params(table, vocab)
+        assert math.gcd(a, vocab) == 1
+        p = K.placement_hash(table, torch.arange(vocab), vocab)
+        assert torch.equal(torch.sort(p).values, torch.arange(vocab))
+    # negative control: distinct tables permute differently (when there is room to)
+    if vocab > 2:
+        assert not torch.equal(K.placement_hash(0, torch.arange(vocab), vocab), K.placement_hash(3, torch.arange(vocab), vocab))
+
+
+def test_owner_rows_cover_the_vocabulary():
+    for vocab, world in [(5, 4), (10, 3), (1, 8), (32, 32), (33, 32)]:
+        assert sum(K.owner_num_rows(vocab, world, r) for r in range(world)) == vocab
+
+
+def test_placement_rejects_bad_sizes():
+    with pytest.raises(ValueError):
+        K.placement(0, torch.tensor([1]), 0, 2)
+    with pytest.raises(ValueError):
+        K.placement(0, torch.tensor([1]), 2**53, 2)
+    with pytest.raises(ValueError):
+        K.placement(0, torch.tensor([1]), 10, 0)
+
+
+# ---------------------------------------------------------------- routing
+
+
+def _batch(seed, n, tables, vocabs, hot=False):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, n + 1, (tables,), generator=g).tolist()
+    parts = []
+    for t, length in enumerate(lengths):
+        if hot:
+            parts.append(torch.full((length,), 7, dtype=torch.int64))
+        else:
+            parts.append(torch.randint(-vocabs[t], 2 * vocabs[t], (length,), generator=g))
+    return torch.cat(parts), lengths
+
+
+ROUTING_CASES = [
+    # (seed, n, vocabs, world, hot)
+    (0, 300, [1000, 50, 7], 4, False),
+    (1, 200, [100_000], 8, False),
+    (2, 100, [10, 10], 1, False),  # single owner
+    (3, 100, [5, 3], 8, False),  # more owners than rows
+    (4, 100, [1000, 1000], 4, True),  # all keys duplicated
+    (5, 0, [100, 100], 4, False),  # empty batch
+]
+
+
+@pytest.mark.parametrize("seed,n,vocabs,world,hot", ROUTING_CASES)
+def test_routing_fbgemm_equals_reference_and_is_consistent(seed, n, vocabs, world, hot):
+    ids, lengths = _batch(seed, n, len(vocabs), vocabs, hot)
+    fast = K.route_keys(ids, vocabs, world, table_lengths=lengths)
+    ref = routing.route(ids, lengths, vocabs, world, None, use_fbgemm=False)
+    for name in ("unique_keys", "unique_offsets", "inverse", "send_rows", "send_lengths", "unbucketize_permute"):
+        assert torch.equal(getattr(fast, name), getattr(ref, name)), name
+    assert fast.send_splits == ref.send_splits and sum(fast.send_splits) == fast.unique_keys.numel()
+    # Semantics: owners answer in the order received; unpermuting gives each unique key its own (owner, row).
+    start, expect = 0, []
+    for t, length in enumerate(lengths):
+        for x in ids[start : start + length].tolist():
+            expect.append((t,) + _placement_int(t, x, vocabs[t], world))
+        start += length
+    owner_of_slot = torch.repeat_interleave(torch.arange(world), torch.tensor(fast.send_splits, dtype=torch.int64))
+    table_of_slot = torch.repeat_interleave(
+        torch.arange(len(vocabs)).repeat(world), fast.send_lengths.reshape(-1)
+    )
+    slot = fast.unbucketize_permute[fast.inverse]
+    got = list(zip(table_of_slot[slot].tolist(), owner_of_slot[slot].tolist(), fast.send_rows[slot].tolist()))
+    assert got == expect
+
+
+def test_routing_permutation_is_not_trivial():
+    # negative control for the test above: with several tables and owners the permutation really reorders keys
+    ids, lengths = _batch(0, 300, 3, [1000, 50, 7])
+    r = K.route_keys(ids, [1000, 50, 7], 4, table_lengths=lengths)
+    assert not torch.equal(r.unbucketize_permute, torch.arange(r.unbucketize_permute.numel()))
+
+
+def test_routing_int64_extremes_and_errors():
+    ids = torch.tensor(EXTREMES * 3, dtype=torch.int64)
+    r = K.route_keys(ids, 2**52, 16)
+    assert r.unique_keys.numel() == len(set(K.placement_hash(0, ids, 2**52).tolist()))
+    with pytest.raises(ValueError):
+        K.route_keys(ids, [10, 10], 2, table_lengths=[1, 2])
+    with pytest.raises(ValueError):
+        K.route_keys(ids.float(), 10, 2)
+
+
+# ---------------------------------------------------------------- gather, AdaGrad, sync
+
+
+def _store(rows, dim, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, dim, generator=g), torch.rand(rows, generator=g)
+
+
+@pytest.mark.parametrize("dim", [1, 3, 64, 67])
+def test_gather_rows_exact(dim):
+    w, _ = _store(500, dim)
+    for rows in (torch.randint(0, 500, (300,)), torch.zeros(50, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)):
+        assert torch.equal(K.gather_rows(w, rows), R.gather_rows(w, rows))
+    out = torch.empty(10, dim)
+    assert K.gather_rows(w, torch.arange(10), out).data_ptr() == out.data_ptr()
+    assert torch.equal(out, w[:10])
+    assert torch.equal(K.gather_to_device(w, torch.arange(4), "cpu"), w[:4])
+
+
+@pytest.mark.parametrize("dim,n,momentum", [(64, 300, 1.0), (3, 100, 1.0), (67, 400, 4.0), (8, 1, 1.0), (8, 0, 1.0)])
+def test_adagrad_matches_reference(dim, n, momentum):
+    w, s = _store(1000, dim)
+    rows = torch.randperm(1000)[:n]
+    grads = torch.randn(n, dim) * 3
+    w_ref, s_ref = w.clone(), s.clone()
+    R.adagrad_update(w_ref, s_ref, rows, grads, 0.05, 1e-8, momentum)
+    K.adagrad_update(w, s, rows, grads, 0.05, 1e-8, momentum)
+    torch.testing.assert_close(s, s_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-6)
+    untouched = torch.ones(1000, dtype=torch.bool)
+    untouched[rows] = False
+    w0, s0 = _store(1000, dim)
+    assert torch.equal(w[untouched], w0[untouched]) and torch.equal(s[untouched], s0[untouched])
+    if n:
+        assert not torch.equal(w[rows], w0[rows])
+
+
+def test_adagrad_formula_is_discriminating():
+    # negative control: eps inside the square root (the other common placement) must fail the comparison
+    w, s = _store(100, 16)
+    rows, grads, lr, eps = torch.arange(10), torch.randn(10, 16), 0.1, 0.5
+    K.adagrad_update(w, s, rows, grads, lr, eps)
+    w0, s0 = _store(100, 16)
+    s_new = s0[rows] + grads.pow(2).mean(1)
+    other = w0[rows] - (lr / torch.sqrt(s_new + eps)).unsqueeze(1) * grads
+    assert (w[rows] - other).abs().max() > 1e-3
+    expect = w0[rows] - (lr / (torch.sqrt(s_new) + eps)).unsqueeze(1) * grads
+    torch.testing.assert_close(w[rows], expect, atol=1e-6, rtol=1e-6)
+
+
+def test_adagrad_rejects_bad_input():
+    w, s = _store(10, 4)
+    with pytest.raises(ValueError):
+        K.adagrad_update(w, s, torch.arange(3), torch.randn(3, 5), 0.1)
+    with pytest.raises(ValueError):
+        K.adagrad_update(w.double(), s, torch.arange(3), torch.randn(3, 4), 0.1)
+    with pytest.raises(ValueError):
+        R.adagrad_update(w, s, torch.tensor([1, 1]), torch.randn(2, 4), 0.1, 1e-8)
+
+
+def _sorted_keys(n, high, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.unique(torch.randint(0, high, (n,), generator=g))
+
+
+SYNC_CASES = [
+    lambda: (_sorted_keys(400, 1000, 1), _sorted_keys(400, 1000, 2)),  # partial overlap
+    lambda: (_sorted_keys(300, 1000, 1),) * 2,  # full overlap
+    lambda: (torch.arange(0, 100, 2), torch.arange(1, 100, 2)),  # none
+    lambda: (torch.zeros(0, dtype=torch.int64), torch.arange(5)),  # empty
+    lambda: (torch.tensor([I64_MIN, -1, 0, I64_MAX]), torch.tensor([I64_MIN, 5, I64_MAX])),  # extremes
+]
+
+
+@pytest.mark.parametrize("case", range(len(SYNC_CASES)))
+@pytest.mark.parametrize("dim", [3, 64])
+def test_dual_buffer_sync_exact(case, dim):
+    a_keys, p_keys = SYNC_CASES[case]()
+    active = torch.randn(a_keys.numel(), dim)
+    prefetch = torch.randn(p_keys.numel(), dim)
+    expect = prefetch.clone()
+    n_ref = R.dual_buffer_sync(a_keys, active, p_keys, expect)
+    from nestpipe.kernels import cpu
+
+    assert cpu.dual_buffer_sync(a_keys, active, p_keys, prefetch) == n_ref
+    assert torch.equal(prefetch, expect)
+    assert n_ref == len(set(a_keys.tolist()) & set(p_keys.tolist()))
+
+
+# ---------------------------------------------------------------- lookups
+
+
+def _lookup_case(seed, num_rows, n, dim, bags):
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(num_rows, dim, generator=g)
+    inverse = torch.randint(0, max(1, num_rows), (n,), generator=g) if num_rows else torch.zeros(0, dtype=torch.int64)
+    cuts = torch.sort(torch.randint(0, n + 1, (bags - 1,), generator=g)).values
+    offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([n])])
+    return rows, inverse, offsets
+
+
+LOOKUP_CASES = [(0, 50, 400, 64, 20), (1, 7, 300, 3, 5), (2, 1, 200, 5, 3), (3, 10, 0, 8, 4), (4, 0, 0, 8, 1)]
+
+
+def _run(fn, rows, *args):
+    rows = rows.clone().requires_grad_(True)
+    out = fn(rows, *args)
+    g = torch.Generator().manual_seed(9)
+    out.backward(torch.randn(out.shape, generator=g))
+    return out.detach(), rows.grad
+
+
+@pytest.mark.parametrize("case", LOOKUP_CASES)
+def test_sequence_lookup_matches_reference(case):
+    rows, inverse, _ = _lookup_case(*case)
+    out, grad = _run(K.sequence_lookup, rows, inverse)
+    out_ref, grad_ref = _run(lambda r, i: R.sequence_lookup(r, i), rows, inverse)
+    assert torch.equal(out, out_ref)
+    torch.testing.assert_close(grad, grad_ref, atol=1e-6, rtol=1e-6)
+    # against plain autograd of index_select, too
+    _, grad_autograd = _run(lambda r, i: r.index_select(0, i), rows, inverse)
+    torch.testing.assert_close(grad, grad_autograd, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", LOOKUP_CASES)
+def test_pooled_lookup_matches_reference(case):
+    rows, inverse, offsets = _lookup_case(*case)
+    out, grad = _run(K.pooled_lookup, rows, inverse, offsets)
+    out_ref, grad_ref = _run(lambda r, i, o: R.pooled_lookup(r, i, o).requires_grad_(), rows, inverse, offsets)
+    torch.testing.assert_close(out, out_ref, atol=1e-6, rtol=1e-6)
+    bags = R.bag_of_token(offsets)
+    g = torch.Generator().manual_seed(9)
+    grad_out = torch.randn(offsets.numel() - 1, rows.shape[1], generator=g)
+    torch.testing.assert_close(grad, R.pooled_lookup_backward(grad_out, inverse, offsets, rows.shape[0]), atol=1e-6, rtol=1e-6)
+    emb = torch.nn.functional.embedding_bag(inverse, rows, offsets[:-1], mode="sum") if inverse.numel() else None
+    if emb is not None:
+        torch.testing.assert_close(out, emb, atol=1e-5, rtol=1e-5)
+    assert bags.numel() == inverse.numel()
+
+
+def test_lookup_backward_is_bitwise_reproducible_across_threads():
+    rows, inverse, offsets = _lookup_case(0, 20, 5000, 64, 100)  # heavy duplication
+    results = []
+    threads = numba.get_num_threads()
+    try:
+        for n_threads in (1, threads, 1):
+            numba.set_num_threads(n_threads)
+            results.append(_run(K.sequence_lookup, rows, inverse)[1])
+            results.append(_run(K.pooled_lookup, rows, inverse, offsets)[1])
+    finally:
+        numba.set_num_threads(threads)
+    for a, b in zip(results[::2], results[2::2]):
+        assert torch.equal(a, b)
+    # and equal to the serial reference bit for bit (both add in ascending token order)
+    assert torch.equal(results[0], R.sequence_lookup_backward(_run_grad_out(rows, inverse), inverse, 20))
+
+
+def _run_grad_out(rows, inverse):
+    g = torch.Generator().manual_seed(9)
+    return torch.randn(inverse.numel(), rows.shape[1], generator=g)
+
+
+def test_forced_reference_path(monkeypatch):
+    monkeypatch.setenv("NESTPIPE_KERNELS", "reference")
+    assert set(K.kernel_paths("cpu").values()) == {"reference"}
+    monkeypatch.setenv("NESTPIPE_KERNELS", "fast")
+    with pytest.raises(ValueError):
+        K.select_path("lookup", "cpu")

@@ -162,14 +162,17 @@ def zipf_ctr_batches(count: int, seed: int) -> List[Batch]:
 # ------------------------------------------------------------------ measurement
 
 def measure(batches: List[Batch], n: int, methods: List[str]) -> Dict[str, Tuple[float, float]]:
-    """Per method: (redundancy, volume-weighted over the batches; median ms per batch)."""
+    """Per method: (redundancy, volume-weighted over the batches; median over batches of best-of-3 ms)."""
     res = {}
     for method in methods:
         rows, uniq, times = 0.0, 0.0, []
         for i, (values, offsets, weights) in enumerate(batches):
-            t0 = time.perf_counter()
-            a = assign(values, offsets, n, method=method, seed=i, weights=weights)
-            times.append((time.perf_counter() - t0) * 1e3)
+            best = float("inf")
+            for _ in range(3):  # best of 3 per batch: other processes share the core
+                t0 = time.perf_counter()
+                a = assign(values, offsets, n, method=method, seed=i, weights=weights)
+                best = min(best, (time.perf_counter() - t0) * 1e3)
+            times.append(best)
             first = np.unique(values, return_index=True)[1]
             total = float(weights[first].sum()) if weights is not None else float(len(first))
             rows += redundancy(values, offsets, a, weights=weights) * total
@@ -225,7 +228,7 @@ def main(argv=None) -> int:
                 verdicts.append(f"target <= 20 ms per GR batch (default, {kind}, N=8): {res['minhash'][1]:.1f} ms "
                                 f"{'met' if res['minhash'][1] <= 20 else 'NOT met'}")
     print("R = redundancy (volume-weighted over batches; 1.0 = lower bound); cut = share of random's excess "
-          "(R - 1) removed; ms = median per batch on one core")
+          "(R - 1) removed; ms = median over batches of the best of 3 runs, one core")
     for v in verdicts:
         print(v)
     return 0

@@ -314,3 +314,13 @@ def test_forced_reference_path(monkeypatch):
     monkeypatch.setenv("NESTPIPE_KERNELS", "fast")
     with pytest.raises(ValueError):
         K.select_path("lookup", "cpu")
+
+
+def test_kernels_info_cli(capsys):
+    import json
+
+    from nestpipe.cli import main
+
+    assert main(["kernels-info", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["paths"] == K.kernel_paths("cpu") and record["paths"]["adagrad_update"] == "numba"

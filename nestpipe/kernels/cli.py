@@ -1,0 +1,25 @@
+"""``nestpipe kernels-info``: the path each kernel op takes on a device (the same record the trainer stores)."""
+
+from __future__ import annotations
+
+import json
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("kernels-info", help="print the kernel path selected for each op on a device")
+    p.add_argument("--device", default="cpu", help="device kind: cpu, cuda or npu (default: cpu)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from .select import FORCE_ENV, kernel_paths
+    import os
+
+    paths = kernel_paths(args.device)
+    if args.json:
+        print(json.dumps({"device": args.device, "paths": paths, FORCE_ENV: os.environ.get(FORCE_ENV, "")}))
+    else:
+        for op, path in paths.items():
+            print(f"{op:18s} {path}")
+    return 0

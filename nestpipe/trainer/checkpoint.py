@@ -1,0 +1,138 @@
+"""Sharded, atomic checkpoints.
+
+Layout: ``RUN/checkpoints/step-SSSSSSSS/`` (``S`` = completed steps) holding ``rank-RRRRR.pt`` per rank and
+``meta.json``. Each rank file holds that rank's materialised rows and their AdaGrad state per sharded table; rank 0's
+also holds the dense parameters, the AdamW state and the replicated tables (identical on every rank). The data
+position and the random state are both functions of the step (shards are read by step, generators are keyed by
+(seed, step, micro-batch, rank)), so ``meta.json`` records the step, the world size, the seed and the placement.
+
+Atomicity: ranks write into ``.tmp-step-SSSSSSSS/`` (each file via a temporary name and rename), all ranks
+barrier, rank 0 writes ``meta.json`` and renames the directory. A directory without ``meta.json`` or still named
+``.tmp-*`` is ignored (and removed) on resume, so a run killed during a write resumes from the previous one.
+Checkpoints are taken between steps only: no batch is in flight. Files load with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from nestpipe.trainer.metrics import write_json_atomic
+
+FORMAT = "nestpipe-trainer-checkpoint-1"
+
+
+def ckpt_root(run: str) -> str:
+    return os.path.join(run, "checkpoints")
+
+
+def _rank_payload(state, step: int) -> Dict:
+    emb = state.emb
+    payload = {"step": step, "rank": state.rank, "world": state.world,
+               "tables": {t: s.state_dict() for t, s in emb.stores.items()}}
+    if state.rank == 0:
+        payload["dense"] = {k: v.detach().cpu() for k, v in state.model.state_dict().items()}
+        payload["optimizer"] = state.optimizer.state_dict()
+        payload["replicated"] = {t: {"weight": r.weight.detach().cpu(), "state": r.state.cpu()}
+                                 for t, r in emb.replicated.items()}
+    return payload
+
+
+def save(run: str, state, step: int, sleep_s: float = 0.0) -> str:
+    """Collective: every rank must call it at the same step."""
+    root = ckpt_root(run)
+    name = f"step-{step:08d}"
+    tmp = os.path.join(root, f".tmp-{name}")
+    final = os.path.join(root, name)
+    if state.rank == 0:
+        os.makedirs(root, exist_ok=True)
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    _barrier(state)
+    path = os.path.join(tmp, f"rank-{state.rank:05d}.pt")
+    part = f"{path}.part"
+    torch.save(_rank_payload(state, step), part)
+    if sleep_s:
+        time.sleep(sleep_s)  # debug: a window for tests to kill the run mid-write
+    with open(part, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(part, path)
+    _barrier(state)
+    if state.rank == 0:
+        emb = state.emb
+        meta = {"format": FORMAT, "step": step, "world": state.world, "seed": state.cfg.seed,
+                "model": state.cfg.model,
+                "placement": {t: {"table_id": s.placement.table_id, "vocab": s.placement.vocab,
+                                  "world": s.placement.world, "a": s.placement.a, "b": s.placement.b,
+                                  "dim": s.dim} for t, s in emb.stores.items()},
+                "replicated": sorted(emb.replicated), "kinds": emb.kinds}
+        write_json_atomic(os.path.join(tmp, "meta.json"), meta)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    _barrier(state)
+    return final
+
+
+def _barrier(state) -> None:
+    if state.world > 1:
+        dist.barrier(group=state.group)
+
+
+def latest(run: str) -> Optional[str]:
+    """The newest complete checkpoint directory of ``run``, or None."""
+    root = ckpt_root(run)
+    if not os.path.isdir(root):
+        return None
+    done = sorted(d for d in os.listdir(root)
+                  if d.startswith("step-") and os.path.exists(os.path.join(root, d, "meta.json")))
+    return os.path.join(root, done[-1]) if done else None
+
+
+def read_meta(ckpt: str) -> Dict:
+    with open(os.path.join(ckpt, "meta.json")) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{ckpt}: checkpoint format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+def load_rank_file(ckpt: str, rank: int) -> Dict:
+    path = os.path.join(ckpt, f"rank-{rank:05d}.pt")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: checkpoint shard missing")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load(ckpt: str, state) -> int:
+    """Restore ``state`` (this rank's rows, dense model, optimizer, replicated tables). Returns the step."""
+    meta = read_meta(ckpt)
+    if meta["world"] != state.world:
+        raise ValueError(f"{ckpt}: written with world size {meta['world']}, this run has {state.world}; rows are "
+                         "sharded by world size (export + retrain to change it)")
+    mine = load_rank_file(ckpt, state.rank)
+    for t, s in state.emb.stores.items():
+        s.load_state_dict(mine["tables"][t], where=ckpt)
+    r0 = mine if state.rank == 0 else load_rank_file(ckpt, 0)
+    state.model.load_state_dict(r0["dense"])
+    state.optimizer.load_state_dict(r0["optimizer"])
+    with torch.no_grad():
+        for t, r in state.emb.replicated.items():
+            r.weight.data.copy_(r0["replicated"][t]["weight"])
+            r.state.copy_(r0["replicated"][t]["state"])
+    return int(meta["step"])
+
+
+def clean_partial(run: str) -> None:
+    root = ckpt_root(run)
+    if os.path.isdir(root):
+        for d in os.listdir(root):
+            if d.startswith(".tmp-"):
+                shutil.rmtree(os.path.join(root, d), ignore_errors=True)

@@ -1,0 +1,136 @@
+"""``nestpipe train``, ``nestpipe eval`` and ``nestpipe export``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train", help="train hstu or dlrm from shards over torch.distributed (launched through torchrun)",
+        description="Train from `nestpipe ingest` shards. Launches --nproc-per-node ranks through "
+                    "torch.distributed.run (extra torchrun options such as --nnodes/--rdzv-endpoint go after --). "
+                    "Writes RUN/config.json, RUN/checkpoints/, RUN/scalars.jsonl and RUN/metrics.json.")
+    p.add_argument("--shards", help="shard directory (with manifest.json)")
+    p.add_argument("--out", help="run directory")
+    p.add_argument("--model", choices=["hstu", "dlrm"])
+    p.add_argument("--nproc-per-node", type=int, default=1)
+    p.add_argument("--pipeline", choices=["off", "dbp", "fwp", "nested"], default=None,
+                   help="only `off` (synchronous) is available in this build")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--steps", type=int)
+    g.add_argument("--epochs", type=int)
+    p.add_argument("--checkpoint-every", type=int, default=None, help="checkpoint every K steps (0: only at the end)")
+    p.add_argument("--config", help="JSON or TOML file with the nested TrainConfig keys")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                   help="override one config key, e.g. --set embedding.lr=0.1 (repeatable)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"])
+    p.add_argument("--timeout", type=float, help="process-group timeout in seconds (default 60)")
+    p.add_argument("--resume", metavar="RUN", help="continue RUN from its latest complete checkpoint")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("torchrun_args", nargs="*", help="passed to torch.distributed.run (after --)")
+    p.set_defaults(func=_train)
+
+    e = subparsers.add_parser("eval", help="evaluate a trained run (HR/NDCG for hstu, AUC/logloss for dlrm)")
+    e.add_argument("--run", required=True)
+    e.add_argument("--max-batches", type=int, default=None)
+    e.set_defaults(func=_eval)
+
+    x = subparsers.add_parser("export", help="export a run as one dict of full tensors (torch.load weights_only)")
+    x.add_argument("--run", required=True)
+    x.add_argument("--out", required=True, help="output FILE.pt")
+    x.add_argument("--max-rows-in-memory", type=int, default=50_000_000,
+                   help="tables above this are streamed as FILE.<table>.<block>.pt")
+    x.set_defaults(func=_export)
+
+
+def _parse_set(items):
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        k, v = item.split("=", 1)
+        try:
+            val = json.loads(v)
+        except json.JSONDecodeError:
+            val = v
+        d = out
+        parts = k.split(".")
+        for part in parts[:-1]:
+            d = d.setdefault(part, {})
+        d[parts[-1]] = val
+    return out
+
+
+def _train(args) -> int:
+    from nestpipe.trainer.config import TrainConfig, load_config_file, load_run_config, merge, save_config
+    from nestpipe.trainer.launch import launch_training
+
+    if args.resume:
+        cfg = load_run_config(args.resume)
+        if args.steps is not None:
+            cfg.steps = args.steps
+            save_config(cfg, os.path.join(cfg.out, "config.json"))
+        return launch_training(cfg.out, args.nproc_per_node, True, args.torchrun_args)
+    d = TrainConfig().to_dict()
+    if args.config:
+        d = merge(d, load_config_file(args.config))
+    flags = {"shards": args.shards, "out": args.out, "model": args.model, "pipeline": args.pipeline,
+             "steps": args.steps, "epochs": args.epochs, "checkpoint_every": args.checkpoint_every,
+             "seed": args.seed, "device": args.device, "timeout_s": args.timeout}
+    d = merge(d, {k: v for k, v in flags.items() if v is not None})
+    d = merge(d, _parse_set(args.set))
+    if args.no_progress:
+        d["progress"] = False
+    cfg = TrainConfig.from_dict(d, where=args.config or "command line")
+    for k in ("shards", "out"):
+        if not getattr(cfg, k):
+            raise ValueError(f"--{k} is required (or set it in --config)")
+    if cfg.pipeline != "off":
+        raise ValueError(f"--pipeline {cfg.pipeline}: only `off` is available in this build")
+    from nestpipe.datasets.shards import load_manifest
+    from nestpipe.trainer.models import MODEL_TASK
+
+    man = load_manifest(cfg.shards)
+    if MODEL_TASK[cfg.model] != man.task:
+        raise ValueError(f"--model {cfg.model} trains on {MODEL_TASK[cfg.model]!r} shards, {cfg.shards} holds "
+                         f"{man.task!r} shards")
+    cfg.shards = os.path.abspath(cfg.shards)
+    cfg.out = os.path.abspath(cfg.out)
+    os.makedirs(cfg.out, exist_ok=True)
+    if os.path.exists(os.path.join(cfg.out, "checkpoints")) and os.listdir(os.path.join(cfg.out, "checkpoints")):
+        raise FileExistsError(f"{cfg.out}: holds checkpoints already; use --resume {cfg.out} or a new --out")
+    save_config(cfg, os.path.join(cfg.out, "config.json"))
+    rc = launch_training(cfg.out, args.nproc_per_node, False, args.torchrun_args)
+    _print_metrics(cfg.out)
+    return rc
+
+
+def _print_metrics(run: str) -> None:
+    path = os.path.join(run, "metrics.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            m = json.load(f)
+        per = ", ".join(f"{x:.0f}" for x in m["samples_per_s_per_rank"])
+        print(f"trained {m['model']} on {m['world']} rank(s): {m['steps_run']} steps, final loss {m['final_loss']:.4f}, "
+              f"{m['samples_per_s']:.0f} samples/s ({per} per rank); {path}")
+
+
+def _eval(args) -> int:
+    from nestpipe.trainer.evaluate import evaluate_run
+
+    res = evaluate_run(args.run, max_batches=args.max_batches)
+    print(json.dumps(res, indent=1, sort_keys=True))
+    return 0
+
+
+def _export(args) -> int:
+    from nestpipe.trainer.export import export_run
+
+    res = export_run(args.run, args.out, args.max_rows_in_memory)
+    print(f"exported {res['tensors']} tensors at step {res['step']} to {res['file']}"
+          + (f" (+{len(res['streamed_files'])} streamed table files)" if res["streamed_files"] else ""))
+    return 0

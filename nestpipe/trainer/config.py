@@ -1,0 +1,163 @@
+"""Trainer configuration: one dataclass per component, assembled in :class:`TrainConfig`.
+
+A config file (``--config FILE``, JSON or TOML) holds the same nested structure as :meth:`TrainConfig.to_dict`;
+command-line flags override it. The resolved config is written to ``RUN/config.json`` and is what ``--resume``,
+``eval`` and ``export`` read back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Dict, Optional
+
+EXCHANGE_KINDS = ("auto", "unique", "reduction", "replicated")
+
+
+@dataclasses.dataclass
+class EmbeddingConfig:
+    """Sparse tables: exchange kind per table, optimizer, initialisation.
+
+    ``kinds`` overrides the automatic choice per table name (``unique`` | ``reduction`` | ``replicated``). Auto:
+    tables with at most ``replicate_max_rows`` rows are replicated; ``pooled`` tables are reduction-based;
+    ``sequence`` and ``single`` tables are unique-based.
+    """
+
+    kinds: Dict[str, str] = dataclasses.field(default_factory=dict)
+    replicate_max_rows: int = 1024
+    dim: Optional[int] = None  # None: each table's manifest dim
+    init_scale: float = 0.05
+    lr: float = 0.05
+    eps: float = 1e-8
+    # 2D sparse parallelism's momentum-scaled row-wise AdaGrad: w -= lr * g / sqrt(v / M + eps); M = 1 is off.
+    momentum_scale_groups: int = 1
+    # debug: requester routes with a different placement salt than owners use (must break correctness).
+    debug_requester_salt: int = 0
+
+
+@dataclasses.dataclass
+class HSTUConfig:
+    """HSTU-style causal sequential transducer (item + action tokens), next-item sampled softmax."""
+
+    num_layers: int = 2
+    num_heads: int = 2
+    linear_dim: int = 16  # per head, for u/v/q/k
+    max_seq_len: int = 64
+    num_random_negatives: int = 32
+    num_popular_negatives: int = 32
+    temperature: float = 0.05
+    dropout: float = 0.0
+
+
+@dataclasses.dataclass
+class DLRMConfig:
+    """DLRM with a DCNv2 cross network: bottom MLP on dense features, cross layers, top MLP, BCE on the target."""
+
+    bottom_mlp: tuple = (64, 32)
+    cross_layers: int = 2
+    cross_rank: int = 16  # low-rank DCNv2 (U V^T); 0 = full rank
+    top_mlp: tuple = (64, 32)
+    target: str = "is_click"
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    """Dense parameters: AdamW (replicated, gradients all-reduced once per batch)."""
+
+    lr: float = 4e-3
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    shards: str = ""
+    out: str = ""
+    model: str = "hstu"
+    pipeline: str = "off"
+    steps: Optional[int] = None
+    epochs: Optional[int] = None
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | npu
+    threads: int = 1
+    timeout_s: float = 60.0
+    checkpoint_every: int = 0
+    log_every: int = 1
+    progress: bool = True
+    verify_shards: bool = True
+    embedding: EmbeddingConfig = dataclasses.field(default_factory=EmbeddingConfig)
+    hstu: HSTUConfig = dataclasses.field(default_factory=HSTUConfig)
+    dlrm: DLRMConfig = dataclasses.field(default_factory=DLRMConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    # debug hooks for failure tests: raise on ``debug_fail_rank`` at step ``debug_fail_step``; sleep inside
+    # checkpoint writes so a test can kill the run mid-write.
+    debug_fail_step: int = -1
+    debug_fail_rank: int = 0
+    debug_checkpoint_sleep_s: float = 0.0
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any], where: str = "config") -> "TrainConfig":
+        return _build(cls, d, where)
+
+
+_NESTED = {"embedding": EmbeddingConfig, "hstu": HSTUConfig, "dlrm": DLRMConfig, "optim": OptimConfig}
+
+
+def _build(cls, d: Dict[str, Any], where: str):
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in d.items():
+        if k not in names:
+            raise ValueError(f"{where}: unknown key {k!r} for {cls.__name__} (known: {sorted(names)})")
+        if k in _NESTED and cls is TrainConfig:
+            v = _build(_NESTED[k], v or {}, f"{where}.{k}")
+        elif isinstance(v, list):
+            v = tuple(v)
+        kwargs[k] = v
+    return cls(**kwargs)
+
+
+def load_config_file(path: str) -> Dict[str, Any]:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: config file not found")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        if path.endswith(".toml"):
+            import tomllib
+
+            return tomllib.loads(raw.decode())
+        return json.loads(raw)
+    except Exception as e:  # noqa: BLE001 - any parse error becomes a clear message
+        raise ValueError(f"{path}: cannot parse config: {e}") from e
+
+
+def merge(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def save_config(cfg: TrainConfig, path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(cfg.to_dict(), f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def load_run_config(run: str) -> TrainConfig:
+    path = os.path.join(run, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no config.json (is {run} the --out directory of `nestpipe train`?)")
+    with open(path) as f:
+        return TrainConfig.from_dict(json.load(f), where=path)

@@ -1,0 +1,200 @@
+"""The data stage: shard reading split by rank, and per-batch preparation on the host.
+
+Split rule: rank ``r`` of ``W`` reads the manifest's train shards ``r, r + W, r + 2W, ...`` (WebDataset order inside
+a shard). Every rank runs ``batches_per_rank = min over ranks of its shards' batch counts`` batches per epoch (the
+remainder is dropped and reported), so collectives never hang on uneven shards. Epoch ``e`` replays the same order.
+Global step ``s`` is batch ``s mod batches_per_rank`` of epoch ``s div batches_per_rank`` on every rank: the data
+position is a pure function of the step, which is what checkpoints record.
+
+:func:`prepare_batch` turns one record into :class:`PreparedBatch`: the shard's unique keys mapped into each
+table's vocabulary, the per-micro-batch unique positions and, per value, where its row sits. Nothing is deduplicated
+again here; the only new keys are the GR negatives, drawn per batch (random and in-batch popularity ids) from a
+generator keyed by (seed, step, rank) and shared by all micro-batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from nestpipe.datasets.shards import (Manifest, ShardError, decode_sample, load_manifest, table_offsets,
+                                      verify_shard)
+from nestpipe.trainer.placement import to_vocab
+
+NEG_SLOT = "item#neg"  # the GR negatives: a per-batch key list served by the ``item`` store
+
+
+def keyed_generator(seed: int, step: int, micro_batch: int, rank: int) -> torch.Generator:
+    """A torch.Generator keyed by (seed, step, micro-batch, rank); the global RNG is never used."""
+    from nestpipe.trainer.placement import mix64
+
+    key = np.array([seed, step, micro_batch, rank], dtype=np.int64).view(np.uint64)
+    h = np.uint64(0)
+    for k in key:
+        h = mix64(np.array([h ^ k], dtype=np.uint64))[0]
+    g = torch.Generator()
+    g.manual_seed(int(h) & ((1 << 63) - 1))
+    return g
+
+
+@dataclasses.dataclass
+class MicroBatchData:
+    """One micro-batch's host arrays. Per table: value positions into the batch keys and each value's sample."""
+
+    index: int
+    samples: np.ndarray  # int64 sample indices in the batch (ascending)
+    lengths: Dict[str, np.ndarray]  # table -> int64 [b]
+    value_key: Dict[str, np.ndarray]  # table -> int64 [nnz_i], position of each value in the table's batch keys
+    value_sample: Dict[str, np.ndarray]  # table -> int64 [nnz_i], sample index within the micro-batch
+    mb_keys: Dict[str, np.ndarray]  # table -> int64 [U_i] sorted positions into the batch keys (shard's mb_unique)
+    value_pos: Dict[str, np.ndarray]  # table -> int64 [nnz_i], position of each value in mb_keys
+    fields: Dict[str, np.ndarray]  # dense, labels, play, duration, user ... restricted to the micro-batch
+
+
+@dataclasses.dataclass
+class PreparedBatch:
+    step: int
+    batch_size: int
+    keys: Dict[str, np.ndarray]  # slot -> in-vocabulary ids of the batch's unique keys (shard order)
+    micro: List[MicroBatchData]
+    negatives: Optional[np.ndarray] = None  # GR: in-vocabulary item ids [K] shared by all micro-batches
+
+
+def _sequence_tables(manifest: Manifest) -> List[str]:
+    return sorted(manifest.tables)
+
+
+def prepare_batch(record: Dict, manifest: Manifest, step: int, rank: int, seed: int,
+                  num_negatives: Tuple[int, int] = (0, 0), where: str = "") -> PreparedBatch:
+    """Host-side preparation of one batch record (see the module docstring)."""
+    meta = record.get("meta", {})
+    mb = np.asarray(record["mb"]).astype(np.int64)
+    b = len(mb)
+    if b != manifest.batch_size:
+        raise ShardError(f"{where}: record has {b} samples, manifest batch_size is {manifest.batch_size}")
+    n = int(meta.get("micro_batches", manifest.micro_batches))
+    keys: Dict[str, np.ndarray] = {}
+    offsets: Dict[str, np.ndarray] = {}
+    for t in _sequence_tables(manifest):
+        spec = manifest.tables[t]
+        for f in ("values", "lengths", "unique", "inverse", "mb_unique", "mb_offsets"):
+            if f"{t}.{f}" not in record:
+                raise ShardError(f"{where}: record lacks field {t}.{f}")
+        keys[t] = to_vocab(record[f"{t}.unique"], spec.vocab)
+        offsets[t] = table_offsets(record, t)
+        if len(record[f"{t}.mb_offsets"]) != n + 1:
+            raise ShardError(f"{where}: {t}.mb_offsets has {len(record[f'{t}.mb_offsets'])} entries, expected {n + 1}")
+    per_sample_fields = {k: np.asarray(v) for k, v in record.items()
+                         if k in ("dense", "labels", "user")}
+    per_value_fields = {k: np.asarray(v) for k, v in record.items() if k in ("play", "duration", "time")}
+    micro = []
+    for i in range(n):
+        samples = np.nonzero(mb == i)[0].astype(np.int64)
+        if len(samples) == 0:
+            raise ShardError(f"{where}: micro-batch {i} is empty")
+        lengths, vkey, vsample, mkeys, vpos = {}, {}, {}, {}, {}
+        for t in keys:
+            off = offsets[t]
+            lens = (off[samples + 1] - off[samples]).astype(np.int64)
+            starts = off[samples]
+            # value indices of this micro-batch's samples, in sample order
+            idx = np.repeat(starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens) + np.arange(lens.sum())
+            inv = np.asarray(record[f"{t}.inverse"], dtype=np.int64)[idx]
+            mo = record[f"{t}.mb_offsets"]
+            mk = np.asarray(record[f"{t}.mb_unique"][mo[i]:mo[i + 1]], dtype=np.int64)
+            pos = np.searchsorted(mk, inv)
+            if len(inv) and (np.any(pos >= len(mk)) or np.any(mk[np.minimum(pos, len(mk) - 1)] != inv)):
+                raise ShardError(f"{where}: table {t}: micro-batch {i}'s mb_unique does not cover its values")
+            lengths[t], vkey[t], vsample[t] = lens, inv, np.repeat(np.arange(len(samples)), lens)
+            mkeys[t], vpos[t] = mk, pos
+        fields = {k: v[samples] for k, v in per_sample_fields.items()}
+        for k, v in per_value_fields.items():
+            t0 = "item" if "item" in offsets else next(iter(offsets))
+            off = offsets[t0]
+            lens = lengths[t0]
+            idx = np.repeat(off[samples] - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens) + np.arange(lens.sum())
+            fields[k] = v[idx]
+        micro.append(MicroBatchData(i, samples, lengths, vkey, vsample, mkeys, vpos, fields))
+    negatives = None
+    n_rand, n_pop = num_negatives
+    if n_rand + n_pop > 0:
+        vocab = manifest.tables["item"].vocab
+        g = keyed_generator(seed, step, -1, rank)
+        rand = torch.randint(0, vocab, (n_rand,), generator=g).numpy()
+        item_values = keys["item"][np.asarray(record["item.inverse"], dtype=np.int64)]
+        pop = item_values[torch.randint(0, len(item_values), (n_pop,), generator=g).numpy()] if n_pop else rand[:0]
+        negatives = np.concatenate([rand, pop]).astype(np.int64)
+    return PreparedBatch(step=step, batch_size=b, keys=keys, micro=micro, negatives=negatives)
+
+
+def _identity(src):
+    return src
+
+
+def iter_shard(path: str) -> Iterator[Dict]:
+    """Read one shard with stock WebDataset. This module splits shards by rank itself, so WebDataset's node and
+    worker splitters are identities (its default refuses to run inside an initialised process group)."""
+    import webdataset as wds
+
+    if not os.path.exists(path):
+        raise ShardError(f"{path}: shard missing")
+    ds = wds.WebDataset(path, shardshuffle=False, empty_check=False, nodesplitter=_identity,
+                        workersplitter=_identity).decode()
+    try:
+        for sample in ds:
+            yield decode_sample(sample)
+    except (OSError, ValueError) as e:
+        raise ShardError(f"{path}: cannot read shard: {e}") from e
+
+
+class ShardStream:
+    """The train (or eval) records of one rank, equalised across ranks (see the module docstring)."""
+
+    def __init__(self, shards_dir: str, split: str, rank: int, world: int, verify: bool = True):
+        self.dir = shards_dir
+        self.manifest = load_manifest(shards_dir)
+        if split not in self.manifest.sets or not self.manifest.sets[split]:
+            raise ShardError(f"{shards_dir}: manifest has no {split!r} shards")
+        entries = self.manifest.sets[split]
+        if len(entries) < world:
+            raise ShardError(
+                f"{shards_dir}: {len(entries)} {split} shard(s) cannot feed world size {world} (shards are split by "
+                f"rank; need at least {world}; re-run ingest with more, smaller shards)"
+            )
+        self.entries = entries[rank::world]
+        per_rank = [sum(e.batches for e in entries[r::world]) for r in range(world)]
+        self.batches_per_rank = min(per_rank)
+        self.dropped = sum(per_rank) - world * self.batches_per_rank
+        if self.batches_per_rank == 0:
+            raise ShardError(f"{shards_dir}: some rank gets no {split} batches with world size {world}")
+        if verify:
+            for e in self.entries:
+                verify_shard(shards_dir, e)
+
+    def records(self, start: int = 0) -> Iterator[Tuple[int, Dict, str]]:
+        """Yield (global step, record, shard path) from global step ``start`` on, cycling epochs forever."""
+        step = start
+        while True:
+            epoch_start = step - step % self.batches_per_rank
+            skip = step - epoch_start
+            i = 0
+            for e in self.entries:
+                path = os.path.join(self.dir, e.path)
+                if i + e.batches <= skip:
+                    i += e.batches
+                    continue
+                got = 0
+                for rec in iter_shard(path):
+                    got += 1
+                    if i >= skip and i < self.batches_per_rank:
+                        yield step, rec, path
+                        step += 1
+                    i += 1
+                if got != e.batches:
+                    raise ShardError(f"{path}: holds {got} records, manifest says {e.batches}")
+                if i >= self.batches_per_rank:
+                    break

@@ -1,0 +1,1 @@
+"""Sharded embedding store and its exchange schemes."""

@@ -1,0 +1,363 @@
+"""The sharded embedding collection: fused key routing, retrieval, per-micro-batch exchange, owner-side update.
+
+Who owns what
+- Every sharded table's row belongs to exactly one rank (:mod:`nestpipe.trainer.placement`); that rank's
+  :class:`~nestpipe.trainer.embedding.store.RowStore` holds it with its AdaGrad state. Replicated tables live on
+  every rank. A *slot* is one request stream into a store: one per sharded table, plus ``item#neg`` (the GR
+  negatives) served by the ``item`` store.
+
+Per batch (each step is a method, called in this order by :mod:`nestpipe.trainer.step`)
+1. :meth:`input_dist` (key routing): the requester maps its batch keys to (owner, local row); one
+   ``all_to_all_single`` of counts and one of payload carry, for all slots fused, the local rows each owner must
+   serve and, per micro-batch, which of them (unique-based) or which (sample, entry) pairs (reduction-based).
+   The owner concatenates what it received in (requester rank, slot) order: these are its *entries*; it
+   deduplicates them into the batch's owner rows.
+2. :meth:`retrieve` (embedding retrieval): the owner gathers its batch rows (weights and AdaGrad state) from the
+   store into a buffer on the device. The buffer is frozen for the whole batch (no update inside a batch).
+3. :meth:`embed` / :meth:`exchange_grad`, per micro-batch in order: one fused embedding All2All (owner -> requester)
+   and, after the micro-batch's backward, one fused gradient All2All (requester -> owner) whose payload the owner
+   adds into per-entry gradients with ``index_add_``. Each entry thus sums its micro-batches in order.
+4. :meth:`update`: per store, the row gradient is the sum of its entries in entry order, i.e. over requester ranks
+   in rank order; row-wise AdaGrad is applied once and the rows are written back to the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nestpipe.datasets.shards import Manifest
+from nestpipe.trainer.config import EmbeddingConfig
+from nestpipe.trainer.data import NEG_SLOT, PreparedBatch
+from nestpipe.trainer.embedding.reduction_based import ReductionBased, ShardedReductionBased
+from nestpipe.trainer.embedding.replicated import ReplicatedTable
+from nestpipe.trainer.embedding.store import RowStore, rowwise_adagrad
+from nestpipe.trainer.embedding.unique_based import ShardedUniqueBased, UniqueBased
+from nestpipe.trainer.placement import make_placement
+from nestpipe.trainer.metrics import StageTimer
+
+
+def choose_kind(name: str, vocab: int, table_kind: str, cfg: EmbeddingConfig) -> str:
+    """Exchange kind of one table: config override, else replicated (small) / reduction (pooled) / unique."""
+    kind = cfg.kinds.get(name, "auto")
+    if kind not in ("auto", "unique", "reduction", "replicated"):
+        raise ValueError(f"embedding.kinds[{name!r}] = {kind!r}: expected auto, unique, reduction or replicated")
+    if kind == "auto":
+        if vocab <= cfg.replicate_max_rows:
+            return "replicated"
+        return "reduction" if table_kind == "pooled" else "unique"
+    if kind == "reduction" and table_kind == "sequence":
+        raise ValueError(f"table {name!r} is a sequence feature: reduction-based exchange needs a pooled feature")
+    return kind
+
+
+def table_dims(manifest: Manifest, cfg: EmbeddingConfig) -> Dict[str, int]:
+    return {t: int(cfg.dim or spec.dim) for t, spec in manifest.tables.items()}
+
+
+@dataclasses.dataclass
+class _ReqSlot:
+    """Requester-side plan of one slot for one batch."""
+
+    dest: np.ndarray
+    pos_in_dest: np.ndarray
+    send_rows: List[np.ndarray]  # per owner: local rows
+    mb_lists: List[List[np.ndarray]]  # [micro-batch][owner] int64 lists sent in the routing payload
+    unperm: List[Optional[torch.Tensor]]  # unique-based: per micro-batch gather into mb_unique order
+
+
+@dataclasses.dataclass
+class _OwnStore:
+    """Owner-side state of one store for one batch."""
+
+    rows: torch.Tensor  # unique local rows touched by the batch (sorted)
+    inv: torch.Tensor  # [entries] position of every entry in ``rows``
+    base: Dict[Tuple[int, str], int]  # (requester, slot) -> first entry
+    buf_w: Optional[torch.Tensor] = None
+    buf_s: Optional[torch.Tensor] = None
+    grad_entries: Optional[torch.Tensor] = None
+
+
+@dataclasses.dataclass
+class Routing:
+    """Everything one batch's exchange needs, produced by :meth:`input_dist`."""
+
+    batch: PreparedBatch
+    req: Dict[str, _ReqSlot]
+    own: Dict[str, _OwnStore]
+    # owner: [micro-batch][requester][slot] -> index tensors (unique: (entries,), reduction: (samples, entries))
+    own_mb: List[List[Dict[str, Tuple[torch.Tensor, ...]]]]
+    own_b: List[List[int]]  # [micro-batch][requester] sample count
+    send_splits: List[List[int]]  # per micro-batch, elements owner -> requester r
+    recv_splits: List[List[int]]
+    neg_inv: Optional[torch.Tensor] = None
+
+
+class ShardedEmbeddingCollection:
+    def __init__(self, manifest: Manifest, cfg: EmbeddingConfig, seed: int, rank: int, world: int,
+                 device: torch.device, negatives: bool = False, group=None, timer: Optional[StageTimer] = None):
+        self.cfg, self.rank, self.world, self.device, self.group = cfg, rank, world, device, group
+        self.timer = timer or StageTimer()
+        names = sorted(manifest.tables)
+        self.table_ids = {t: i for i, t in enumerate(names)}
+        self.table_kind = {t: manifest.tables[t].kind for t in names}
+        self.dims = table_dims(manifest, cfg)
+        self.kinds = {t: choose_kind(t, manifest.tables[t].vocab, self.table_kind[t], cfg) for t in names}
+        self.stores: Dict[str, RowStore] = {}
+        self.replicated: Dict[str, ReplicatedTable] = {}
+        self.req_placement = {}
+        for t in names:
+            v = manifest.tables[t].vocab
+            if self.kinds[t] == "replicated":
+                self.replicated[t] = ReplicatedTable(t, self.table_ids[t], v, self.dims[t], seed, cfg.init_scale, device)
+            else:
+                pl = make_placement(self.table_ids[t], v, world)
+                self.stores[t] = RowStore(t, pl, rank, self.dims[t], seed, cfg.init_scale)
+                self.req_placement[t] = make_placement(self.table_ids[t], v, world, salt=cfg.debug_requester_salt)
+        self.slots = [t for t in names if t in self.stores]
+        self.negatives = negatives
+        if negatives and "item" in self.stores:
+            self.slots.append(NEG_SLOT)
+
+    # -- helpers -------------------------------------------------------------------------------------------------
+    def store_of(self, slot: str) -> str:
+        return "item" if slot == NEG_SLOT else slot
+
+    def slot_exchange(self, slot: str) -> str:
+        return "unique" if slot == NEG_SLOT else self.kinds[slot]
+
+    def _a2a(self, send: torch.Tensor, send_splits: List[int], recv_splits: List[int], stage: str) -> torch.Tensor:
+        out = send.new_empty(sum(recv_splits))
+        t0 = time.perf_counter()
+        dist.all_to_all_single(out, send, recv_splits, send_splits, group=self.group)
+        self.timer.add(stage + ".comm", time.perf_counter() - t0)
+        return out
+
+    def _slot_keys(self, batch: PreparedBatch, slot: str) -> np.ndarray:
+        if slot == NEG_SLOT:
+            return np.unique(batch.negatives)
+        return batch.keys[slot]
+
+    # -- stage: key routing --------------------------------------------------------------------------------------
+    def input_dist(self, batch: PreparedBatch) -> Routing:
+        W, S, N = self.world, len(self.slots), len(batch.micro)
+        req: Dict[str, _ReqSlot] = {}
+        neg_inv = None
+        if self.negatives and batch.negatives is not None:
+            _, inv = np.unique(batch.negatives, return_inverse=True)
+            neg_inv = torch.from_numpy(inv.astype(np.int64)).to(self.device)
+        for slot in self.slots:
+            keys = self._slot_keys(batch, slot)
+            dest, local = self.req_placement[self.store_of(slot)].owner_and_row(keys)
+            order = np.argsort(dest, kind="stable")
+            bounds = np.searchsorted(dest[order], np.arange(W + 1))
+            pos_in_dest = np.empty(len(keys), dtype=np.int64)
+            pos_in_dest[order] = np.arange(len(keys)) - np.repeat(bounds[:-1], np.diff(bounds))
+            send_rows = [local[order[bounds[r]:bounds[r + 1]]] for r in range(W)]
+            mb_lists, unperm = [], []
+            for mbd in batch.micro:
+                if self.slot_exchange(slot) == "unique":
+                    mk = np.arange(len(keys), dtype=np.int64) if slot == NEG_SLOT else mbd.mb_keys[slot]
+                    lists, up = UniqueBased.plan(dest, pos_in_dest, mk, W)
+                    unperm.append(torch.from_numpy(up).to(self.device))
+                else:
+                    lists = ReductionBased.plan(dest, pos_in_dest, mbd.value_key[slot], mbd.value_sample[slot], W)
+                    unperm.append(None)
+                mb_lists.append(lists)
+            req[slot] = _ReqSlot(dest, pos_in_dest, send_rows, mb_lists, unperm)
+        # fused counts: [keys per slot] [list length per (micro-batch, slot)] [samples per micro-batch]
+        counts = np.zeros((W, S + N * S + N), dtype=np.int64)
+        payload = []
+        for r in range(W):
+            parts = []
+            for si, slot in enumerate(self.slots):
+                counts[r, si] = len(req[slot].send_rows[r])
+                parts.append(req[slot].send_rows[r])
+            for i, mbd in enumerate(batch.micro):
+                for si, slot in enumerate(self.slots):
+                    lst = req[slot].mb_lists[i][r]
+                    counts[r, S + i * S + si] = len(lst)
+                    parts.append(lst)
+                counts[r, S + N * S + i] = len(mbd.samples)
+            payload.append(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
+        C = counts.shape[1]
+        t0 = time.perf_counter()
+        got_counts = self._a2a(torch.from_numpy(counts.reshape(-1)).to(self.device), [C] * W, [C] * W, "route")
+        got_counts = got_counts.view(W, C).cpu().numpy()
+        send_payload = torch.from_numpy(np.concatenate(payload).astype(np.int64)).to(self.device)
+        got = self._a2a(send_payload, [len(p) for p in payload], [int(x) for x in got_counts[:, :S + N * S].sum(1)], "route")
+        got = got.cpu().numpy()
+        # owner side: parse, in (requester, slot) order
+        cursor = 0
+        entries: Dict[str, List[np.ndarray]] = {s: [] for s in self.stores}
+        n_entries = {s: 0 for s in self.stores}
+        base: Dict[str, Dict[Tuple[int, str], int]] = {s: {} for s in self.stores}
+        raw_mb: List[List[Dict[str, np.ndarray]]] = [[{} for _ in range(W)] for _ in range(N)]
+        own_b = [[0] * W for _ in range(N)]
+        for r in range(W):
+            for si, slot in enumerate(self.slots):
+                st = self.store_of(slot)
+                k = int(got_counts[r, si])
+                base[st][(r, slot)] = n_entries[st]
+                entries[st].append(got[cursor:cursor + k])
+                n_entries[st] += k
+                cursor += k
+            for i in range(N):
+                for si, slot in enumerate(self.slots):
+                    k = int(got_counts[r, S + i * S + si])
+                    raw_mb[i][r][slot] = got[cursor:cursor + k]
+                    cursor += k
+                own_b[i][r] = int(got_counts[r, S + N * S + i])
+        own: Dict[str, _OwnStore] = {}
+        for st in self.stores:
+            rows_all = torch.from_numpy(np.concatenate(entries[st]) if entries[st] else np.zeros(0, np.int64))
+            if len(rows_all) and (int(rows_all.min()) < 0 or int(rows_all.max()) >= self.stores[st].num_rows):
+                raise RuntimeError(f"table {st}: rank {self.rank} received a request for a row it does not own")
+            rows, inv = torch.unique(rows_all, sorted=True, return_inverse=True)
+            own[st] = _OwnStore(rows, inv.to(self.device), base[st])
+        own_mb: List[List[Dict[str, Tuple[torch.Tensor, ...]]]] = []
+        send_splits, recv_splits = [], []
+        for i, mbd in enumerate(batch.micro):
+            per_r, ss, rs = [], [], []
+            for r in range(W):
+                d, n_send, n_recv = {}, 0, 0
+                for slot in self.slots:
+                    st, dim = self.store_of(slot), self.dims[self.store_of(slot)]
+                    b0 = base[st][(r, slot)]
+                    lst = raw_mb[i][r][slot]
+                    if self.slot_exchange(slot) == "unique":
+                        e = torch.from_numpy(lst + b0).to(self.device)
+                        d[slot] = (e,)
+                        n_send += len(lst) * dim
+                        n_recv += len(req[slot].mb_lists[i][r]) * dim
+                    else:
+                        h = len(lst) // 2
+                        d[slot] = (torch.from_numpy(lst[:h].copy()).to(self.device),
+                                   torch.from_numpy(lst[h:] + b0).to(self.device))
+                        n_send += own_b[i][r] * dim
+                        n_recv += len(mbd.samples) * dim
+                per_r.append(d)
+                ss.append(n_send)
+                rs.append(n_recv)
+            own_mb.append(per_r)
+            send_splits.append(ss)
+            recv_splits.append(rs)
+        self.timer.add("route.total", time.perf_counter() - t0)
+        return Routing(batch, req, own, own_mb, own_b, send_splits, recv_splits, neg_inv)
+
+    # -- stage: embedding retrieval -----------------------------------------------------------------------------
+    def retrieve(self, routing: Routing) -> None:
+        t0 = time.perf_counter()
+        for st, o in routing.own.items():
+            w, s = self.stores[st].gather(o.rows)
+            o.buf_w, o.buf_s = w.to(self.device), s.to(self.device)
+            o.grad_entries = torch.zeros(len(o.inv), self.dims[st], dtype=torch.float32, device=self.device)
+        self.timer.add("retrieve", time.perf_counter() - t0)
+
+    # -- per micro-batch: embedding All2All ---------------------------------------------------------------------
+    def embed(self, routing: Routing, i: int) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
+        """Outputs of micro-batch ``i`` (per table; ``item#neg`` for negatives) and the received leaf tensor."""
+        t0 = time.perf_counter()
+        W = self.world
+        mbd = routing.batch.micro[i]
+        parts = []
+        for r in range(W):
+            for slot in self.slots:
+                o = routing.own[self.store_of(slot)]
+                idx = routing.own_mb[i][r][slot]
+                if self.slot_exchange(slot) == "unique":
+                    rows = ShardedUniqueBased.compute(o.buf_w, o.inv.index_select(0, idx[0]))
+                else:
+                    rows = ShardedReductionBased.compute(o.buf_w, idx[0], o.inv.index_select(0, idx[1]),
+                                                         routing.own_b[i][r])
+                parts.append(rows.reshape(-1))
+        send = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
+        self.timer.add("embed.owner", time.perf_counter() - t0)
+        recv = self._a2a(send, routing.send_splits[i], routing.recv_splits[i], "embed")
+        t1 = time.perf_counter()
+        leaf = recv.requires_grad_(True)
+        out: Dict[str, torch.Tensor] = {}
+        pieces: Dict[str, List[torch.Tensor]] = {s: [] for s in self.slots}
+        off = 0
+        b = len(mbd.samples)
+        for r in range(W):
+            for slot in self.slots:
+                dim = self.dims[self.store_of(slot)]
+                n = len(routing.req[slot].mb_lists[i][r]) if self.slot_exchange(slot) == "unique" else b
+                pieces[slot].append(leaf[off:off + n * dim].view(n, dim))
+                off += n * dim
+        for slot in self.slots:
+            if self.slot_exchange(slot) == "unique":
+                unperm = routing.req[slot].unperm[i]
+                if slot == NEG_SLOT:
+                    rows = torch.cat(pieces[slot], 0).index_select(0, unperm)
+                    out[slot] = rows.index_select(0, routing.neg_inv)
+                else:
+                    out[slot] = UniqueBased.unpack(
+                        pieces[slot], unperm, self._t(mbd.value_pos[slot]), self._t(mbd.value_sample[slot]), b,
+                        pooled=self.table_kind[slot] != "sequence")
+            else:
+                out[slot] = ReductionBased.unpack(pieces[slot])
+        batch = routing.batch
+        for t, tab in self.replicated.items():
+            ids = self._t(batch.keys[t][mbd.value_key[t]])
+            out[t] = tab.lookup(ids, self._t(mbd.value_sample[t]), b, pooled=self.table_kind[t] != "sequence")
+        if self.negatives and "item" in self.replicated and batch.negatives is not None:
+            out[NEG_SLOT] = self.replicated["item"].lookup(self._t(batch.negatives), None, 0, pooled=False)
+        self.timer.add("embed.requester", time.perf_counter() - t1)
+        return out, leaf
+
+    def _t(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
+
+    # -- per micro-batch: gradient All2All ----------------------------------------------------------------------
+    def exchange_grad(self, routing: Routing, i: int, leaf: torch.Tensor) -> None:
+        g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        got = self._a2a(g.contiguous(), routing.recv_splits[i], routing.send_splits[i], "grad")
+        t0 = time.perf_counter()
+        off = 0
+        for r in range(self.world):
+            for slot in self.slots:
+                st = self.store_of(slot)
+                o, dim = routing.own[st], self.dims[st]
+                idx = routing.own_mb[i][r][slot]
+                if self.slot_exchange(slot) == "unique":
+                    n = len(idx[0])
+                    ShardedUniqueBased.accumulate(o.grad_entries, idx[0], got[off:off + n * dim].view(n, dim))
+                else:
+                    n = routing.own_b[i][r]
+                    ShardedReductionBased.accumulate(o.grad_entries, idx[0], idx[1], got[off:off + n * dim].view(n, dim))
+                off += n * dim
+        self.timer.add("grad.owner", time.perf_counter() - t0)
+
+    # -- stage: owner update -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update(self, routing: Routing) -> None:
+        """One row-wise AdaGrad step per store; entries are summed in entry (= requester rank) order."""
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        for st, o in routing.own.items():
+            dim = self.dims[st]
+            row_grad = torch.zeros(len(o.rows), dim, dtype=torch.float32, device=self.device)
+            row_grad.index_add_(0, o.inv, o.grad_entries)
+            w, s = rowwise_adagrad(o.buf_w, o.buf_s, row_grad, cfg.lr, cfg.eps, cfg.momentum_scale_groups)
+            self.stores[st].write_back(o.rows, w.cpu(), s.cpu())
+            o.buf_w = o.buf_s = o.grad_entries = None
+        self.timer.add("update.sparse", time.perf_counter() - t0)
+
+    def replicated_grads(self) -> List[torch.Tensor]:
+        out = []
+        for t in sorted(self.replicated):
+            w = self.replicated[t].weight
+            out.append(w.grad if w.grad is not None else torch.zeros_like(w))
+        return out
+
+    @torch.no_grad()
+    def update_replicated(self, grads: List[torch.Tensor]) -> None:
+        for t, g in zip(sorted(self.replicated), grads):
+            self.replicated[t].update(g, self.cfg.lr, self.cfg.eps, self.cfg.momentum_scale_groups)

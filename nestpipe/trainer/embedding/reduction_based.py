@@ -1,0 +1,58 @@
+"""Reduction-based exchange (EMBark): the owner pools its rows per sample and only partial sums travel.
+
+For pooled multi-hot features (a bag of ~20 ids per sample, ``kind = pooled``): sending one ``[b, D]`` partial
+sum per owner instead of the bag's rows is about ``ids per bag`` times fewer bytes.
+
+- input_dist (once per batch, inside the fused routing): for every micro-batch the requester sends each owner the
+  (sample within the micro-batch, entry) pairs of the values that owner holds, in value order.
+- compute (owner): ``partial[sample] = sum of buffer[entry]`` over its pairs (``index_add_``, value order).
+- output_dist (the per-micro-batch embedding All2All): each owner returns ``[b, D]``; the requester adds the partial
+  sums in rank order: ``((partial_0 + partial_1) + ...)``.
+- backward: the pooled gradient ``[b, D]`` goes to every owner; the owner adds ``grad[sample]`` into each pair's
+  entry (value order), so each entry accumulates its micro-batches in order.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import numpy as np
+import torch
+
+
+class ReductionBased:
+    """Requester side."""
+
+    @staticmethod
+    def plan(dest: np.ndarray, pos_in_dest: np.ndarray, value_key: np.ndarray, value_sample: np.ndarray,
+             world: int) -> List[np.ndarray]:
+        """Per-owner flat int64 lists ``[samples..., entries...]`` for one micro-batch."""
+        d = dest[value_key]
+        order = np.argsort(d, kind="stable")
+        bounds = np.searchsorted(d[order], np.arange(world + 1))
+        samples = value_sample[order]
+        entries = pos_in_dest[value_key[order]]
+        return [np.concatenate([samples[bounds[r]:bounds[r + 1]], entries[bounds[r]:bounds[r + 1]]])
+                for r in range(world)]
+
+    @staticmethod
+    def unpack(pieces: List[torch.Tensor]) -> torch.Tensor:
+        out = pieces[0]
+        for p in pieces[1:]:
+            out = out + p
+        return out
+
+
+class ShardedReductionBased:
+    """Owner side."""
+
+    @staticmethod
+    def compute(buffer: torch.Tensor, samples: torch.Tensor, entry_rows: torch.Tensor, num_samples: int
+                ) -> torch.Tensor:
+        out = buffer.new_zeros(num_samples, buffer.shape[1])
+        return out.index_add_(0, samples, buffer.index_select(0, entry_rows))
+
+    @staticmethod
+    def accumulate(grad_entries: torch.Tensor, samples: torch.Tensor, entries: torch.Tensor,
+                   grad_pooled: torch.Tensor) -> None:
+        grad_entries.index_add_(0, entries, grad_pooled.index_select(0, samples))

@@ -1,0 +1,95 @@
+"""The DRAM tier: the rows one rank owns for one table, with their row-wise AdaGrad state beside them.
+
+Invariants
+- Rank ``r`` holds exactly the rows :class:`~nestpipe.trainer.placement.TablePlacement` assigns it, as one
+  contiguous ``[local_rows, dim]`` float32 tensor plus a ``[local_rows]`` accumulator. The store is the source of
+  truth between batches: a batch's rows are gathered from it (retrieval) and written back after the update.
+- A row is materialised on first touch from ``init_rows(seed, table, id)``; until then its memory is never read
+  (``torch.empty``/``torch.zeros`` pages are not touched, so a 32M-row table costs nothing until used).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import numpy as np
+import torch
+
+from nestpipe.trainer.placement import TablePlacement, init_rows
+
+
+class RowStore:
+    def __init__(self, name: str, placement: TablePlacement, rank: int, dim: int, seed: int, init_scale: float):
+        self.name = name
+        self.placement = placement
+        self.rank = rank
+        self.dim = dim
+        self.seed = seed
+        self.init_scale = init_scale
+        n = placement.local_rows(rank)
+        self.weight = torch.empty(n, dim, dtype=torch.float32)
+        self.state = torch.zeros(n, dtype=torch.float32)
+        self.materialized = torch.zeros(n, dtype=torch.bool)
+
+    @property
+    def num_rows(self) -> int:
+        return self.weight.shape[0]
+
+    def materialize(self, rows: torch.Tensor) -> int:
+        """Initialise the not yet touched rows among ``rows`` (int64, unique). Returns how many were new."""
+        new = rows[~self.materialized[rows]]
+        if len(new):
+            ids = self.placement.ids_of_rows(self.rank, new.numpy())
+            vals = init_rows(self.seed, self.placement.table_id, ids, self.dim, self.init_scale)
+            self.weight.index_copy_(0, new, torch.from_numpy(vals))
+            self.materialized[new] = True
+        return len(new)
+
+    def gather(self, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(weights [n, dim], state [n]) of ``rows`` (int64, unique), materialising untouched ones."""
+        self.materialize(rows)
+        return self.weight.index_select(0, rows), self.state.index_select(0, rows)
+
+    def write_back(self, rows: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> None:
+        self.weight.index_copy_(0, rows, weight.to(self.weight.device))
+        self.state.index_copy_(0, rows, state.to(self.state.device))
+
+    # -- checkpoints: only materialised rows are saved ------------------------------------------------------------
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        rows = torch.nonzero(self.materialized).flatten()
+        return {"rows": rows, "weight": self.weight.index_select(0, rows), "state": self.state.index_select(0, rows)}
+
+    def load_state_dict(self, d: Dict[str, torch.Tensor], where: str = "") -> None:
+        rows = d["rows"].to(torch.int64)
+        if len(rows) and int(rows.max()) >= self.num_rows:
+            raise ValueError(f"{where}: table {self.name}: checkpoint row {int(rows.max())} >= {self.num_rows} rows")
+        if d["weight"].shape != (len(rows), self.dim):
+            raise ValueError(f"{where}: table {self.name}: weight shape {tuple(d['weight'].shape)} != ({len(rows)}, {self.dim})")
+        self.materialized.zero_()
+        self.state.zero_()
+        self.weight.index_copy_(0, rows, d["weight"].to(torch.float32))
+        self.state.index_copy_(0, rows, d["state"].to(torch.float32))
+        self.materialized[rows] = True
+
+    def full_rows(self, start: int, stop: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Local rows ``[start, stop)`` with untouched rows materialised on the fly (export)."""
+        rows = torch.arange(start, stop, dtype=torch.int64)
+        return self.gather(rows)
+
+
+def rowwise_adagrad(weight: torch.Tensor, state: torch.Tensor, grad: torch.Tensor, lr: float, eps: float,
+                    groups: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise AdaGrad (fbgemm's EXACT_ROWWISE_ADAGRAD): ``v += mean(g^2)``; ``w -= lr / (sqrt(v) + eps) * g``.
+
+    ``groups = M > 1`` is 2D sparse parallelism's momentum-scaled variant: ``w -= lr * g / sqrt(v / M + eps)``.
+    """
+    state = state + grad.square().mean(dim=1)
+    if groups > 1:
+        mult = lr / torch.sqrt(state / groups + eps)
+    else:
+        mult = lr / (torch.sqrt(state) + eps)
+    return weight - mult.unsqueeze(1) * grad, state
+
+
+def numpy_int64(t) -> np.ndarray:
+    return np.asarray(t, dtype=np.int64)

@@ -1,0 +1,114 @@
+"""Export: the whole model as one plain dict of name -> full, unsharded tensor (``torch.load(weights_only=True)``).
+
+Names
+- ``embedding.<table>.weight`` ``[V, D]`` and ``embedding.<table>.adagrad_state`` ``[V]``, rows indexed by the
+  in-vocabulary id (the placement is undone; rows never touched hold their deterministic initial value);
+- ``dense.<parameter>``; ``optim.dense.<parameter>.{exp_avg,exp_avg_sq,step}`` (AdamW).
+
+The result does not depend on the world size that trained it. For tables above ``max_rows_in_memory`` rows,
+:func:`export_run` streams: ``FILE.pt`` then holds everything else plus ``embedding.<table>.files`` metadata, and each
+large table is written as ``FILE.<table>.<block>.pt`` files of consecutive id blocks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Iterator, Tuple
+
+import numpy as np
+import torch
+
+from nestpipe.trainer import checkpoint
+from nestpipe.trainer.config import load_run_config
+from nestpipe.trainer.placement import TablePlacement, init_rows
+
+
+def _table_blocks(ckpt: str, name: str, pmeta: Dict, seed: int, rank_files: Dict[int, Dict],
+                  block: int) -> Iterator[Tuple[int, torch.Tensor, torch.Tensor]]:
+    pl = TablePlacement(pmeta["table_id"], pmeta["vocab"], pmeta["world"], pmeta["a"], pmeta["b"])
+    dim, R = pmeta["dim"], pl.rows_per_rank
+    # dense local->value maps per rank (materialised rows only)
+    per_rank = {}
+    for r in range(pl.world):
+        t = rank_files[r]["tables"][name]
+        per_rank[r] = (t["rows"].numpy(), t["weight"], t["state"])
+    for start in range(0, pl.vocab, block):
+        ids = np.arange(start, min(pl.vocab, start + block), dtype=np.int64)
+        w = torch.from_numpy(init_rows(seed, pl.table_id, ids, dim, pmeta["init_scale"]))
+        s = torch.zeros(len(ids), dtype=torch.float32)
+        owner, local = pl.owner_and_row(ids)
+        for r, (rows, rw, rs) in per_rank.items():
+            sel = np.nonzero(owner == r)[0]
+            if not len(sel) or not len(rows):
+                continue
+            pos = np.searchsorted(rows, local[sel])
+            pos_c = np.minimum(pos, len(rows) - 1)
+            hit = rows[pos_c] == local[sel]
+            if hit.any():
+                dst = torch.from_numpy(sel[hit])
+                src = torch.from_numpy(pos_c[hit])
+                w.index_copy_(0, dst, rw.index_select(0, src))
+                s.index_copy_(0, dst, rs.index_select(0, src))
+        yield start, w, s
+
+
+def assemble(run: str, ckpt: str = None, max_rows_in_memory: int = 50_000_000) -> Dict[str, torch.Tensor]:
+    """Full tensors of a run's latest (or given) checkpoint, in memory."""
+    out, _ = _assemble(run, ckpt, None, max_rows_in_memory)
+    return out
+
+
+def _assemble(run, ckpt, stream_prefix, max_rows_in_memory):
+    cfg = load_run_config(run)
+    ckpt = ckpt or checkpoint.latest(run)
+    if ckpt is None:
+        raise FileNotFoundError(f"{run}: no complete checkpoint (train first)")
+    meta = checkpoint.read_meta(ckpt)
+    rank_files = {r: checkpoint.load_rank_file(ckpt, r) for r in range(meta["world"])}
+    out: Dict[str, torch.Tensor] = {}
+    files = []
+    for name, pm in sorted(meta["placement"].items()):
+        pm = dict(pm, init_scale=cfg.embedding.init_scale)
+        big = pm["vocab"] > max_rows_in_memory
+        if big and stream_prefix is None:
+            raise ValueError(f"table {name}: {pm['vocab']} rows exceed max_rows_in_memory; export to a file to stream")
+        block = 1_000_000 if big else max(pm["vocab"], 1)
+        for bi, (start, w, s) in enumerate(_table_blocks(ckpt, name, pm, meta["seed"], rank_files, block)):
+            if big:
+                path = f"{stream_prefix}.{name}.{bi:05d}.pt"
+                torch.save({f"embedding.{name}.weight": w, f"embedding.{name}.adagrad_state": s,
+                            f"embedding.{name}.first_id": torch.tensor(start)}, path)
+                files.append(path)
+            else:
+                out[f"embedding.{name}.weight"] = w
+                out[f"embedding.{name}.adagrad_state"] = s
+    r0 = rank_files[0]
+    for name, rep in r0["replicated"].items():
+        out[f"embedding.{name}.weight"] = rep["weight"]
+        out[f"embedding.{name}.adagrad_state"] = rep["state"]
+    names = sorted(r0["dense"])
+    for k in names:
+        out[f"dense.{k}"] = r0["dense"][k]
+    # AdamW state: optimizer params are in model.parameters() order
+    from nestpipe.datasets.shards import load_manifest
+    from nestpipe.trainer.models import build_model
+    from nestpipe.trainer.embedding.collection import table_dims
+
+    manifest = load_manifest(cfg.shards)
+    model = build_model(cfg, manifest, table_dims(manifest, cfg.embedding))
+    pnames = [n for n, _ in model.named_parameters()]
+    for idx, st in r0["optimizer"]["state"].items():
+        for k, v in st.items():
+            out[f"optim.dense.{pnames[int(idx)]}.{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
+    out["meta.step"] = torch.tensor(meta["step"])
+    return out, files
+
+
+def export_run(run: str, out_file: str, max_rows_in_memory: int = 50_000_000) -> Dict:
+    prefix = out_file[:-3] if out_file.endswith(".pt") else out_file
+    tensors, files = _assemble(run, None, prefix, max_rows_in_memory)
+    os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)
+    tmp = out_file + ".tmp"
+    torch.save(tensors, tmp)
+    os.replace(tmp, out_file)
+    return {"file": out_file, "tensors": len(tensors), "streamed_files": files, "step": int(tensors["meta.step"])}

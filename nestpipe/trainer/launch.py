@@ -1,0 +1,91 @@
+"""Launching: ``nestpipe train`` re-enters through ``torch.distributed.run`` with this module as the worker.
+
+``launch_training`` builds the torchrun argument list (``--standalone`` for one node unless a rendezvous is given,
+or any torchrun option passed through) and runs ``python -m nestpipe.trainer.launch --worker-run RUN [--worker-resume]`` on every
+rank. The worker reads ``RUN/config.json``, joins the process group through the device layer with the configured
+timeout, trains, and exits non-zero on any error; torchrun then stops the other ranks, so a failing rank ends the
+whole job within about the monitor interval, and a dead peer within the process-group timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from typing import List, Optional
+
+import torch.distributed as dist
+
+
+def launch_training(run: str, nproc_per_node: int, resume: bool, torchrun_args: Optional[List[str]] = None) -> int:
+    from torch.distributed import run as trun
+
+    torchrun_args = list(torchrun_args or [])
+    args = []
+    if not any(a.startswith("--rdzv") or a.startswith("--master") or a.startswith("--nnodes") for a in torchrun_args):
+        args.append("--standalone")
+    args += ["--nproc-per-node", str(nproc_per_node), "--monitor-interval", "0.5", *torchrun_args,
+             "-m", "nestpipe.trainer.launch", "--worker-run", run]
+    if resume:
+        args.append("--worker-resume")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TORCHELASTIC_ERROR_FILE", os.path.join(run, "error.json"))
+    try:
+        trun.main(args)
+    except SystemExit as e:  # torchrun exits on argument errors
+        if e.code not in (0, None):
+            raise RuntimeError(f"torchrun failed ({e.code}); arguments {args}") from None
+    except Exception as e:  # ChildFailedError and friends
+        raise RuntimeError(f"training failed: {_summarise(e)} (full tracebacks above; logs in {run})") from None
+    return 0
+
+
+def _summarise(e: Exception) -> str:
+    failures = getattr(e, "failures", None)
+    if failures:
+        parts = []
+        for rank, f in sorted(failures.items()):
+            msg = ""
+            try:
+                msg = f.message.get("message", "") if isinstance(f.message, dict) else str(f.message)
+            except Exception:  # noqa: BLE001
+                pass
+            first = msg.strip().splitlines()[0] if msg.strip() else f"exit code {f.exitcode}"
+            parts.append(f"rank {rank}: {first}")
+        return "; ".join(parts)
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def worker_main(argv: Optional[List[str]] = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    p = argparse.ArgumentParser(prog="nestpipe.trainer.launch")
+    p.add_argument("--worker-run", required=True)
+    p.add_argument("--worker-resume", action="store_true")
+    a = p.parse_args(argv)
+
+    @record
+    def _main() -> int:
+        from nestpipe.trainer import device as devmod
+        from nestpipe.trainer.config import load_run_config
+        from nestpipe.trainer.loop import train_worker
+
+        cfg = load_run_config(a.worker_run)
+        dev = devmod.resolve(cfg.device, devmod.local_rank())
+        rank, world = devmod.init_distributed(dev, cfg.timeout_s)
+        try:
+            train_worker(cfg, dev, rank, world, a.worker_resume)
+        except Exception:
+            print(f"[rank {rank}] error:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            raise
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        return 0
+
+    return _main()
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

@@ -1,0 +1,164 @@
+"""The synchronous step (``--pipeline off``) as explicit stage functions, in pipeline order.
+
+    prefetch -> h2d -> route -> retrieve -> forward_backward (per micro-batch: embedding All2All, dense fwd/bwd,
+    gradient All2All, owner-side accumulation) -> update (dense all-reduce + AdamW, owner row-wise AdaGrad)
+
+The arithmetic order is the specification the pipelined modes reproduce bit for bit:
+- micro-batches run in their index order; each micro-batch's loss is ``sum(per-sample loss) / (B * W)``, never a
+  per-micro-batch mean, so the batch gradient is the gradient of the global mean loss;
+- dense and replicated gradients accumulate in ``.grad`` over micro-batches in order (autograd), then one flat
+  all-reduce per batch (the batch's loss sum rides along as the last element);
+- owners add each entry's row gradient over micro-batches in order (``index_add_``), then over requester ranks in
+  rank order; one update per batch; embeddings are frozen between :func:`stage_retrieve` and :func:`stage_update`;
+- random numbers come only from generators keyed by (seed, step, micro-batch, rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nestpipe.datasets.shards import Manifest
+from nestpipe.trainer.config import TrainConfig
+from nestpipe.trainer.data import NEG_SLOT, PreparedBatch, prepare_batch
+from nestpipe.trainer.embedding.collection import Routing, ShardedEmbeddingCollection
+from nestpipe.trainer.metrics import StageTimer
+
+
+@dataclasses.dataclass
+class StepState:
+    """Everything a rank trains: the sharded embeddings, the replicated dense model and its optimizer."""
+
+    cfg: TrainConfig
+    manifest: Manifest
+    rank: int
+    world: int
+    device: torch.device
+    emb: ShardedEmbeddingCollection
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    timer: StageTimer
+    group: Optional[object] = None
+
+
+def num_negatives(cfg: TrainConfig):
+    if cfg.model != "hstu":
+        return (0, 0)
+    return (cfg.hstu.num_random_negatives, cfg.hstu.num_popular_negatives)
+
+
+def model_feats(cfg: TrainConfig, manifest: Manifest, batch: PreparedBatch, i: int,
+                device: torch.device) -> Dict[str, torch.Tensor]:
+    """The dense model's non-embedding inputs of micro-batch ``i``."""
+    mbd = batch.micro[i]
+    if cfg.model == "hstu":
+        return {
+            "lengths": torch.from_numpy(mbd.lengths["item"]).to(device),
+            "item_ids": torch.from_numpy(batch.keys["item"][mbd.value_key["item"]]).to(device),
+            "neg_ids": torch.from_numpy(batch.negatives).to(device),
+        }
+    k = manifest.labels.index(cfg.dlrm.target)
+    return {
+        "dense": torch.from_numpy(np.ascontiguousarray(mbd.fields["dense"], dtype=np.float32)).to(device),
+        "labels": torch.from_numpy(np.ascontiguousarray(mbd.fields["labels"][:, k], dtype=np.float32)).to(device),
+    }
+
+
+# -- stage 1: data prefetch ---------------------------------------------------------------------------------------
+def stage_prefetch(state: StepState, step: int, record: Dict, where: str) -> PreparedBatch:
+    with state.timer.span("prefetch"):
+        return prepare_batch(record, state.manifest, step, state.rank, state.cfg.seed,
+                             num_negatives(state.cfg), where=where)
+
+
+# -- stage 2: H2D ---------------------------------------------------------------------------------------------------
+def stage_h2d(state: StepState, batch: PreparedBatch) -> List[Dict[str, torch.Tensor]]:
+    with state.timer.span("h2d"):
+        return [model_feats(state.cfg, state.manifest, batch, i, state.device) for i in range(len(batch.micro))]
+
+
+# -- stage 3: key routing -------------------------------------------------------------------------------------------
+def stage_route(state: StepState, batch: PreparedBatch) -> Routing:
+    return state.emb.input_dist(batch)
+
+
+# -- stage 4: embedding retrieval ----------------------------------------------------------------------------------
+def stage_retrieve(state: StepState, routing: Routing) -> None:
+    state.emb.retrieve(routing)
+
+
+# -- stage 5: forward / backward, micro-batch by micro-batch ------------------------------------------------------
+def stage_forward_backward(state: StepState, routing: Routing, feats: List[Dict[str, torch.Tensor]]) -> torch.Tensor:
+    """Returns this rank's loss sum divided by ``B * W`` (a detached scalar)."""
+    norm = float(routing.batch.batch_size * state.world)
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(len(routing.batch.micro)):
+        emb_out, leaf = state.emb.embed(routing, i)
+        t0 = time.perf_counter()
+        loss = state.model(emb_out, feats[i]).sum() / norm
+        loss.backward()
+        total += loss.detach().double().cpu()
+        state.timer.add("dense.fwd_bwd", time.perf_counter() - t0)
+        state.emb.exchange_grad(routing, i, leaf)
+    return total
+
+
+# -- update: one per batch -----------------------------------------------------------------------------------------
+def stage_update(state: StepState, routing: Routing, loss: torch.Tensor) -> float:
+    """All-reduce dense + replicated gradients (one flat buffer), AdamW, owner AdaGrad. Returns the global loss."""
+    params = [p for _, p in sorted(state.model.named_parameters(), key=lambda kv: kv[0])]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    rep = state.emb.replicated_grads()
+    flat = torch.cat([g.reshape(-1) for g in grads + rep] + [loss.to(torch.float32).reshape(1).to(state.device)])
+    t0 = time.perf_counter()
+    if state.world > 1:
+        dist.all_reduce(flat, group=state.group)
+    state.timer.add("dense.allreduce.comm", time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    off = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[off:off + g.numel()].view_as(g).clone()
+        off += g.numel()
+    rep_red = []
+    for g in rep:
+        rep_red.append(flat[off:off + g.numel()].view_as(g).clone())
+        off += g.numel()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    state.emb.update_replicated(rep_red)
+    state.timer.add("update.dense", time.perf_counter() - t0)
+    state.emb.update(routing)
+    return float(flat[-1])
+
+
+def train_step(state: StepState, step: int, record: Dict, where: str = "") -> float:
+    """One synchronous step: the stages above, one after another."""
+    batch = stage_prefetch(state, step, record, where)
+    feats = stage_h2d(state, batch)
+    routing = stage_route(state, batch)
+    stage_retrieve(state, routing)
+    loss = stage_forward_backward(state, routing, feats)
+    return stage_update(state, routing, loss)
+
+
+def build_state(cfg: TrainConfig, manifest: Manifest, rank: int, world: int, device: torch.device,
+                group=None) -> StepState:
+    from nestpipe.trainer.models import build_model
+
+    timer = StageTimer()
+    emb = ShardedEmbeddingCollection(manifest, cfg.embedding, cfg.seed, rank, world, device,
+                                     negatives=cfg.model == "hstu", group=group, timer=timer)
+    model = build_model(cfg, manifest, emb.dims).to(device)
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                  weight_decay=o.weight_decay, foreach=False)
+    return StepState(cfg, manifest, rank, world, device, emb, model, optimizer, timer, group)
+
+
+__all__ = ["NEG_SLOT", "StepState", "build_state", "train_step", "stage_prefetch", "stage_h2d", "stage_route",
+           "stage_retrieve", "stage_forward_backward", "stage_update", "model_feats"]

@@ -52,6 +52,19 @@ class IngestError(RuntimeError):
     """The ingest cannot go on (too many rejects, a foreign output directory, ...)."""
 
 
+def _crash_point(stage: str, unit: int, where: str = "start") -> None:
+    """Fault injection for the resume tests: ``NESTPIPE_INGEST_CRASH_AT=stage:unit[:where]`` makes the process
+    SIGKILL itself there (e.g. ``shard:1:mid`` dies after shard 1 has begun writing records)."""
+    spec = os.environ.get("NESTPIPE_INGEST_CRASH_AT")
+    if not spec:
+        return
+    parts = spec.split(":")
+    if parts[0] == stage and int(parts[1]) == unit and (parts[2] if len(parts) > 2 else "start") == where:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # input specs
 
@@ -111,6 +124,7 @@ def _unit_parse(args: Tuple[str, str, int, str, int, int, int, int, int]) -> Dic
     if os.path.exists(out):
         with open(out + ".stats.json") as f:
             return json.load(f)
+    _crash_point("parse", file_idx)  # parse:F dies when a chunk of input file F starts
     from nestpipe.ingest.parse import Chunk
 
     data = read_chunk_bytes(Chunk(path, chunk_idx, start, end, first_line))
@@ -238,7 +252,6 @@ def cluster_fields(batch: Dict[str, Any], tables: Sequence[str], cluster_tables:
         values, offsets = batch[f"{cluster_tables[0]}.values"], offs[0]
     else:
         # Several tables: one combined id space, per-sample concatenation of every table's keys.
-        per_sample = []
         b = len(offs[0]) - 1
         lens = np.zeros(b, np.int64)
         for tid, (t, off) in enumerate(zip(cluster_tables, offs)):
@@ -253,7 +266,6 @@ def cluster_fields(batch: Dict[str, Any], tables: Sequence[str], cluster_tables:
             dst = np.repeat(cursor - off[:-1], ln) + np.arange(off[-1])
             values[dst] = v
             cursor += ln
-        del per_sample
     mb = clustering.assign(values, offsets, n, method=method, seed=seed).astype(np.int32)
     batch["mb"] = mb
     for t in tables:
@@ -282,10 +294,21 @@ def _unit_shard(args: Tuple[str, str, str, int, int, int, Dict[str, Any]]) -> Di
         parts = z["parts"][first_batch * B:(first_batch + n_batches) * B]
         idxs = z["idxs"][first_batch * B:(first_batch + n_batches) * B]
     cache = _PartitionCache(work)
+    _crash_point("shard", k)
+    digest, size = S.write_shard(path, _shard_records(cache, parts, idxs, split, k, first_batch, n_batches, opts))
+    return {"path": name, "batches": n_batches, "samples": n_batches * B, "sha256": digest, "bytes": size,
+            "resumed": False}
+
+
+def _shard_records(cache: "_PartitionCache", parts: np.ndarray, idxs: np.ndarray, split: str, k: int,
+                   first_batch: int, n_batches: int, opts: Dict[str, Any]):
+    """Yield (key, batch) records of one shard, built lazily so only one batch is in memory at a time."""
+    B = opts["batch_size"]
     task = opts["task"]
-    records = []
     tables = opts["tables"]
     for j in range(n_batches):
+        if j == 1:
+            _crash_point("shard", k, "mid")
         bi = first_batch + j
         sl = slice(j * B, (j + 1) * B)
         bp, bx = parts[sl], idxs[sl]
@@ -308,10 +331,7 @@ def _unit_shard(args: Tuple[str, str, str, int, int, int, Dict[str, Any]]) -> Di
         batch = cluster_fields(batch, tables, cluster_tables, opts["micro_batches"], opts["clustering"], seed)
         batch["meta"] = {"index": bi, "split": split, "task": task, "samples": B,
                          "micro_batches": opts["micro_batches"]}
-        records.append((f"{bi:09d}", batch))
-    digest, size = S.write_shard(path, records)
-    return {"path": name, "batches": n_batches, "samples": n_batches * B, "sha256": digest, "bytes": size,
-            "resumed": False}
+        yield f"{bi:09d}", batch
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -383,6 +403,11 @@ def _prepare_out(cfg: IngestConfig, fingerprint: Dict[str, Any]) -> str:
             except (OSError, json.JSONDecodeError):
                 same = False
         if same and not cfg.force:
+            if not complete:
+                # a killed run may leave temporary files: they are never part of the output
+                for entry in os.listdir(out):
+                    if ".tmp" in entry:
+                        os.remove(os.path.join(out, entry))
             return "complete" if complete else "resume"
         if not cfg.force:
             raise FileExistsError(
@@ -442,8 +467,7 @@ def ingest(cfg: IngestConfig) -> S.Manifest:
     fingerprint = {"inputs": fps, "options": semantic, "format_version": S.FORMAT_VERSION, "release": found.release}
     status = _prepare_out(cfg, fingerprint)
     if status == "complete":
-        if cfg.progress:
-            print(f"{cfg.out}: already complete for these inputs and options; nothing to do", file=sys.stderr)
+        print(f"{cfg.out}: already complete for these inputs and options; nothing to do", file=sys.stderr)
         return S.load_manifest(cfg.out)
     work = os.path.join(cfg.out, WORK)
 

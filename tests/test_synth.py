@@ -401,6 +401,10 @@ def test_synth_command_writes_and_refuses_a_foreign_directory(tmp_path, capsys):
     # Rerunning into its own output is allowed (it holds only generated files).
     assert cli_main(["synth", "--out", str(out), "--scale", "tiny", "--interactions", "500", "--quiet"]) == 0
     assert sum(1 for _ in open(out / synth.LOG_FILES[0])) < 500
+    # Leftovers of an interrupted run are its own files too.
+    (out / (synth.LOG_FILES[4] + ".partial")).write_text("truncated")
+    assert cli_main(["synth", "--out", str(out), "--scale", "tiny", "--quiet"]) == 0
+    assert not (out / (synth.LOG_FILES[4] + ".partial")).exists()
     # A directory with other files is refused unless --force, and the foreign file is named.
     (out / "notes.txt").write_text("keep me")
     assert cli_main(["synth", "--out", str(out), "--scale", "tiny", "--quiet"]) == 1

@@ -17,7 +17,8 @@ visible structure; :func:`video_slots` / :func:`video_communities` invert it.
 the map from the config, nothing extra is written into the KuaiRand files). Each item a user starts from is drawn
 with probability ``in_community_prob`` (0.8) from the user's community catalogue and otherwise from the global
 head, in both cases with **Zipf popularity** ``P(rank r) ~ r ** -zipf_exponent`` (1.2) inside the catalogue. As all
-catalogues share the exponent, the overall rank-frequency curve also has a log-log slope of about -1.2.
+catalogues share the exponent, the overall rank-frequency curve also has a log-log slope of about -1.2 over ranks
+well above ``num_communities`` (at the top, items of equal rank in the equally sized catalogues form small plateaus).
 
 *Sessions and transitions.* A user's history is cut into sessions (a new session starts with probability
 ``1 / mean_session_length``). Inside a session, with probability ``successor_prob`` (0.3) the next item is the
@@ -677,7 +678,8 @@ def check_output_dir(out_dir: str, force: bool = False) -> None:
         return
     if not os.path.isdir(out_dir):
         raise FileExistsError(f"{out_dir}: exists and is not a directory")
-    foreign = sorted(set(os.listdir(out_dir)) - set(ALL_FILES) - {TMP_DIR_NAME})
+    own = set(ALL_FILES) | {n + ".partial" for n in ALL_FILES} | {TMP_DIR_NAME}  # incl. leftovers of a killed run
+    foreign = sorted(set(os.listdir(out_dir)) - own)
     if foreign and not force:
         raise FileExistsError(
             f"{out_dir}: directory is not empty and holds files that are not synthetic KuaiRand output "

@@ -214,6 +214,7 @@ def _sorted_keys(n, high, seed):
 SYNC_CASES = [
     lambda: (_sorted_keys(400, 1000, 1), _sorted_keys(400, 1000, 2)),  # partial overlap
     lambda: (_sorted_keys(300, 1000, 1),) * 2,  # full overlap
+    lambda: (_sorted_keys(20000, 40000, 3), _sorted_keys(20000, 40000, 4)),  # several merge chunks
     lambda: (torch.arange(0, 100, 2), torch.arange(1, 100, 2)),  # none
     lambda: (torch.zeros(0, dtype=torch.int64), torch.arange(5)),  # empty
     lambda: (torch.tensor([I64_MIN, -1, 0, I64_MAX]), torch.tensor([I64_MIN, 5, I64_MAX])),  # extremes

@@ -51,16 +51,34 @@ def _adagrad(weights, state, rows, grads, lr, eps, momentum_scale, scale_state):
             weights[r, d] -= multiplier * grads[i, d]
 
 
+_SYNC_CHUNK = 4096
+
+
 @numba.jit(parallel=True, **_JIT)
 def _sync(active_keys, active_rows, prefetch_keys, prefetch_rows):
-    copied = 0
+    """Sorted-merge intersection + row copy. Prefetch keys are cut into chunks (one per parallel iteration); a
+    chunk finds its start in the active keys by one binary search, then merges linearly (O(n + m) overall)."""
     n_active = active_keys.shape[0]
-    for j in numba.prange(prefetch_keys.shape[0]):
-        key = prefetch_keys[j]
-        pos = np.searchsorted(active_keys, key)
-        if pos < n_active and active_keys[pos] == key:
-            prefetch_rows[j, :] = active_rows[pos, :]
-            copied += 1
+    n_prefetch = prefetch_keys.shape[0]
+    copied = 0
+    for c in numba.prange((n_prefetch + _SYNC_CHUNK - 1) // _SYNC_CHUNK):
+        j = c * _SYNC_CHUNK
+        end = min(n_prefetch, j + _SYNC_CHUNK)
+        i = np.searchsorted(active_keys, prefetch_keys[j])
+        found = 0
+        while j < end and i < n_active:
+            a = active_keys[i]
+            p = prefetch_keys[j]
+            if a < p:
+                i += 1
+            elif a > p:
+                j += 1
+            else:
+                prefetch_rows[j, :] = active_rows[i, :]
+                found += 1
+                i += 1
+                j += 1
+        copied += found
     return copied
 
 

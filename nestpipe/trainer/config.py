@@ -81,6 +81,7 @@ class TrainConfig:
     epochs: Optional[int] = None
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | npu
+    dtype: str = "float32"  # float32 | float64 (float64: verification against the float64 reference)
     threads: int = 1
     timeout_s: float = 60.0
     checkpoint_every: int = 0

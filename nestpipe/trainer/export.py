@@ -34,8 +34,9 @@ def _table_blocks(ckpt: str, name: str, pmeta: Dict, seed: int, rank_files: Dict
         per_rank[r] = (t["rows"].numpy(), t["weight"], t["state"])
     for start in range(0, pl.vocab, block):
         ids = np.arange(start, min(pl.vocab, start + block), dtype=np.int64)
-        w = torch.from_numpy(init_rows(seed, pl.table_id, ids, dim, pmeta["init_scale"]))
-        s = torch.zeros(len(ids), dtype=torch.float32)
+        dtype = rank_files[0]["tables"][name]["weight"].dtype
+        w = torch.from_numpy(init_rows(seed, pl.table_id, ids, dim, pmeta["init_scale"])).to(dtype)
+        s = torch.zeros(len(ids), dtype=dtype)
         owner, local = pl.owner_and_row(ids)
         for r, (rows, rw, rs) in per_rank.items():
             sel = np.nonzero(owner == r)[0]

@@ -76,6 +76,8 @@ def worker_main(argv: Optional[List[str]] = None) -> int:
         rank, world = devmod.init_distributed(dev, cfg.timeout_s)
         try:
             train_worker(cfg, dev, rank, world, a.worker_resume)
+            if world > 1:
+                dist.barrier()  # nobody tears down gloo while a peer still talks to it
         except Exception:
             print(f"[rank {rank}] error:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             raise

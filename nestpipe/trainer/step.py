@@ -29,6 +29,8 @@ from nestpipe.trainer.data import NEG_SLOT, PreparedBatch, prepare_batch
 from nestpipe.trainer.embedding.collection import Routing, ShardedEmbeddingCollection
 from nestpipe.trainer.metrics import StageTimer
 
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
 
 @dataclasses.dataclass
 class StepState:
@@ -54,6 +56,7 @@ def num_negatives(cfg: TrainConfig):
 
 def model_feats(cfg: TrainConfig, manifest: Manifest, batch: PreparedBatch, i: int,
                 device: torch.device) -> Dict[str, torch.Tensor]:
+    dtype = DTYPES[cfg.dtype]
     """The dense model's non-embedding inputs of micro-batch ``i``."""
     mbd = batch.micro[i]
     if cfg.model == "hstu":
@@ -64,8 +67,8 @@ def model_feats(cfg: TrainConfig, manifest: Manifest, batch: PreparedBatch, i: i
         }
     k = manifest.labels.index(cfg.dlrm.target)
     return {
-        "dense": torch.from_numpy(np.ascontiguousarray(mbd.fields["dense"], dtype=np.float32)).to(device),
-        "labels": torch.from_numpy(np.ascontiguousarray(mbd.fields["labels"][:, k], dtype=np.float32)).to(device),
+        "dense": torch.from_numpy(np.ascontiguousarray(mbd.fields["dense"], dtype=np.float32)).to(device, dtype),
+        "labels": torch.from_numpy(np.ascontiguousarray(mbd.fields["labels"][:, k], dtype=np.float32)).to(device, dtype),
     }
 
 
@@ -108,13 +111,17 @@ def stage_forward_backward(state: StepState, routing: Routing, feats: List[Dict[
     return total
 
 
+def flat_dtype(grads, rep):
+    return (grads + rep)[0].dtype if grads + rep else torch.float32
+
+
 # -- update: one per batch -----------------------------------------------------------------------------------------
 def stage_update(state: StepState, routing: Routing, loss: torch.Tensor) -> float:
     """All-reduce dense + replicated gradients (one flat buffer), AdamW, owner AdaGrad. Returns the global loss."""
     params = [p for _, p in sorted(state.model.named_parameters(), key=lambda kv: kv[0])]
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     rep = state.emb.replicated_grads()
-    flat = torch.cat([g.reshape(-1) for g in grads + rep] + [loss.to(torch.float32).reshape(1).to(state.device)])
+    flat = torch.cat([g.reshape(-1) for g in grads + rep] + [loss.to(flat_dtype(grads, rep)).reshape(1).to(state.device)])
     t0 = time.perf_counter()
     if state.world > 1:
         dist.all_reduce(flat, group=state.group)
@@ -150,10 +157,13 @@ def build_state(cfg: TrainConfig, manifest: Manifest, rank: int, world: int, dev
                 group=None) -> StepState:
     from nestpipe.trainer.models import build_model
 
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"dtype {cfg.dtype!r}: expected one of {sorted(DTYPES)}")
     timer = StageTimer()
     emb = ShardedEmbeddingCollection(manifest, cfg.embedding, cfg.seed, rank, world, device,
-                                     negatives=cfg.model == "hstu", group=group, timer=timer)
-    model = build_model(cfg, manifest, emb.dims).to(device)
+                                     negatives=cfg.model == "hstu", group=group, timer=timer,
+                                     dtype=DTYPES[cfg.dtype])
+    model = build_model(cfg, manifest, emb.dims).to(device=device, dtype=DTYPES[cfg.dtype])
     o = cfg.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                   weight_decay=o.weight_decay, foreach=False)

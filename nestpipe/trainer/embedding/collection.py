@@ -100,8 +100,10 @@ class Routing:
 
 class ShardedEmbeddingCollection:
     def __init__(self, manifest: Manifest, cfg: EmbeddingConfig, seed: int, rank: int, world: int,
-                 device: torch.device, negatives: bool = False, group=None, timer: Optional[StageTimer] = None):
+                 device: torch.device, negatives: bool = False, group=None, timer: Optional[StageTimer] = None,
+                 dtype: torch.dtype = torch.float32):
         self.cfg, self.rank, self.world, self.device, self.group = cfg, rank, world, device, group
+        self.dtype = dtype
         self.timer = timer or StageTimer()
         names = sorted(manifest.tables)
         self.table_ids = {t: i for i, t in enumerate(names)}
@@ -114,10 +116,11 @@ class ShardedEmbeddingCollection:
         for t in names:
             v = manifest.tables[t].vocab
             if self.kinds[t] == "replicated":
-                self.replicated[t] = ReplicatedTable(t, self.table_ids[t], v, self.dims[t], seed, cfg.init_scale, device)
+                self.replicated[t] = ReplicatedTable(t, self.table_ids[t], v, self.dims[t], seed, cfg.init_scale, device,
+                                                     dtype)
             else:
                 pl = make_placement(self.table_ids[t], v, world)
-                self.stores[t] = RowStore(t, pl, rank, self.dims[t], seed, cfg.init_scale)
+                self.stores[t] = RowStore(t, pl, rank, self.dims[t], seed, cfg.init_scale, dtype)
                 self.req_placement[t] = make_placement(self.table_ids[t], v, world, salt=cfg.debug_requester_salt)
         self.slots = [t for t in names if t in self.stores]
         self.negatives = negatives
@@ -256,7 +259,7 @@ class ShardedEmbeddingCollection:
         for st, o in routing.own.items():
             w, s = self.stores[st].gather(o.rows)
             o.buf_w, o.buf_s = w.to(self.device), s.to(self.device)
-            o.grad_entries = torch.zeros(len(o.inv), self.dims[st], dtype=torch.float32, device=self.device)
+            o.grad_entries = torch.zeros(len(o.inv), self.dims[st], dtype=self.dtype, device=self.device)
         self.timer.add("retrieve", time.perf_counter() - t0)
 
     # -- per micro-batch: embedding All2All ---------------------------------------------------------------------
@@ -276,7 +279,7 @@ class ShardedEmbeddingCollection:
                     rows = ShardedReductionBased.compute(o.buf_w, idx[0], o.inv.index_select(0, idx[1]),
                                                          routing.own_b[i][r])
                 parts.append(rows.reshape(-1))
-        send = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
+        send = torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype, device=self.device)
         self.timer.add("embed.owner", time.perf_counter() - t0)
         recv = self._a2a(send, routing.send_splits[i], routing.recv_splits[i], "embed")
         t1 = time.perf_counter()
@@ -343,7 +346,7 @@ class ShardedEmbeddingCollection:
         cfg = self.cfg
         for st, o in routing.own.items():
             dim = self.dims[st]
-            row_grad = torch.zeros(len(o.rows), dim, dtype=torch.float32, device=self.device)
+            row_grad = torch.zeros(len(o.rows), dim, dtype=self.dtype, device=self.device)
             row_grad.index_add_(0, o.inv, o.grad_entries)
             w, s = rowwise_adagrad(o.buf_w, o.buf_s, row_grad, cfg.lr, cfg.eps, cfg.momentum_scale_groups)
             self.stores[st].write_back(o.rows, w.cpu(), s.cpu())

@@ -17,14 +17,14 @@ from nestpipe.trainer.placement import init_rows
 
 class ReplicatedTable:
     def __init__(self, name: str, table_id: int, vocab: int, dim: int, seed: int, init_scale: float,
-                 device: torch.device):
+                 device: torch.device, dtype: torch.dtype = torch.float32):
         self.name = name
         self.table_id = table_id
         self.vocab = vocab
         self.dim = dim
         w = init_rows(seed, table_id, np.arange(vocab, dtype=np.int64), dim, init_scale)
-        self.weight = torch.from_numpy(w).to(device).requires_grad_(True)
-        self.state = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self.weight = torch.from_numpy(w).to(device=device, dtype=dtype).requires_grad_(True)
+        self.state = torch.zeros(vocab, dtype=dtype, device=device)
 
     def lookup(self, ids: torch.Tensor, value_sample: torch.Tensor, num_samples: int, pooled: bool) -> torch.Tensor:
         rows = self.weight.index_select(0, ids)

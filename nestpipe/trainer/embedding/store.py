@@ -19,7 +19,8 @@ from nestpipe.trainer.placement import TablePlacement, init_rows
 
 
 class RowStore:
-    def __init__(self, name: str, placement: TablePlacement, rank: int, dim: int, seed: int, init_scale: float):
+    def __init__(self, name: str, placement: TablePlacement, rank: int, dim: int, seed: int, init_scale: float,
+                 dtype: torch.dtype = torch.float32):
         self.name = name
         self.placement = placement
         self.rank = rank
@@ -27,8 +28,8 @@ class RowStore:
         self.seed = seed
         self.init_scale = init_scale
         n = placement.local_rows(rank)
-        self.weight = torch.empty(n, dim, dtype=torch.float32)
-        self.state = torch.zeros(n, dtype=torch.float32)
+        self.weight = torch.empty(n, dim, dtype=dtype)
+        self.state = torch.zeros(n, dtype=dtype)
         self.materialized = torch.zeros(n, dtype=torch.bool)
 
     @property
@@ -41,7 +42,7 @@ class RowStore:
         if len(new):
             ids = self.placement.ids_of_rows(self.rank, new.numpy())
             vals = init_rows(self.seed, self.placement.table_id, ids, self.dim, self.init_scale)
-            self.weight.index_copy_(0, new, torch.from_numpy(vals))
+            self.weight.index_copy_(0, new, torch.from_numpy(vals).to(self.weight.dtype))
             self.materialized[new] = True
         return len(new)
 
@@ -67,8 +68,8 @@ class RowStore:
             raise ValueError(f"{where}: table {self.name}: weight shape {tuple(d['weight'].shape)} != ({len(rows)}, {self.dim})")
         self.materialized.zero_()
         self.state.zero_()
-        self.weight.index_copy_(0, rows, d["weight"].to(torch.float32))
-        self.state.index_copy_(0, rows, d["state"].to(torch.float32))
+        self.weight.index_copy_(0, rows, d["weight"].to(self.weight.dtype))
+        self.state.index_copy_(0, rows, d["state"].to(self.state.dtype))
         self.materialized[rows] = True
 
     def full_rows(self, start: int, stop: int) -> Tuple[torch.Tensor, torch.Tensor]:

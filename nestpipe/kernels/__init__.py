@@ -160,7 +160,9 @@ class _SequenceLookup(torch.autograd.Function):
     def backward(ctx, grad_out):
         (inverse,) = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        if ctx.path == "reference":
+        if ctx.path in ("reference", "numba"):
+            # On CPU index_add_ is a serial loop in ascending token order (bitwise equal to the ordered segment
+            # sum, tested) and measured faster than counting sort + segment sum, so the CPU path uses it too.
             return reference.sequence_lookup_backward(grad_out, inverse, ctx.num_rows), None, None
         kernels = backend(ctx.path)
         order, offsets = kernels.csr_by_segment(inverse, ctx.num_rows)

@@ -72,7 +72,10 @@ def sequence_lookup(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
 
 
 def sequence_lookup_backward(grad_out: torch.Tensor, inverse: torch.Tensor, num_rows: int) -> torch.Tensor:
-    return segment_sum_rows(grad_out, torch.arange(inverse.numel(), device=inverse.device), num_rows, inverse)
+    """Serial ``index_add_`` of the token gradients in token order (on the CPU; copied back elsewhere)."""
+    out = torch.zeros(num_rows, grad_out.shape[1], dtype=grad_out.dtype)
+    out.index_add_(0, inverse.cpu(), grad_out.cpu())
+    return out.to(grad_out.device)
 
 
 def bag_of_token(offsets: torch.Tensor) -> torch.Tensor:

@@ -96,8 +96,9 @@ def _train(args) -> int:
 
     man = load_manifest(cfg.shards)
     if MODEL_TASK[cfg.model] != man.task:
+        right = [m for m, t in MODEL_TASK.items() if t == man.task]
         raise ValueError(f"--model {cfg.model} trains on {MODEL_TASK[cfg.model]!r} shards, {cfg.shards} holds "
-                         f"{man.task!r} shards")
+                         f"{man.task!r} shards (use --model {' or '.join(right) or '?'})")
     cfg.shards = os.path.abspath(cfg.shards)
     cfg.out = os.path.abspath(cfg.out)
     os.makedirs(cfg.out, exist_ok=True)

@@ -93,10 +93,11 @@ class TrainConfig:
     dlrm: DLRMConfig = dataclasses.field(default_factory=DLRMConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     # debug hooks for failure tests: raise on ``debug_fail_rank`` at step ``debug_fail_step``; sleep inside
-    # checkpoint writes so a test can kill the run mid-write.
+    # checkpoint writes (or mid-step) so a test can kill the run there.
     debug_fail_step: int = -1
     debug_fail_rank: int = 0
     debug_checkpoint_sleep_s: float = 0.0
+    debug_step_sleep_s: float = 0.0  # sleep between retrieval and forward: a batch is in flight
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

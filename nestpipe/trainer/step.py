@@ -149,6 +149,8 @@ def train_step(state: StepState, step: int, record: Dict, where: str = "") -> fl
     feats = stage_h2d(state, batch)
     routing = stage_route(state, batch)
     stage_retrieve(state, routing)
+    if state.cfg.debug_step_sleep_s:
+        time.sleep(state.cfg.debug_step_sleep_s)  # debug: a window to kill the run with a batch in flight
     loss = stage_forward_backward(state, routing, feats)
     return stage_update(state, routing, loss)
 

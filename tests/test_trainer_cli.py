@@ -1,0 +1,187 @@
+"""Trainer CLI end to end: train/eval/export, SIGKILL + resume bitwise, a failing rank, clear errors, placement."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from nestpipe.trainer.placement import init_rows, make_placement, to_vocab
+from nestpipe.trainer.testing import make_shards
+
+SETS = ["--set", "embedding.replicate_max_rows=200", "--set", "hstu.num_layers=1",
+        "--set", "hstu.num_random_negatives=8", "--set", "hstu.num_popular_negatives=8"]
+
+
+def cmd(*args):
+    return [sys.executable, "-m", "nestpipe", *args]
+
+
+def run(*args, timeout=180):
+    return subprocess.run(cmd(*args), capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+@pytest.fixture(scope="module")
+def gr(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("cli") / "gr")
+    make_shards(d, "gr", batch_size=12, micro_batches=3, shards=(5, 5), eval_shards=(1,), vocab=300, seq_len=8,
+                seed=3)
+    return d
+
+
+def test_placement_every_key_one_owner_and_init_independent_of_world():
+    for vocab in (1, 7, 300, 1001):
+        ids = np.arange(vocab)
+        for world in (1, 2, 3, 4):
+            pl = make_placement(5, vocab, world)
+            owner, row = pl.owner_and_row(ids)
+            assert owner.min() >= 0 and owner.max() < world
+            assert np.all(row < np.array([pl.local_rows(r) for r in range(world)])[owner])
+            # a bijection onto (owner, row) pairs: every key exactly one owner and one slot
+            assert len(set(zip(owner.tolist(), row.tolist()))) == vocab
+            for r in range(world):
+                rows = np.arange(pl.local_rows(r))
+                assert np.array_equal(pl.owner_and_row(pl.ids_of_rows(r, rows))[1], rows)
+    oov = np.array([-5, 300, 10**12, 299])
+    mapped = to_vocab(oov, 300)
+    assert mapped[-1] == 299 and np.all((mapped >= 0) & (mapped < 300))
+    assert np.array_equal(mapped, to_vocab(oov, 300))
+    a = init_rows(0, 2, np.array([3, 4]), 8, 0.05)
+    assert np.array_equal(a, init_rows(0, 2, np.array([4, 3]), 8, 0.05)[::-1])
+    assert not np.array_equal(a, init_rows(1, 2, np.array([3, 4]), 8, 0.05))
+    # negative control for the bijection check: a non-coprime multiplier collides
+    bad = (ids_300 := np.arange(300)) * 6 % 300
+    assert len(set(bad.tolist())) < len(ids_300)
+
+
+def test_train_eval_export_and_errors(gr, tmp_path):
+    out = str(tmp_path / "run")
+    p = run("train", "--shards", gr, "--out", out, "--model", "hstu", "--nproc-per-node", "2", "--epochs", "1",
+            "--no-progress", *SETS)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "samples/s" in p.stdout
+    m = json.load(open(os.path.join(out, "metrics.json")))
+    assert m["steps_run"] == 5 and m["world"] == 2 and all(x > 0 for x in m["samples_per_s_per_rank"])
+    assert m["per_rank"][0]["exposed_communication_s"] > 0
+    p = run("eval", "--run", out)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ev = json.load(open(os.path.join(out, "eval.json")))
+    assert set(ev["model"]) == {"HR@10", "HR@50", "NDCG@10", "NDCG@50"} and ev["samples"] > 0
+    assert "HR@10" in ev["baseline_most_popular"]
+    p = run("export", "--run", out, "--out", str(tmp_path / "m.pt"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = torch.load(str(tmp_path / "m.pt"), weights_only=True)
+    assert d["embedding.item.weight"].shape == (300, 16) and "optim.dense.pos.exp_avg" in d
+    # wrong model for the task
+    p = run("train", "--shards", gr, "--out", str(tmp_path / "x"), "--model", "dlrm", "--steps", "1")
+    assert p.returncode != 0 and "'gr'" in p.stderr and "hstu" in p.stderr
+    # a world size the shards cannot feed (2 train shards, 3 ranks)
+    p = run("train", "--shards", gr, "--out", str(tmp_path / "y"), "--model", "hstu", "--nproc-per-node", "3",
+            "--steps", "1", "--no-progress", *SETS)
+    assert p.returncode != 0 and "cannot feed world size 3" in p.stderr
+
+
+def test_corrupt_shard_is_named(gr, tmp_path):
+    import shutil
+
+    bad = str(tmp_path / "bad")
+    shutil.copytree(gr, bad)
+    path = os.path.join(bad, "train-000001.tar")
+    with open(path, "r+b") as f:
+        f.seek(1000)
+        b = f.read(1)
+        f.seek(1000)
+        f.write(bytes([b[0] ^ 0xFF]))
+    p = run("train", "--shards", bad, "--out", str(tmp_path / "r"), "--model", "hstu", "--nproc-per-node", "2",
+            "--steps", "2", "--no-progress", *SETS)
+    assert p.returncode != 0 and "train-000001.tar" in p.stderr and "corrupt" in p.stderr
+
+
+def test_failing_rank_ends_all_ranks_quickly(gr, tmp_path):
+    t0 = time.time()
+    p = run("train", "--shards", gr, "--out", str(tmp_path / "f"), "--model", "hstu", "--nproc-per-node", "2",
+            "--steps", "5", "--timeout", "20", "--no-progress", "--set", "debug_fail_step=2",
+            "--set", "debug_fail_rank=1", *SETS, timeout=120)
+    took = time.time() - t0
+    assert p.returncode != 0
+    assert "injected failure at step 2" in p.stderr and "rank 1" in p.stderr
+    assert took < 60, took
+
+
+def _kill_tree(proc):
+    """SIGKILL the launcher and every worker it started (torchrun puts workers in their own sessions)."""
+    import psutil
+
+    try:
+        procs = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    proc.kill()
+    for c in procs:
+        try:
+            c.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(procs, timeout=10)
+
+
+def _wait_for(path, proc, limit=120):
+    t0 = time.time()
+    while not os.path.exists(path):
+        assert proc.poll() is None, "training ended before the expected point"
+        assert time.time() - t0 < limit, f"timed out waiting for {path}"
+        time.sleep(0.05)
+
+
+def test_sigkill_mid_checkpoint_and_mid_step_then_resume_is_bitwise(gr, tmp_path):
+    args = ["--model", "hstu", "--nproc-per-node", "2", "--steps", "9", "--checkpoint-every", "3", "--no-progress",
+            *SETS, "--set", "debug_checkpoint_sleep_s=2", "--set", "debug_step_sleep_s=0.4"]
+    ref = str(tmp_path / "ref")
+    p = run("train", "--shards", gr, "--out", ref, *args)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert run("export", "--run", ref, "--out", str(tmp_path / "ref.pt")).returncode == 0
+
+    out = str(tmp_path / "killed")
+    ck = os.path.join(out, "checkpoints")
+    proc = subprocess.Popen(cmd("train", "--shards", gr, "--out", out, *args), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(os.path.join(ck, ".tmp-step-00000006", "rank-00000.pt.part"), proc)  # mid checkpoint write
+    finally:
+        _kill_tree(proc)
+    assert os.path.exists(os.path.join(ck, "step-00000003", "meta.json"))
+    assert not os.path.exists(os.path.join(ck, "step-00000006"))
+
+    # resume, and kill again mid-step once step 6 is checkpointed
+    proc = subprocess.Popen(cmd("train", "--resume", out, "--nproc-per-node", "2"), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(os.path.join(ck, "step-00000006", "meta.json"), proc)
+        time.sleep(0.6)  # inside step 7 (each step pauses 0.4 s between retrieval and forward)
+    finally:
+        _kill_tree(proc)
+    p = run("train", "--resume", out, "--nproc-per-node", "2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    starts = [json.loads(x) for x in open(os.path.join(out, "scalars.jsonl")) if '"start"' in x]
+    assert [s["resumed_from_step"] for s in starts] == [0, 3, 6], starts
+    assert run("export", "--run", out, "--out", str(tmp_path / "out.pt")).returncode == 0
+    a = torch.load(str(tmp_path / "ref.pt"), weights_only=True)
+    b = torch.load(str(tmp_path / "out.pt"), weights_only=True)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # and the comparison is sensitive: a shorter run differs
+    short = str(tmp_path / "short")
+    short_args = [("8" if a == "9" and args[i - 1] == "--steps" else a) for i, a in enumerate(args)]
+    assert run("train", "--shards", gr, "--out", short, *short_args).returncode == 0
+    assert run("export", "--run", short, "--out", str(tmp_path / "s.pt")).returncode == 0
+    c = torch.load(str(tmp_path / "s.pt"), weights_only=True)
+    assert not torch.equal(a["embedding.item.weight"], c["embedding.item.weight"])

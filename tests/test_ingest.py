@@ -104,14 +104,21 @@ def test_stock_webdataset_reads_every_member(raw, tmp_path):
 
     out = str(tmp_path / "o")
     m = ingest(_cfg(raw, out, task="ctr", batch_size=128))
+    packed = [t for t in m.tables if m.tables[t].kind == "single"]
     expected = {"meta.json", "mb.npy", "dense.npy", "labels.npy"} | {
-        f"{t}.{f}.npy" for t in m.tables for f in S.TABLE_FIELDS}
+        f"{t}.{f}.npy" for t in m.tables if t not in packed for f in S.TABLE_FIELDS} | {
+        f"single.{f}.npy" for f in S.TABLE_FIELDS + ("unique_counts",)}
     n = 0
     for split in ("train", "eval"):
         urls = S.shard_paths(out, m, split)
         for sample in wds.WebDataset(urls, shardshuffle=False, empty_check=False).decode():
             keys = {k for k in sample if not k.startswith("__")}
             assert keys == expected
+            assert sorted(sample["meta.json"]["packed"]["single"]) == sorted(packed)
+            batch = S.decode_sample(sample)  # consumers see per-table fields again
+            for t in m.tables:
+                assert np.array_equal(batch[f"{t}.unique"][batch[f"{t}.inverse"]], batch[f"{t}.values"])
+                assert len(batch[f"{t}.lengths"]) == 128 and len(batch[f"{t}.mb_offsets"]) == m.micro_batches + 1
             for k in keys:
                 assert sample[k] is not None
             assert sample["dense.npy"].shape == (128, len(m.dense_features))
@@ -292,3 +299,32 @@ def test_cli_help_and_error_exit(raw, tmp_path):
     r = subprocess.run([sys.executable, "-m", "nestpipe", "ingest", "--raw", str(tmp_path / "nope"), "--out",
                         str(tmp_path / "o")], capture_output=True, text=True)
     assert r.returncode == 1 and "not a directory" in r.stderr
+
+
+def test_pack_unpack_roundtrip_and_corruption():
+    rng = np.random.default_rng(0)
+    batch = {"meta": {"index": 0}}
+    orig = {}
+    for t in ("a", "b", "c"):
+        lengths = rng.integers(0, 3, 16).astype(np.int32)
+        values = rng.integers(-5, 5, lengths.sum()).astype(np.int64)
+        uniq, inv = np.unique(values, return_inverse=True)
+        fields = {"values": values, "lengths": lengths, "unique": uniq, "inverse": inv.astype(np.int32),
+                  "mb_unique": np.arange(len(uniq), dtype=np.int32), "mb_offsets": np.array([0, len(uniq)])}
+        for f, v in fields.items():
+            batch[f"{t}.{f}"] = v
+            orig[f"{t}.{f}"] = v.copy()
+    S.pack_tables(batch, "g", ["a", "b", "c"])
+    assert not any(k.startswith(("a.", "b.", "c.")) for k in batch)
+    members = dict(S.encode_record("000000001", batch))
+    sample = {k.split(".", 1)[1]: (json.loads(v) if k.endswith(".json") else np.load(__import__("io").BytesIO(v)))
+              for k, v in members.items()}
+    out = S.decode_sample(sample)
+    for k, v in orig.items():
+        assert np.array_equal(out[k], v), k
+    # a corrupted group is refused, not silently misread
+    bad = dict(sample)
+    bad["g.unique_counts.npy"] = sample["g.unique_counts.npy"] + np.array([1, -1, 0])
+    bad["g.unique_counts.npy"][0] += 5
+    with pytest.raises(S.ShardError, match="packed group 'g'"):
+        S.decode_sample(bad)

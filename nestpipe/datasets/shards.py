@@ -24,6 +24,12 @@ task ``ctr`` (one sample = one interaction)
     ``dense.npy``            float32 [B, D] (names in manifest ``dense_features``)
     ``labels.npy``           float32 [B, K] (names in manifest ``labels``)
 
+Packed table groups: many small tables (e.g. CTR's single-id features) would cost six tar members each, so a
+record may store a group ``g`` of tables in six members instead (``meta.json`` lists them under ``packed``):
+``g.values`` and ``g.unique``, ``g.inverse``, ``g.mb_unique`` concatenated table after table; ``g.lengths`` int32
+[T, B]; ``g.unique_counts`` int64 [T]; ``g.mb_offsets`` int64 [T, N+1] (per table, relative). Readers
+(:func:`decode_sample`, :func:`iter_shard`) unpack groups, so consumers always see per-table fields.
+
 Tar members carry a pinned mtime, uid, gid and mode so the bytes depend only on the content.
 """
 
@@ -79,6 +85,23 @@ def encode_record(key: str, batch: Batch) -> List[Tuple[str, bytes]]:
     return members
 
 
+class _HashingWriter:
+    """File-like sink that hashes and counts every byte written (so the shard is not read back for its sha256)."""
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.hash = hashlib.sha256()
+        self.size = 0
+
+    def write(self, b) -> int:
+        self.hash.update(b)
+        self.size += len(b)
+        return self.raw.write(b)
+
+    def tell(self) -> int:
+        return self.size
+
+
 def write_shard(path: str, records: Iterable[Tuple[str, Batch]]) -> Tuple[str, int]:
     """Write a tar shard atomically (temporary name, fsync, rename). Returns (sha256 hex, size in bytes).
 
@@ -87,7 +110,8 @@ def write_shard(path: str, records: Iterable[Tuple[str, Batch]]) -> Tuple[str, i
     """
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as raw:
-        with tarfile.open(fileobj=raw, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        sink = _HashingWriter(raw)
+        with tarfile.open(fileobj=sink, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             for key, batch in records:
                 for name, data in encode_record(key, batch):
                     info = tarfile.TarInfo(name)
@@ -99,9 +123,8 @@ def write_shard(path: str, records: Iterable[Tuple[str, Batch]]) -> Tuple[str, i
                     tar.addfile(info, io.BytesIO(data))
         raw.flush()
         os.fsync(raw.fileno())
-    digest, size = sha256_file(tmp)
     os.replace(tmp, path)
-    return digest, size
+    return sink.hash.hexdigest(), sink.size
 
 
 def sha256_file(path: str, chunk: int = 1 << 20) -> Tuple[str, int]:
@@ -117,8 +140,60 @@ def sha256_file(path: str, chunk: int = 1 << 20) -> Tuple[str, int]:
     return h.hexdigest(), size
 
 
+def pack_tables(batch: Batch, group: str, tables: List[str]) -> Batch:
+    """Replace the per-table fields of ``tables`` by the six members of packed group ``group`` (in place)."""
+    if not tables:
+        return batch
+    def take(t: str, f: str) -> np.ndarray:
+        return np.asarray(batch.pop(f"{t}.{f}"))
+    cols = {f: [take(t, f) for t in tables] for f in TABLE_FIELDS}
+    batch[f"{group}.values"] = np.concatenate(cols["values"]).astype(np.int64)
+    batch[f"{group}.lengths"] = np.stack(cols["lengths"]).astype(np.int32)
+    batch[f"{group}.unique"] = np.concatenate(cols["unique"]).astype(np.int64)
+    batch[f"{group}.unique_counts"] = np.array([len(u) for u in cols["unique"]], np.int64)
+    batch[f"{group}.inverse"] = np.concatenate(cols["inverse"]).astype(np.int32)
+    batch[f"{group}.mb_unique"] = np.concatenate(cols["mb_unique"]).astype(np.int32)
+    batch[f"{group}.mb_offsets"] = np.stack(cols["mb_offsets"]).astype(np.int64)
+    meta = batch.setdefault("meta", {})
+    meta.setdefault("packed", {})[group] = list(tables)
+    return batch
+
+
+def unpack_tables(batch: Batch) -> Batch:
+    """Inverse of :func:`pack_tables` for every group listed in ``meta["packed"]`` (in place)."""
+    packed = batch.get("meta", {}).get("packed") or {}
+    for group, tables in packed.items():
+        try:
+            values = batch.pop(f"{group}.values")
+            lengths = batch.pop(f"{group}.lengths")
+            unique = batch.pop(f"{group}.unique")
+            counts = batch.pop(f"{group}.unique_counts")
+            inverse = batch.pop(f"{group}.inverse")
+            mb_unique = batch.pop(f"{group}.mb_unique")
+            mb_offsets = batch.pop(f"{group}.mb_offsets")
+        except KeyError as e:
+            raise ShardError(f"packed group {group!r} lacks member {e.args[0]!r}") from None
+        if lengths.shape[0] != len(tables) or mb_offsets.shape[0] != len(tables) or len(counts) != len(tables):
+            raise ShardError(f"packed group {group!r}: shapes do not match its {len(tables)} tables")
+        nnz = lengths.astype(np.int64).sum(axis=1)
+        v_off = np.concatenate([[0], np.cumsum(nnz)])
+        u_off = np.concatenate([[0], np.cumsum(counts)])
+        m_off = np.concatenate([[0], np.cumsum(mb_offsets[:, -1])])
+        if v_off[-1] != len(values) or u_off[-1] != len(unique) or m_off[-1] != len(mb_unique):
+            raise ShardError(f"packed group {group!r}: member sizes do not add up")
+        for i, t in enumerate(tables):
+            batch[f"{t}.values"] = values[v_off[i]:v_off[i + 1]]
+            batch[f"{t}.lengths"] = lengths[i]
+            batch[f"{t}.unique"] = unique[u_off[i]:u_off[i + 1]]
+            batch[f"{t}.inverse"] = inverse[v_off[i]:v_off[i + 1]]
+            batch[f"{t}.mb_unique"] = mb_unique[m_off[i]:m_off[i + 1]]
+            batch[f"{t}.mb_offsets"] = mb_offsets[i]
+    return batch
+
+
 def decode_sample(sample: Dict[str, Any]) -> Batch:
-    """Turn a decoded WebDataset sample (``.decode()`` output) into a batch dict keyed by field name."""
+    """Turn a decoded WebDataset sample (``.decode()`` output) into a batch dict keyed by field name, with
+    packed table groups unpacked into per-table fields."""
     out: Batch = {}
     for k, v in sample.items():
         if k.startswith("__"):
@@ -127,7 +202,7 @@ def decode_sample(sample: Dict[str, Any]) -> Batch:
             out["meta"] = v if isinstance(v, dict) else json.loads(v)
         elif k.endswith(".npy"):
             out[k[: -len(".npy")]] = v
-    return out
+    return unpack_tables(out)
 
 
 def iter_shard(path: str) -> Iterator[Batch]:

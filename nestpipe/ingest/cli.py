@@ -12,7 +12,7 @@ def add_parser(sub) -> None:
         "ingest",
         help="raw KuaiRand-format logs -> clustered WebDataset batch shards + manifest.json",
         description=(
-            "Read raw KuaiRand-format CSVs with bounded memory (chunked Polars parsing, Parquet spills "
+            "Read raw KuaiRand-format CSVs with bounded memory (chunked Polars parsing, Arrow IPC spills "
             "partitioned by video then by user), build samples (gr: chronological windows per user with a "
             "leave-one-out eval set; ctr: one per interaction with user/video features, labels and recent "
             "history), cut them into batches of exactly B samples, partition each batch into N micro-batches by "

@@ -3,7 +3,7 @@
 Stages (each unit of work writes one file atomically; an interrupted run redoes only missing units):
 
 1. parse    every input file in fixed-size byte chunks (Polars native CSV, validating fallback); bad rows go to
-            the rejects; good rows are spilled to Parquet hash-partitioned by video id (one row group each).
+            the rejects; good rows are spilled to Arrow IPC files hash-partitioned by video id (one row group each).
 2. join     per video partition: the logs meet the video tables (deduplicated by video id), then are spilled
             again, hash-partitioned by user id.
 3. samples  per user partition: a total sort by (user, time, video, source, line), then samples (GR windows or
@@ -120,7 +120,7 @@ def _fingerprint_file(path: str) -> Dict[str, Any]:
 
 def _unit_parse(args: Tuple[str, str, int, str, int, int, int, int, int]) -> Dict[str, Any]:
     work, kind, file_idx, path, chunk_idx, start, end, first_line, num_parts = args
-    out = os.path.join(work, "s1", f"{kind}-{file_idx:03d}-{chunk_idx:05d}.parquet")
+    out = os.path.join(work, "s1", f"{kind}-{file_idx:03d}-{chunk_idx:05d}.arrow")
     if os.path.exists(out):
         with open(out + ".stats.json") as f:
             return json.load(f)
@@ -155,13 +155,13 @@ def _unit_parse(args: Tuple[str, str, int, str, int, int, int, int, int]) -> Dic
 
 def _unit_join(args: Tuple[str, str, int, int]) -> Dict[str, Any]:
     work, task, p, num_parts = args
-    out = os.path.join(work, "s2", f"joined-{p:05d}.parquet")
+    out = os.path.join(work, "s2", f"joined-{p:05d}.arrow")
     if os.path.exists(out):
         with open(out + ".stats.json") as f:
             return json.load(f)
     s1 = os.path.join(work, "s1")
-    logs = read_partition(sorted(glob.glob(os.path.join(s1, "log_*.parquet"))), p)
-    videos = read_partition(sorted(glob.glob(os.path.join(s1, "video_features_basic-*.parquet"))), p)
+    logs = read_partition(sorted(glob.glob(os.path.join(s1, "log_*.arrow"))), p)
+    videos = read_partition(sorted(glob.glob(os.path.join(s1, "video_features_basic-*.arrow"))), p)
     dup = 0
     if len(videos):
         n0 = len(videos)
@@ -173,7 +173,7 @@ def _unit_join(args: Tuple[str, str, int, int]) -> Dict[str, Any]:
     joined = logs.join(videos.select(vcols), on="video_id", how="left", maintain_order="left")
     missing = int(joined["author_id"].null_count()) if len(joined) else 0
     if task == "ctr":
-        stats_df = read_partition(sorted(glob.glob(os.path.join(s1, "video_features_statistic-*.parquet"))), p)
+        stats_df = read_partition(sorted(glob.glob(os.path.join(s1, "video_features_statistic-*.arrow"))), p)
         if len(stats_df):
             stats_df = stats_df.sort(["video_id", "src", "line"]).unique(
                 subset="video_id", keep="first", maintain_order=True
@@ -198,11 +198,11 @@ def _unit_samples(args: Tuple[str, str, int, Dict[str, Any]]) -> Dict[str, Any]:
     if os.path.exists(out):
         with open(out + ".stats.json") as f:
             return json.load(f)
-    rows = read_partition(sorted(glob.glob(os.path.join(work, "s2", "joined-*.parquet"))), q)
+    rows = read_partition(sorted(glob.glob(os.path.join(work, "s2", "joined-*.arrow"))), q)
     if task == "gr":
         arrays, stats = gr.build_partition(rows, opts["max_seq_len"])
     else:
-        users = read_partition(sorted(glob.glob(os.path.join(work, "s1", "user_features-*.parquet"))), q)
+        users = read_partition(sorted(glob.glob(os.path.join(work, "s1", "user_features-*.arrow"))), q)
         arrays, stats = ctr.build_partition(rows, users, opts)
     tmp = out + ".tmp.npz"
     np.savez(tmp, **arrays)
@@ -331,6 +331,8 @@ def _shard_records(cache: "_PartitionCache", parts: np.ndarray, idxs: np.ndarray
         batch = cluster_fields(batch, tables, cluster_tables, opts["micro_batches"], opts["clustering"], seed)
         batch["meta"] = {"index": bi, "split": split, "task": task, "samples": B,
                          "micro_batches": opts["micro_batches"]}
+        if task == "ctr":
+            S.pack_tables(batch, "single", list(ctr.SINGLE_TABLES))
         yield f"{bi:09d}", batch
 
 
@@ -344,42 +346,64 @@ def _progress(total: int, desc: str, enabled: bool, unit: str = "unit"):
                 mininterval=0.5)
 
 
-def _run_units(fn: Callable, units: List[Any], cfg: IngestConfig, desc: str,
-               rows_of: Callable[[Dict[str, Any]], int] = lambda s: s.get("rows", 0)) -> List[Dict[str, Any]]:
-    """Run units in order (workers == 1) or on a spawn pool; results come back in unit order."""
-    results: List[Optional[Dict[str, Any]]] = [None] * len(units)
-    bar = _progress(len(units), desc, cfg.progress)
-    t0 = time.time()
-    rows = 0
+class _Executor:
+    """Runs units in order in this process (workers == 1) or on one spawn pool shared by every stage."""
 
-    def done(i: int, r: Dict[str, Any]) -> None:
-        nonlocal rows
-        results[i] = r
-        rows += rows_of(r)
-        bar.update(1)
-        bar.set_postfix_str(f"{rows / max(time.time() - t0, 1e-9):,.0f} rows/s")
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.pool: Optional[cf.ProcessPoolExecutor] = None
 
-    try:
-        if cfg.workers <= 1 or len(units) <= 1:
-            for i, u in enumerate(units):
-                done(i, fn(u))
-        else:
-            threads = max(1, (os.cpu_count() or 1) // cfg.workers)
+    def __enter__(self) -> "_Executor":
+        if self.workers > 1:
+            # Polars sizes its thread pool at import: give each worker process its share of the cores.
+            threads = max(1, (os.cpu_count() or 1) // self.workers)
             old = os.environ.get("POLARS_MAX_THREADS")
             os.environ["POLARS_MAX_THREADS"] = str(threads)
             try:
-                with cf.ProcessPoolExecutor(cfg.workers, mp_context=mp.get_context("spawn")) as pool:
-                    futs = {pool.submit(fn, u): i for i, u in enumerate(units)}
-                    for fut in cf.as_completed(futs):
-                        done(futs[fut], fut.result())
+                self.pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"))
+                # start the workers now, while the environment holds the thread count
+                list(self.pool.map(_noop, range(self.workers)))
             finally:
                 if old is None:
                     os.environ.pop("POLARS_MAX_THREADS", None)
                 else:
                     os.environ["POLARS_MAX_THREADS"] = old
-    finally:
-        bar.close()
-    return results  # type: ignore[return-value]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+    def run(self, fn: Callable, units: List[Any], cfg: IngestConfig, desc: str,
+            rows_of: Callable[[Dict[str, Any]], int] = lambda s: s.get("rows", 0)) -> List[Dict[str, Any]]:
+        """Results come back in unit order whatever order units finish in."""
+        results: List[Optional[Dict[str, Any]]] = [None] * len(units)
+        bar = _progress(len(units), desc, cfg.progress)
+        t0 = time.time()
+        rows = 0
+
+        def done(i: int, r: Dict[str, Any]) -> None:
+            nonlocal rows
+            results[i] = r
+            rows += rows_of(r)
+            bar.update(1)
+            bar.set_postfix_str(f"{rows / max(time.time() - t0, 1e-9):,.0f} rows/s")
+
+        try:
+            if self.pool is None or len(units) <= 1:
+                for i, u in enumerate(units):
+                    done(i, fn(u))
+            else:
+                futs = {self.pool.submit(fn, u): i for i, u in enumerate(units)}
+                for fut in cf.as_completed(futs):
+                    done(futs[fut], fut.result())
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+
+def _noop(_: int) -> None:
+    return None
 
 
 def _prepare_out(cfg: IngestConfig, fingerprint: Dict[str, Any]) -> str:
@@ -443,7 +467,7 @@ def _write_rejects(cfg: IngestConfig, work: str, units: List[Tuple[str, int, str
         w.writerow(["file", "line", "reason", "raw"])
         for u in parse_units:
             _, kind, fidx, _, cidx, *_ = u
-            rp = os.path.join(work, "s1", f"{kind}-{fidx:03d}-{cidx:05d}.parquet.rejects.jsonl")
+            rp = os.path.join(work, "s1", f"{kind}-{fidx:03d}-{cidx:05d}.arrow.rejects.jsonl")
             with open(rp) as rf:
                 for line in rf:
                     r = json.loads(line)
@@ -470,7 +494,12 @@ def ingest(cfg: IngestConfig) -> S.Manifest:
         print(f"{cfg.out}: already complete for these inputs and options; nothing to do", file=sys.stderr)
         return S.load_manifest(cfg.out)
     work = os.path.join(cfg.out, WORK)
+    with _Executor(cfg.workers) as ex:
+        return _ingest_stages(cfg, ex, found, inputs, fps, num_parts, semantic, fingerprint, work, t_start)
 
+
+def _ingest_stages(cfg: IngestConfig, ex: "_Executor", found, inputs, fps, num_parts: int, semantic, fingerprint,
+                   work: str, t_start: float) -> S.Manifest:
     # 1. parse
     parse_units = []
     chunk_bytes = cfg.chunk_mb << 20
@@ -478,7 +507,7 @@ def ingest(cfg: IngestConfig) -> S.Manifest:
         _, chunks = plan_chunks(path, chunk_bytes)
         for ch in chunks:
             parse_units.append((work, kind, fidx, path, ch.index, ch.start, ch.end, ch.first_line, num_parts))
-    s1 = _run_units(_unit_parse, parse_units, cfg, "1/4 parse")
+    s1 = ex.run(_unit_parse, parse_units, cfg, "1/4 parse")
     rows = sum(s["rows"] for s in s1)
     rejected = sum(s["rejected"] for s in s1)
     n_rejects, rejects_file = _write_rejects(cfg, work, inputs, parse_units)
@@ -495,11 +524,11 @@ def ingest(cfg: IngestConfig) -> S.Manifest:
             maxima[k] = max(maxima.get(k, -1), v)
 
     # 2. join
-    s2 = _run_units(_unit_join, [(work, cfg.task, p, num_parts) for p in range(num_parts)], cfg, "2/4 join")
+    s2 = ex.run(_unit_join, [(work, cfg.task, p, num_parts) for p in range(num_parts)], cfg, "2/4 join")
     # 3. samples
     opts = {"max_seq_len": cfg.max_seq_len, "history_len": cfg.history_len, "ctr_eval_days": cfg.ctr_eval_days,
             "max_date": maxima.get("date", 0)}
-    s3 = _run_units(_unit_samples, [(work, cfg.task, q, opts) for q in range(num_parts)], cfg, "3/4 samples",
+    s3 = ex.run(_unit_samples, [(work, cfg.task, q, opts) for q in range(num_parts)], cfg, "3/4 samples",
                     rows_of=lambda s: s.get("tokens", s.get("rows", 0)))
 
     # 4. shards
@@ -519,7 +548,7 @@ def ingest(cfg: IngestConfig) -> S.Manifest:
         for k, first in enumerate(range(0, n_batches, per_shard)):
             shard_units.append((work, cfg.out, split, k, first, min(per_shard, n_batches - first),
                                 _shard_opts(cfg, tables)))
-    s4 = _run_units(_unit_shard, shard_units, cfg, "4/4 shards", rows_of=lambda s: s["samples"])
+    s4 = ex.run(_unit_shard, shard_units, cfg, "4/4 shards", rows_of=lambda s: s["samples"])
     for u, r in zip(shard_units, s4):
         sets.setdefault(u[2], []).append(S.ShardEntry(r["path"], r["batches"], r["samples"], r["sha256"], r["bytes"]))
     for split in ("train", "eval"):

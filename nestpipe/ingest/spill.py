@@ -1,8 +1,11 @@
-"""Partitioned spill files: one Parquet file per unit of work, one row group per partition.
+"""Partitioned spill files: one Arrow IPC file per unit of work, one record batch group per partition.
 
 Invariant: a spill file is written to a temporary name and renamed when complete, so a file that exists is whole;
 an interrupted run redoes exactly the units whose files are missing. An index (JSON sidecar) maps a partition to
-its row group, so a reader fetches one partition from many files without scanning the rest.
+its record batches, so a reader fetches one partition from many files (memory-mapped) without reading the rest.
+
+Arrow IPC rather than Parquet: spills are written once and read once on the same machine, where IPC's
+uncompressed columnar layout writes several times faster and reads zero-copy.
 """
 
 from __future__ import annotations
@@ -13,40 +16,29 @@ from typing import Dict, List, Optional
 
 import polars as pl
 import pyarrow as pa
-import pyarrow.parquet as pq
+
+SUFFIX = ".arrow"
 
 
-def write_partitioned(path: str, df: pl.DataFrame, part_col: str, num_parts: int) -> Dict[str, int]:
-    """Write ``df`` grouped by ``part_col`` (values 0..num_parts-1), one row group per non-empty partition."""
+def write_partitioned(path: str, df: pl.DataFrame, part_col: str, num_parts: int) -> Dict[str, List[int]]:
+    """Write ``df`` grouped by ``part_col`` (values 0..num_parts-1); rows keep their order inside a partition."""
     tmp = path + ".tmp"
-    df = df.sort(part_col, maintain_order=True)
-    counts = df.group_by(part_col).len().sort(part_col)
-    index: Dict[str, int] = {}
-    table = df.drop(part_col).to_arrow()
-    writer = pq.ParquetWriter(tmp, table.schema, compression="lz4")
-    try:
-        offset = 0
-        rg = 0
-        for p, n in zip(counts[part_col].to_list(), counts["len"].to_list()):
-            writer.write_table(table.slice(offset, n), row_group_size=max(n, 1))
-            index[str(p)] = rg
-            offset += n
-            rg += 1
-        if rg == 0:
-            writer.write_table(table.slice(0, 0))
-    finally:
-        writer.close()
+    parts = df.partition_by(part_col, as_dict=True, include_key=False, maintain_order=True)
+    schema = df.drop(part_col).to_arrow().schema
+    index: Dict[str, List[int]] = {}
+    nbatch = 0
+    with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        for key in sorted(parts, key=lambda k: k[0]):
+            batches = parts[key].to_arrow().cast(schema).to_batches()
+            index[str(key[0])] = list(range(nbatch, nbatch + len(batches)))
+            for b in batches:
+                writer.write_batch(b)
+            nbatch += len(batches)
     with open(path + ".json.tmp", "w") as f:
-        json.dump({"row_groups": index, "rows": len(df), "num_parts": num_parts}, f)
+        json.dump({"batches": index, "rows": len(df), "num_parts": num_parts}, f)
     os.replace(path + ".json.tmp", path + ".json")
     os.replace(tmp, path)
     return index
-
-
-def write_whole(path: str, df: pl.DataFrame) -> None:
-    tmp = path + ".tmp"
-    df.write_parquet(tmp, compression="lz4")
-    os.replace(tmp, path)
 
 
 def read_partition(paths: List[str], part: int, schema: Optional[pa.Schema] = None) -> pl.DataFrame:
@@ -54,13 +46,13 @@ def read_partition(paths: List[str], part: int, schema: Optional[pa.Schema] = No
     tables = []
     for path in paths:
         with open(path + ".json") as f:
-            index = json.load(f)["row_groups"]
-        rg = index.get(str(part))
-        if rg is None:
-            continue
-        tables.append(pq.ParquetFile(path).read_row_group(rg))
+            index = json.load(f)["batches"]
+        ids = index.get(str(part))
+        reader = pa.ipc.open_file(pa.memory_map(path, "r"))
+        if schema is None:
+            schema = reader.schema
+        if ids:
+            tables.append(pa.Table.from_batches([reader.get_batch(i) for i in ids], schema=reader.schema))
     if not tables:
-        if schema is None and paths:
-            schema = pq.read_schema(paths[0])
         return pl.from_arrow(schema.empty_table()) if schema is not None else pl.DataFrame()
     return pl.from_arrow(pa.concat_tables(tables))

@@ -1,0 +1,119 @@
+"""Ingest throughput and peak memory against bare Polars and the pandas way, each tool in its own subprocess.
+
+    python benchmarks/ingest_bench.py --sizes 5000000 30000000 --workdir /tmp/ingest-bench
+
+For each size: synthetic KuaiRand logs (scale `medium` vocabulary, N interactions), then rows/s and peak RSS of
+`ingest --task gr`, `ingest --task ctr`, a bare Polars `scan_csv(...).sink_parquet(...)` of the same logs, and
+(at sizes <= 5M only; it needs about 3.3 GiB there) pandas `read_csv` + sort + `groupby("user_id").agg(list)`.
+Rows are log rows. Peak RSS is the maximum over the tool's process tree, sampled every 50 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import psutil
+
+BARE_POLARS = r"""
+import glob, sys, polars as pl
+from nestpipe.datasets.kuairand import LOG_DTYPES
+files = sorted(glob.glob(sys.argv[1] + "/log_*.csv"))
+pl.scan_csv(files, schema=LOG_DTYPES).sink_parquet(sys.argv[2])
+"""
+
+PANDAS = r"""
+import glob, sys, pandas as pd
+files = sorted(glob.glob(sys.argv[1] + "/log_*.csv"))
+df = pd.concat([pd.read_csv(f) for f in files], ignore_index=True)
+df = df.sort_values(["user_id", "time_ms"])
+seqs = df.groupby("user_id").agg({"video_id": list, "time_ms": list, "is_click": list})
+print(len(seqs))
+"""
+
+
+def measure(cmd, env=None):
+    """Run ``cmd``; return (seconds, peak RSS bytes over the process tree, returncode)."""
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ps = psutil.Process(proc.pid)
+    peak = 0
+    while proc.poll() is None:
+        try:
+            rss = ps.memory_info().rss + sum(c.memory_info().rss for c in ps.children(recursive=True))
+            peak = max(peak, rss)
+        except psutil.Error:
+            pass
+        time.sleep(0.05)
+    err = proc.stderr.read().decode(errors="replace")
+    if proc.returncode != 0:
+        print(err[-2000:], file=sys.stderr)
+    return time.time() - t0, peak, proc.returncode
+
+
+def log_rows(raw):
+    n = 0
+    for f in glob.glob(os.path.join(raw, "log_*.csv")):
+        with open(f, "rb") as fh:
+            n += sum(buf.count(b"\n") for buf in iter(lambda: fh.read(1 << 24), b"")) - 1
+    return n
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[5_000_000, 30_000_000])
+    ap.add_argument("--workdir", default="/tmp/nestpipe-ingest-bench")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--pandas-max", type=int, default=5_000_000)
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+    py = sys.executable
+    results = []
+    for n in args.sizes:
+        raw = os.path.join(args.workdir, f"raw-{n}")
+        if not os.path.exists(os.path.join(raw, "user_features_27k.csv")):
+            subprocess.run([py, "-m", "nestpipe", "synth", "--out", raw, "--scale", "medium", "--interactions",
+                            str(n), "--force"], check=True)
+        rows = log_rows(raw)
+        tools = {
+            "ingest gr": [py, "-m", "nestpipe", "ingest", "--raw", raw, "--out", os.path.join(args.workdir, "gr"),
+                          "--task", "gr", "--batch-size", "512", "--micro-batches", "8", "--force", "--quiet",
+                          "--workers", str(args.workers)],
+            "ingest ctr": [py, "-m", "nestpipe", "ingest", "--raw", raw, "--out", os.path.join(args.workdir, "ctr"),
+                           "--task", "ctr", "--batch-size", "512", "--micro-batches", "8", "--force", "--quiet",
+                           "--workers", str(args.workers)],
+            "bare polars": [py, "-c", BARE_POLARS, raw, os.path.join(args.workdir, "bare.parquet")],
+        }
+        if n <= args.pandas_max:
+            tools["pandas groupby"] = [py, "-c", PANDAS, raw]
+        row = {"rows": rows}
+        for name, cmd in tools.items():
+            secs, peak, rc = measure(cmd)
+            row[name] = {"seconds": round(secs, 2), "rows_per_s": round(rows / secs), "peak_rss_gib":
+                         round(peak / 2**30, 3), "ok": rc == 0}
+            print(f"{n:>11,} rows  {name:<15} {secs:8.1f} s  {rows / secs:>12,.0f} rows/s  "
+                  f"peak RSS {peak / 2**30:6.2f} GiB  {'ok' if rc == 0 else 'FAILED'}", flush=True)
+        bare = row["bare polars"]["rows_per_s"]
+        row["ratios"] = {
+            "gr_vs_bare_polars": round(row["ingest gr"]["rows_per_s"] / bare, 3),
+            "ctr_vs_bare_polars": round(row["ingest ctr"]["rows_per_s"] / bare, 3),
+        }
+        if "pandas groupby" in row:
+            row["ratios"]["gr_vs_pandas"] = round(row["ingest gr"]["rows_per_s"] / row["pandas groupby"]["rows_per_s"], 3)
+        print("  ratios:", row["ratios"], flush=True)
+        results.append(row)
+        if not args.keep:
+            for d in ("gr", "ctr", "bare.parquet"):
+                p = os.path.join(args.workdir, d)
+                shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else (os.path.exists(p) and os.remove(p))
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -68,13 +68,15 @@ def _crash_point(stage: str, unit: int, where: str = "start") -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # input specs
 
-LOG_KEEP = [
-    "user_id", "video_id", "date", "hourmin", "time_ms", *K.ACTION_FLAGS, "play_time_ms", "duration_ms",
-    "is_rand", "tab",
-]
-LOG_SPEC = ColumnSpec(K.LOG_COLUMNS, K.LOG_DTYPES, ["user_id", "video_id", "time_ms"], keep=LOG_KEEP)
-VBASIC_SPEC = ColumnSpec(K.VIDEO_BASIC_COLUMNS, K.VIDEO_BASIC_DTYPES, ["video_id"], quoted_last=True)
-VSTAT_SPEC = ColumnSpec(K.VIDEO_STAT_COLUMNS, K.VIDEO_STAT_DTYPES, ["video_id"], keep=["video_id", *ctr.STAT_FEATURES])
+# Columns each task keeps after validation (every column is still validated: a malformed cell in a column the
+# task does not use still makes the row malformed).
+LOG_KEEP = {
+    "gr": ["user_id", "video_id", "time_ms", *K.ACTION_FLAGS, "play_time_ms", "duration_ms"],
+    "ctr": ["user_id", "video_id", "date", "hourmin", "time_ms", *K.ACTION_FLAGS, "tab"],
+}
+VBASIC_KEEP = {"gr": ["video_id", "author_id"], "ctr": ["video_id", *ctr.VIDEO_BASIC_FEATURES]}
+# Feedback flags are used as 0/1 only: clipped and narrowed to Int8 in the spills.
+NARROW = {f: pl.Int8 for f in K.ACTION_FLAGS}
 
 
 def _input_units(found: K.Discovered, cfg: IngestConfig) -> List[Tuple[str, int, str]]:
@@ -91,11 +93,12 @@ def _input_units(found: K.Discovered, cfg: IngestConfig) -> List[Tuple[str, int,
     return units
 
 
-def _spec_for(kind: str) -> ColumnSpec:
+def _spec_for(kind: str, task: str) -> ColumnSpec:
     if kind.startswith("log_"):
-        return LOG_SPEC
+        return ColumnSpec(K.LOG_COLUMNS, K.LOG_DTYPES, ["user_id", "video_id", "time_ms"], keep=LOG_KEEP[task])
     if kind == "video_features_basic":
-        return VBASIC_SPEC
+        return ColumnSpec(K.VIDEO_BASIC_COLUMNS, K.VIDEO_BASIC_DTYPES, ["video_id"], quoted_last=True,
+                          keep=VBASIC_KEEP[task])
     if kind == "video_features_statistic":
         return VSTAT_SPEC
     if kind == "user_features":
@@ -118,8 +121,8 @@ def _fingerprint_file(path: str) -> Dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------------------
 # unit functions (top level: they run in worker processes)
 
-def _unit_parse(args: Tuple[str, str, int, str, int, int, int, int, int]) -> Dict[str, Any]:
-    work, kind, file_idx, path, chunk_idx, start, end, first_line, num_parts = args
+def _unit_parse(args: Tuple[str, str, str, int, str, int, int, int, int, int]) -> Dict[str, Any]:
+    work, task, kind, file_idx, path, chunk_idx, start, end, first_line, num_parts = args
     out = os.path.join(work, "s1", f"{kind}-{file_idx:03d}-{chunk_idx:05d}.arrow")
     if os.path.exists(out):
         with open(out + ".stats.json") as f:
@@ -128,14 +131,17 @@ def _unit_parse(args: Tuple[str, str, int, str, int, int, int, int, int]) -> Dic
     from nestpipe.ingest.parse import Chunk
 
     data = read_chunk_bytes(Chunk(path, chunk_idx, start, end, first_line))
-    df, rejects = parse_chunk(data, _spec_for(kind), path=path, first_line=first_line)
-    df = df.with_columns(pl.lit(file_idx, dtype=pl.Int32).alias("src"))
+    df, rejects = parse_chunk(data, _spec_for(kind, task), path=path, first_line=first_line)
+    df = df.with_columns(
+        pl.lit(file_idx, dtype=pl.Int16).alias("src"),
+        *[pl.col(c).clip(0, 1).cast(t) for c, t in NARROW.items() if c in df.columns and kind.startswith("log_")],
+    )
     stats: Dict[str, Any] = {"rows": len(df) + len(rejects), "good": len(df), "rejected": len(rejects), "max": {}}
     for c in ("user_id", "video_id", "author_id", "music_id", "date"):
         if c in df.columns and len(df):
             v = df[c].max()
             stats["max"][c] = int(v) if v is not None else -1
-    if kind == "video_features_basic" and len(df):
+    if kind == "video_features_basic" and "tag" in df.columns and len(df):
         tags = df["tag"].str.split(",").explode().str.to_integer(strict=False).max()
         stats["max"]["tag"] = int(tags) if tags is not None else -1
     with open(out + ".rejects.jsonl.tmp", "w") as f:
@@ -466,7 +472,7 @@ def _write_rejects(cfg: IngestConfig, work: str, units: List[Tuple[str, int, str
         w = csv.writer(f)
         w.writerow(["file", "line", "reason", "raw"])
         for u in parse_units:
-            _, kind, fidx, _, cidx, *_ = u
+            _, _, kind, fidx, _, cidx, *_ = u
             rp = os.path.join(work, "s1", f"{kind}-{fidx:03d}-{cidx:05d}.arrow.rejects.jsonl")
             with open(rp) as rf:
                 for line in rf:
@@ -506,7 +512,8 @@ def _ingest_stages(cfg: IngestConfig, ex: "_Executor", found, inputs, fps, num_p
     for kind, fidx, path in inputs:
         _, chunks = plan_chunks(path, chunk_bytes)
         for ch in chunks:
-            parse_units.append((work, kind, fidx, path, ch.index, ch.start, ch.end, ch.first_line, num_parts))
+            parse_units.append((work, cfg.task, kind, fidx, path, ch.index, ch.start, ch.end, ch.first_line,
+                                num_parts))
     s1 = ex.run(_unit_parse, parse_units, cfg, "1/4 parse")
     rows = sum(s["rows"] for s in s1)
     rejected = sum(s["rejected"] for s in s1)

@@ -1,0 +1,121 @@
+"""``nestpipe plan`` and ``nestpipe simulate``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="choose per-table sharding and the 2D-SP group size (cost-driven greedy)",
+                       description="Per table: replicated, table-wise, row-wise, column-wise or table-row-wise, "
+                                   "and the 2D sparse-parallel group size. Prints a table and writes a JSON plan "
+                                   "(schema: docs/planning.md).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--shards", help="a `nestpipe ingest` output directory (its manifest.json)")
+    src.add_argument("--tables", help="JSON or TOML file: {\"tables\": [{name, vocab, dim, kind, hotness, "
+                                      "unique_ratio}, ...]}")
+    p.add_argument("--workers", type=int, required=True)
+    p.add_argument("--batch", type=int, default=None, help="samples per worker (default: the manifest's, else 512)")
+    p.add_argument("--group-size", type=int, default=None, help="2D-SP group size (default: chosen)")
+    p.add_argument("--hardware", default="ascend-910b", help="preset name or JSON/TOML file")
+    p.add_argument("--hbm-cap", type=float, default=16e9, help="device bytes per worker for replicated tables")
+    p.add_argument("--dram-cap", type=float, default=256e9, help="host bytes per worker for shards")
+    p.add_argument("--unique-ratio", type=float, default=1.0,
+                   help="distinct / keys in a worker's batch for manifest tables (from cluster-report)")
+    p.add_argument("--out", help="write the JSON plan here")
+    p.add_argument("--json", action="store_true", help="print the JSON plan instead of the table")
+    p.set_defaults(func=_plan)
+
+    s = sub.add_parser("simulate", help="predict step time, QPS, scaling and exposed costs from 2 to 4,096 workers",
+                       description="Event-based step timeline of off (TorchRec-like), 2D-SP, DBP, FWP, nested and "
+                                   "nested + 2D-SP; calibrated on a measured off-mode breakdown (default: the "
+                                   "paper's TorchRec breakdown at 1,536 workers). Model: docs/planning.md.")
+    s.add_argument("--workload", default="paper-hstu", help="preset name or JSON/TOML file")
+    s.add_argument("--hardware", default="ascend-910b", help="preset name or JSON/TOML file")
+    s.add_argument("--set-workload", nargs="*", default=[], metavar="KEY=VALUE")
+    s.add_argument("--set-hardware", nargs="*", default=[], metavar="KEY=VALUE")
+    cal = s.add_mutually_exclusive_group()
+    cal.add_argument("--breakdown", help="JSON {workers, step_ms, lookup_ms, comm_ms} of a measured off-mode step")
+    cal.add_argument("--calibrate", metavar="RUN", help="a `nestpipe train` run directory (not yet calibrated)")
+    cal.add_argument("--uncalibrated", action="store_true", help="use the raw preset model")
+    s.add_argument("--workers", type=int, nargs="*", default=None, help="worker counts (default 2 .. 4096)")
+    s.add_argument("--modes", nargs="*", default=None, help="subset of off 2dsp dbp fwp nested nested+2dsp")
+    s.add_argument("--reference-workers", type=int, default=None, help="scaling-efficiency reference")
+    s.add_argument("--no-clustering", action="store_true", help="random micro-batch partition")
+    s.add_argument("--gantt-workers", type=int, default=None, help="worker count of the Gantt charts")
+    s.add_argument("--out", help="directory for results.json, scaling.png and gantt-MODE.png")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_simulate)
+
+
+def _plan(args) -> int:
+    from . import planner
+    from ._io import read_mapping
+    from .hardware import load_hardware
+
+    hw = load_hardware(args.hardware)
+    batch = args.batch
+    if args.shards:
+        from nestpipe.datasets.shards import load_manifest
+
+        man = load_manifest(args.shards)
+        tables = planner.tables_from_manifest(man, args.unique_ratio)
+        batch = batch or man.batch_size
+    else:
+        tables = planner.tables_from_mapping(read_mapping(args.tables, "table list"), args.tables)
+    cfg = planner.PlannerConfig(workers=args.workers, batch_per_worker=batch or 512, group_size=args.group_size,
+                                hbm_cap=args.hbm_cap, dram_cap=args.dram_cap)
+    plan = planner.make_plan(tables, cfg, hw)
+    if args.out:
+        planner.save_plan(plan, args.out)
+    print(json.dumps(plan, indent=1, sort_keys=True) if args.json else planner.format_plan(plan))
+    if args.out and not args.json:
+        print(f"plan written to {args.out}")
+    return 0
+
+
+def _simulate(args) -> int:
+    from . import calibration, simulate
+    from ._io import parse_overrides
+    from .cost_model import MODES, Scales, Scenario
+    from .hardware import load_hardware
+    from .timeline import write_gantt
+    from .workload import load_workload
+
+    wl = load_workload(args.workload, parse_overrides(args.set_workload, "--set-workload"))
+    hw = load_hardware(args.hardware, parse_overrides(args.set_hardware, "--set-hardware"))
+    if args.calibrate:
+        calibration.calibrate_from_run(args.calibrate, wl, hw)  # raises NotCalibratedError for now
+    if args.uncalibrated:
+        bd, scales = None, Scales()
+    else:
+        bd = calibration.load_breakdown(args.breakdown) if args.breakdown else calibration.PAPER_TORCHREC_1536
+        scales = calibration.calibrate(wl, hw, bd)
+    modes = args.modes or list(MODES)
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"--modes: unknown mode {m!r} (known: {' '.join(MODES)})")
+    workers = args.workers or list(simulate.DEFAULT_WORKERS)
+    preds = simulate.sweep(wl, hw, scales, modes, workers, args.reference_workers, clustered=not args.no_clustering)
+    doc = {"workload": wl.__dict__, "hardware": hw.__dict__, "calibration": bd.__dict__ if bd else None,
+           "scales": scales.__dict__, "predictions": [p.as_dict() for p in preds]}
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+        simulate.plot_scaling(preds, os.path.join(args.out, "scaling.png"),
+                              f"{wl.name} on {hw.name}: scaling efficiency")
+        gw = args.gantt_workers or (bd.workers if bd else max(workers))
+        for m in modes:
+            p, sched = simulate.run(wl, hw, Scenario(gw, m, clustered=not args.no_clustering), scales)
+            write_gantt(sched, os.path.join(args.out, f"gantt-{m.replace('+', '-')}.png"),
+                        f"{m} at {gw} workers (group {p.group_size}, N={p.micro_batches}): step {p.step_ms:.1f} ms")
+    if args.json:
+        print(json.dumps(doc, indent=1, sort_keys=True))
+    else:
+        print(simulate.format_table(preds))
+        if args.out:
+            print(f"results, scaling.png and gantt-*.png written to {args.out}")
+    return 0

@@ -1,0 +1,138 @@
+"""Unit tests of the planning package: key arithmetic, network, timeline mechanics, planner, CLI."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from nestpipe.cli import main
+from nestpipe.planning import keys, load_hardware, load_workload, network
+from nestpipe.planning.calibration import NotCalibratedError, calibrate_from_run
+from nestpipe.planning.cost_model import StepCosts, Scenario
+from nestpipe.planning.planner import PlannerConfig, TableInfo, make_plan
+from nestpipe.planning.timeline import simulate_steps
+
+
+def test_expected_unique_matches_sampling():
+    rng = np.random.default_rng(0)
+    V, s, n = 50_000, 1.1, 20_000
+    p = np.arange(1, V + 1, dtype=float) ** -s
+    p /= p.sum()
+    draws = [len(np.unique(rng.choice(V, size=n, p=p))) for _ in range(3)]
+    assert keys.expected_unique(V, s, n) == pytest.approx(np.mean(draws), rel=0.02)
+    x = rng.choice(V, size=n, p=p)
+    r = 4 * np.mean([len(np.unique(c)) for c in np.split(x, 4)]) / len(np.unique(x))
+    assert keys.redundancy_random(V, s, n, 4) == pytest.approx(r, rel=0.03)
+    assert 1 <= keys.redundancy_random(V, s, n, 8) <= 8
+    assert keys.owner_dedup_factor(V, s, n, 64) < keys.owner_dedup_factor(V, s, n, 2) <= 1
+
+
+def test_all2all_grows_with_peers_and_hierarchical_saves_latency():
+    hw = load_hardware("ascend-910b")
+    t = [network.all2all_seconds(hw, p, 1e6) for p in (8, 64, 512, 2048)]
+    assert t == sorted(t)
+    hier = load_hardware("ascend-910b", {"all2all": "hierarchical"})
+    assert network.all2all_seconds(hier, 2048, 1e3) < network.all2all_seconds(hw, 2048, 1e3)
+    assert network.all2all_seconds(hw, 1, 1e9) == 0.0
+
+
+def _costs(n, gather=1.0, a2a=0.1, comp=1.0):
+    return StepCosts(data=0.0, h2d=0.0, route=0.0, gather=gather, copy=0.0, fwd=[a2a / n] * n,
+                     compute=[comp / n] * n, bwd=[a2a / n] * n, replica=0.0, update=0.0, writeback=0.0, sync=0.0)
+
+
+def test_off_mode_is_the_sum_of_its_tasks():
+    s = simulate_steps(_costs(1), Scenario(8, "off"))
+    assert s.step_time == pytest.approx(1.0 + 0.2 + 1.0)
+    assert s.exposed["lookup"] == pytest.approx(1.0) and s.exposed["comm"] == pytest.approx(0.2)
+
+
+def test_dbp_hides_lookup_until_it_is_the_bottleneck():
+    hidden = simulate_steps(_costs(1, gather=0.5), Scenario(8, "dbp"))
+    assert hidden.step_time == pytest.approx(1.2) and hidden.exposed["lookup"] == pytest.approx(0.0)
+    bound = simulate_steps(_costs(1, gather=3.0), Scenario(8, "dbp"))
+    assert bound.step_time == pytest.approx(3.0)
+
+
+def test_fwp_exposes_two_of_2n_all2alls_and_negative_control():
+    n = 8
+    s = simulate_steps(_costs(n, gather=0.5, a2a=0.4), Scenario(8, "nested", micro_batches=n))
+    assert s.exposed["comm"] == pytest.approx(2 * 0.4 / n)
+    no = simulate_steps(_costs(n, gather=0.5, a2a=0.4), Scenario(8, "nested", micro_batches=n, fwp_overlap=False))
+    assert no.exposed["comm"] == pytest.approx(0.8)
+
+
+def test_presets_and_bad_inputs_name_the_argument(tmp_path):
+    with pytest.raises(ValueError, match="unknown workload"):
+        load_workload("nope")
+    with pytest.raises(ValueError, match="unknown key 'bogus'"):
+        load_hardware("ascend-910b", {"bogus": 1})
+    with pytest.raises(ValueError, match="all2all"):
+        load_hardware("ascend-910b", {"all2all": "ring"})
+    f = tmp_path / "hw.json"
+    f.write_text(json.dumps({"preset": "h100", "net_bw": 1e10}))
+    assert load_hardware(str(f)).net_bw == 1e10
+    with pytest.raises(ValueError, match="group_size"):
+        Scenario(12, "2dsp", group_size=5)
+
+
+def test_planner_splits_hot_tables_and_respects_memory():
+    hw = load_hardware("ascend-910b")
+    tables = [TableInfo("hist", 50_000_000, 128, "pooled", 50, 0.5), TableInfo("item", 50_000_000, 64, "sequence", 200, 0.3),
+              TableInfo("tiny", 10, 16, "single", 1, 1.0)]
+    plan = make_plan(tables, PlannerConfig(workers=16, batch_per_worker=512, group_size=16), hw)
+    t = plan["tables"]
+    assert t["hist"]["col_shards"] > 1 and t["hist"]["exchange"] == "reduction"  # pooled: column split
+    assert t["item"]["row_shards"] > 1 and t["item"]["exchange"] == "unique"
+    assert t["tiny"]["sharding"] in ("replicated", "table_wise")  # a 10-row table is never split
+    for name, v in t.items():
+        ranks = [s["rank"] for s in v["shards"]]
+        assert len(ranks) == len(set(ranks)) == v["row_shards"] * v["col_shards"]
+    assert plan["trainer_config"]["embedding"]["kinds"]["item"] == "unique"
+    # memory cap forces row splits of a table that does not fit one worker
+    big = [TableInfo("big", 100_000_000, 64, "sequence", 1, 0.1)]
+    p = make_plan(big, PlannerConfig(workers=8, group_size=8, dram_cap=10e9), hw)
+    assert p["tables"]["big"]["row_shards"] >= 4
+    with pytest.raises(ValueError, match="do not fit"):
+        make_plan(big, PlannerConfig(workers=2, group_size=2, dram_cap=1e9), hw)
+
+
+def test_plan_cli_from_table_file(tmp_path, capsys):
+    f = tmp_path / "tables.toml"
+    f.write_text('[[tables]]\nname = "item"\nvocab = 1000000\ndim = 64\nkind = "sequence"\nhotness = 64\n'
+                 'unique_ratio = 0.4\n[[tables]]\nname = "tag"\nvocab = 100\ndim = 32\nkind = "pooled"\nhotness = 3\n')
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--tables", str(f), "--workers", "32", "--out", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["format"] == "nestpipe-plan" and set(plan["tables"]) == {"item", "tag"}
+    assert 32 % plan["group_size"] == 0
+    assert "busiest worker" in capsys.readouterr().out
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"tables": [{"name": "x", "vocab": 10, "dim": 8, "kind": "weird"}]}))
+    assert main(["plan", "--tables", str(bad), "--workers", "4"]) == 1
+
+
+def test_simulate_cli_writes_figures(tmp_path, capsys):
+    out = tmp_path / "sim"
+    rc = main(["simulate", "--workers", "8", "1536", "--modes", "off", "nested", "--out", str(out)])
+    assert rc == 0
+    assert {"results.json", "scaling.png", "gantt-off.png", "gantt-nested.png"} <= set(os.listdir(out))
+    res = json.loads((out / "results.json").read_text())
+    nested = [p for p in res["predictions"] if p["mode"] == "nested" and p["workers"] == 1536][0]
+    assert nested["qps"] == pytest.approx(512 * 1536 / nested["step_ms"] * 1e3)
+    assert main(["simulate", "--modes", "bogus", "--workers", "8"]) == 1
+    assert "unknown mode" in capsys.readouterr().err
+
+
+def test_calibrate_from_run_is_not_yet_calibrated(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(FileNotFoundError, match="metrics.json"):
+        calibrate_from_run(str(run), load_workload("paper-hstu"), load_hardware("ascend-910b"))
+    (run / "metrics.json").write_text(json.dumps({"world": 2, "batch_size_per_rank": 64, "pipeline": "off",
+                                                  "samples_per_s": 100.0, "lookup_s_per_step": 0.1,
+                                                  "communication_s_per_step": 0.05}))
+    with pytest.raises(NotCalibratedError, match="not yet calibrated"):
+        calibrate_from_run(str(run), load_workload("paper-hstu"), load_hardware("ascend-910b"))
+    assert main(["simulate", "--calibrate", str(run)]) == 1

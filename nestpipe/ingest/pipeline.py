@@ -75,6 +75,7 @@ LOG_KEEP = {
     "ctr": ["user_id", "video_id", "date", "hourmin", "time_ms", *K.ACTION_FLAGS, "tab"],
 }
 VBASIC_KEEP = {"gr": ["video_id", "author_id"], "ctr": ["video_id", *ctr.VIDEO_BASIC_FEATURES]}
+VSTAT_SPEC = ColumnSpec(K.VIDEO_STAT_COLUMNS, K.VIDEO_STAT_DTYPES, ["video_id"], keep=["video_id", *ctr.STAT_FEATURES])
 # Feedback flags are used as 0/1 only: clipped and narrowed to Int8 in the spills.
 NARROW = {f: pl.Int8 for f in K.ACTION_FLAGS}
 

@@ -2,16 +2,26 @@
 
 KuaiRand-like sizes by default: batch 512 x sequence 256 tokens of Zipf(1.2) ids over a 32M-row table, dim 64,
 one owner holding the whole 32M-row store (about 8.2 GB of float32 weights + 128 MB of AdaGrad state).
-Timings are medians of ``--reps`` runs; both sides of every ratio are measured in the same run.
-Bandwidths count bytes read + written, like the memory-copy figure printed beside them.
 
-    python benchmarks/kernels_bench.py                       # 32M rows (needs about 9 GB free)
-    python benchmarks/kernels_bench.py --store-rows 4000000  # smaller store
+Method (every ratio printed is measured in this one run):
+  * fast path and reference alternate rep by rep (which one goes first alternates too), after two warm-up calls
+    each; medians over ``--reps`` reps, with the spread (min-max of the per-rep ratios) beside them;
+  * gather and AdaGrad use a fresh batch for every call (each side its own), so a batch's rows are not
+    cache-hot from a previous call; Zipf's hot rows recur across batches and stay cached, as in training;
+  * the clock is the CPU time of the benchmark thread with one thread (the cores here are shared: wall time
+    includes time the process waits for a core), wall time with ``--threads`` > 1;
+  * bandwidths count bytes read + written of the rows moved; the memory copy (a 512 MiB tensor into another, a
+    working set above the last-level cache) is measured the same way, on the same clock, interleaved with the
+    gather and AdaGrad reps; percentages divide by its median.
+
+    python benchmarks/kernels_bench.py            # 32M rows (needs about 9.5 GB free), a few minutes
+    python benchmarks/kernels_bench.py --quick    # 4M-row store, fewer reps: under a minute
 """
 
 from __future__ import annotations
 
 import argparse
+import mmap
 import statistics
 import time
 
@@ -23,96 +33,145 @@ import nestpipe.kernels as K
 from nestpipe.kernels import reference as R
 from nestpipe.kernels import routing
 
-
-def timed(fn, reps, rotate=False):
-    """Median time of ``fn()`` (or ``fn(i)`` for rep ``i`` when ``rotate``: a new batch each rep, so the store
-    rows are not already in the (large) last-level cache from the previous rep)."""
-    fn(reps) if rotate else fn()  # warm-up (and JIT compile/cache load) on a batch not timed
-    times = []
-    for i in range(reps):
-        t0 = time.perf_counter()
-        fn(i) if rotate else fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+COPY_BYTES = 512 * 1024 * 1024
 
 
 def zipf_ids(n, vocab, seed):
     return torch.from_numpy(np.random.default_rng(seed).zipf(1.2, n) % vocab).to(torch.int64)
 
 
-def copy_bandwidth(reps):
-    src = torch.ones(1024 * 1024 * 1024 // 4)  # 1 GiB: larger than the last-level cache
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), reps)
+def quantiles(values):
+    v = sorted(values)
+    return statistics.median(v), v[0], v[-1]
+
+
+class Bench:
+    def __init__(self, clock, reps):
+        self.clock, self.reps = clock, reps
+        self.copy_src = torch.ones(COPY_BYTES // 4)
+        self.copy_dst = torch.empty_like(self.copy_src)
+        self.copy_dst.copy_(self.copy_src)  # fault the destination's pages in before timing
+        self.copy_bw = []  # (read + written bytes) / s of every copy sample
+
+    def time(self, fn, *args):
+        t0 = self.clock()
+        fn(*args)
+        return self.clock() - t0
+
+    def copy_sample(self):
+        self.copy_bw.append(2 * COPY_BYTES / self.time(self.copy_dst.copy_, self.copy_src))
+
+    def interleaved(self, fns, batches=None, copy=False):
+        """Per-rep times of each function in ``fns`` (a dict), run in alternating order rep by rep. With
+        ``batches`` (one list of fresh batches per function, ``reps + 2`` each) the function is called with its
+        next batch and the time is per row (s / row). ``copy``: take a memory-copy sample every rep."""
+        names = list(fns)
+        for w in range(2):  # warm-up (JIT load, allocator) on batches not timed
+            for name in names:
+                fns[name](batches[name][self.reps + w]) if batches else fns[name]()
+        times = {name: [] for name in names}
+        for i in range(self.reps):
+            for name in names if i % 2 == 0 else names[::-1]:
+                if batches:
+                    b = batches[name][i]
+                    times[name].append(self.time(fns[name], b) / max(1, b.numel()))
+                else:
+                    times[name].append(self.time(fns[name]))
+            if copy:
+                self.copy_sample()
+        return times
+
+
+def huge_page_tensor(shape, dtype=torch.float32):
+    """An anonymous mapping advised to transparent huge pages (``MADV_HUGEPAGE``), as a tensor."""
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, nbytes)
+    buf.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buf, dtype=dtype).view(*shape)  # the tensor keeps ``buf`` alive
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--store-rows", type=int, default=32_000_000)
+    ap.add_argument("--store-rows", type=int, default=None, help="default 32M (4M with --quick)")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--world", type=int, default=8, help="owners for the routing benchmark")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=None, help="timed reps per op (default 15, 7 with --quick)")
+    ap.add_argument("--quick", action="store_true", help="4M-row store and fewer reps (under a minute)")
+    ap.add_argument("--huge-pages", action="store_true", help="back the store with transparent huge pages")
+    ap.add_argument("--no-gather-variants", action="store_true", help="skip the table of gather alternatives")
     ap.add_argument(
         "--threads", type=int, default=1,
-        help="threads for torch and numba alike (default 1: on shared cores, multi-threaded timings of small ops "
-        "measure the scheduler more than the kernels)",
+        help="threads for torch and numba alike (default 1: the cores here are shared; with more than one the "
+        "clock is wall time)",
     )
     args = ap.parse_args()
+    store_rows = args.store_rows or (4_000_000 if args.quick else 32_000_000)
+    reps = args.reps or (7 if args.quick else 15)
     torch.set_num_threads(args.threads)
     import numba
 
-    numba.set_num_threads(args.threads)
+    from nestpipe.kernels import cpu
 
-    need = args.store_rows * (args.dim + 1) * 4
+    numba.set_num_threads(args.threads)
+    clock_name = "thread CPU time" if args.threads == 1 else "wall time"
+    bench = Bench(time.thread_time if args.threads == 1 else time.perf_counter, reps)
+
+    need = store_rows * (args.dim + 1) * 4
     free = psutil.virtual_memory().available
     if need > 0.8 * free:
         raise SystemExit(f"the store needs {need / 1e9:.1f} GB but only {free / 1e9:.1f} GB is free: use --store-rows")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} torch / {numba.get_num_threads()} numba threads; paths: {K.kernel_paths('cpu')}")
-    vocab, dim, n_tok = args.store_rows, args.dim, args.batch * args.seq
-    bw = copy_bandwidth(args.reps)
-    print(f"memory copy bandwidth (read + write): {bw / 1e9:.1f} GB/s")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} torch / {numba.get_num_threads()} numba threads, "
+          f"clock: {clock_name}, {reps} reps; paths: {K.kernel_paths('cpu')}")
+    vocab, dim, n_tok = store_rows, args.dim, args.batch * args.seq
 
     t0 = time.perf_counter()
-    weights = torch.empty(vocab, dim).fill_(0.01)
-    state = torch.empty(vocab).fill_(0.1)
-    print(f"store: {vocab:,} x {dim} float32 ({weights.numel() * 4 / 1e9:.2f} GB), filled in {time.perf_counter() - t0:.1f} s")
+    if args.huge_pages:
+        weights, state = huge_page_tensor((vocab, dim)), huge_page_tensor((vocab,))
+    else:
+        weights, state = torch.empty(vocab, dim), torch.empty(vocab)
+    weights.fill_(0.01)
+    state.fill_(0.1)
+    pages = "transparent huge pages (madvise)" if args.huge_pages else "default pages"
+    print(f"store: {vocab:,} x {dim} float32 ({weights.numel() * 4 / 1e9:.2f} GB, {pages}), "
+          f"filled in {time.perf_counter() - t0:.1f} s")
+
+    seed = iter(range(100, 1_000_000))
+
+    def fresh_batches():  # owner-side sorted unique local rows (one owner holds everything), reps + 2 batches
+        return [K.route_keys(zipf_ids(n_tok, vocab, next(seed)), vocab, 1).send_rows for _ in range(reps + 2)]
 
     ids_t, ids_t1 = zipf_ids(n_tok, vocab, 0), zipf_ids(n_tok, vocab, 1)
-    # one batch per timed rep (+1 for the warm-up): owner-side unique local rows (one owner holds everything)
-    batches = [K.route_keys(zipf_ids(n_tok, vocab, 100 + i), vocab, 1).send_rows for i in range(2 * (args.reps + 1))]
-    fast_b, ref_b = batches[: args.reps + 1], batches[args.reps + 1 :]  # each side gets cold batches of its own
-    rows = []  # (op, fast s, unfused s, bytes moved by the fast path or None)
+    routed = K.route_keys(ids_t, vocab, 1)
+    n_unique = routed.send_rows.numel()
+    print(f"tokens per batch {n_tok:,}, unique rows {n_unique:,}")
+    out = torch.empty(3 * n_unique, dim)
+    results = []  # (op, {"fast": per-rep s, "ref": per-rep s}, rows per call or None, bytes per row or None)
 
     # Key routing: fbgemm bucketize vs a torch stable sort (dedup and hashing are shared by both).
-    t_fast = timed(lambda: K.route_keys(ids_t, vocab, args.world), args.reps)
-    t_ref = timed(lambda: routing.route(ids_t, None, vocab, args.world, None, use_fbgemm=False), args.reps)
-    rows.append((f"route_keys (W={args.world})", t_fast, t_ref, None))
+    t = bench.interleaved({
+        "fast": lambda: K.route_keys(ids_t, vocab, args.world),
+        "ref": lambda: routing.route(ids_t, None, vocab, args.world, None, use_fbgemm=False),
+    })
+    results.append((f"route_keys (W={args.world})", t, None, None))
 
-    # One owner holds the whole store: local row = placement hash.
-    local_t = K.route_keys(ids_t, vocab, 1).send_rows
-    routed = K.route_keys(ids_t, vocab, 1)
-    n_unique = local_t.numel()
-    print(f"tokens per batch {n_tok:,}, unique rows {n_unique:,}")
-
-    n_fast = statistics.mean(b.numel() for b in fast_b[:-1])
-    out = torch.empty(max(b.numel() for b in batches), dim)
-    t_fast = timed(lambda i: K.gather_rows(weights, fast_b[i], out[: fast_b[i].numel()]), args.reps, rotate=True)
-    t_ref = timed(lambda i: torch.index_select(weights, 0, ref_b[i], out=out[: ref_b[i].numel()]), args.reps, rotate=True)
-    t_ref *= n_fast / statistics.mean(b.numel() for b in ref_b[:-1])  # per-row time at the fast side's row count
-    rows.append(("gather_rows", t_fast, t_ref, 2 * n_fast * dim * 4))
+    # Row gather (selected path vs index_select, the same op on CPU today).
+    t = bench.interleaved({
+        "fast": lambda b: K.gather_rows(weights, b, out[: b.numel()]),
+        "ref": lambda b: torch.index_select(weights, 0, b, out=out[: b.numel()]),
+    }, {"fast": fresh_batches(), "ref": fresh_batches()}, copy=True)
+    results.append(("gather_rows", t, n_unique, 2 * dim * 4))
 
     grads = torch.randn(out.shape[0], dim) * 1e-3
-    t_fast = timed(lambda i: K.adagrad_update(weights, state, fast_b[i], grads[: fast_b[i].numel()], 1e-3), args.reps, rotate=True)
-    t_ref = timed(lambda i: R.adagrad_update(weights, state, ref_b[i], grads[: ref_b[i].numel()], 1e-3, 1e-8), args.reps, rotate=True)
-    t_ref *= n_fast / statistics.mean(b.numel() for b in ref_b[:-1])
+    t = bench.interleaved({
+        "fast": lambda b: K.adagrad_update(weights, state, b, grads[: b.numel()], 1e-3),
+        "ref": lambda b: R.adagrad_update(weights, state, b, grads[: b.numel()], 1e-3, 1e-8, check_distinct=False),
+    }, {"fast": fresh_batches(), "ref": fresh_batches()}, copy=True)
     # weights read + written, grads read, state read + written
-    rows.append(("adagrad_update", t_fast, t_ref, n_fast * (3 * dim * 4 + 8)))
-    out = out[:n_unique]
-    torch.index_select(weights, 0, local_t, out=out)
+    results.append(("adagrad_update", t, n_unique, 3 * dim * 4 + 8))
 
-    buffer_rows = out.clone()
+    buffer_rows = K.gather_rows(weights, routed.send_rows)
     inverse = routed.inverse
     grad_tok = torch.randn(n_tok, dim)
 
@@ -124,7 +183,7 @@ def main():
         r = buffer_rows.clone().requires_grad_(True)
         r.index_select(0, inverse).backward(grad_tok)
 
-    rows.append(("sequence_lookup fwd+bwd", timed(seq_fast, args.reps), timed(seq_ref, args.reps), None))
+    results.append(("sequence_lookup fwd+bwd", bench.interleaved({"fast": seq_fast, "ref": seq_ref}), None, None))
 
     offsets = torch.arange(0, n_tok + 1, args.seq)
     grad_bag = torch.randn(args.batch, dim)
@@ -137,24 +196,72 @@ def main():
         r = buffer_rows.clone().requires_grad_(True)
         torch.nn.functional.embedding_bag(inverse, r, offsets[:-1], mode="sum").backward(grad_bag)
 
-    rows.append(("pooled_lookup fwd+bwd", timed(pooled_fast, args.reps), timed(pooled_ref, args.reps), None))
+    results.append(("pooled_lookup fwd+bwd", bench.interleaved({"fast": pooled_fast, "ref": pooled_ref}), None, None))
 
     keys_t = routed.unique_keys
     keys_t1 = K.route_keys(ids_t1, vocab, 1).unique_keys
-    active = out.clone()
+    active = buffer_rows.clone()
     prefetch = torch.empty(keys_t1.numel(), dim)
-    t_fast = timed(lambda: K.dual_buffer_sync(keys_t, active, keys_t1, prefetch), args.reps)
-    t_ref = timed(lambda: R.dual_buffer_sync(keys_t, active, keys_t1, prefetch), args.reps)
+    t = bench.interleaved({
+        "fast": lambda: K.dual_buffer_sync(keys_t, active, keys_t1, prefetch),
+        "ref": lambda: R.dual_buffer_sync(keys_t, active, keys_t1, prefetch),
+    })
     n_common = R.dual_buffer_sync(keys_t, active, keys_t1, prefetch)
-    rows.append((f"dual_buffer_sync ({n_common:,} common)", t_fast, t_ref, None))
+    results.append((f"dual_buffer_sync ({n_common:,} common)", t, None, None))
 
-    bw_end = copy_bandwidth(args.reps)
-    print(f"memory copy bandwidth at the end: {bw_end / 1e9:.1f} GB/s; percentages use the higher of the two")
-    bw = max(bw, bw_end)
-    print(f"\n{'op':34s} {'fast ms':>9s} {'unfused ms':>11s} {'speedup':>8s} {'fast GB/s':>10s} {'% of copy':>9s}")
-    for op, fast, ref, nbytes in rows:
-        gbs = f"{nbytes / fast / 1e9:10.1f} {100 * nbytes / fast / bw:8.0f}%" if nbytes else ""
-        print(f"{op:34s} {fast * 1e3:9.2f} {ref * 1e3:11.2f} {ref / fast:7.2f}x {gbs}")
+    bw = statistics.median(bench.copy_bw)
+    bw_med, bw_min, bw_max = quantiles(bench.copy_bw)
+    print(f"memory copy (read + write, {COPY_BYTES >> 20} MiB, {len(bench.copy_bw)} samples): "
+          f"median {bw_med / 1e9:.1f} GB/s [{bw_min / 1e9:.1f}-{bw_max / 1e9:.1f}]")
+    print(f"\n{'op':34s} {'fast ms':>8s} {'unfused ms':>10s} {'speedup [min-max]':>20s} {'fast GB/s':>10s} "
+          f"{'% of copy [min-max]':>20s}")
+    for op, t, n_rows, row_bytes in results:
+        scale = n_rows or 1  # rotating ops: per-row times, shown at this batch's row count
+        fast, ref = statistics.median(t["fast"]) * scale, statistics.median(t["ref"]) * scale
+        s_med, s_min, s_max = quantiles([r / f for f, r in zip(t["fast"], t["ref"])])
+        line = f"{op:34s} {fast * 1e3:8.2f} {ref * 1e3:10.2f} {s_med:7.2f}x [{s_min:.2f}-{s_max:.2f}]"
+        if row_bytes:
+            g_med, g_min, g_max = quantiles([row_bytes / x for x in t["fast"]])
+            line += f" {g_med / 1e9:10.2f} {100 * g_med / bw:8.0f}% [{100 * g_min / bw:.0f}-{100 * g_max / bw:.0f}]"
+        print(line)
+
+    if args.no_gather_variants:
+        return
+    # Gather alternatives on fresh sorted batches, interleaved, each against the same copy median.
+    wn, on = weights.numpy(), out.numpy()
+    variants = {
+        "torch index_select (selected)": lambda b: torch.index_select(weights, 0, b, out=out[: b.numel()]),
+        "fbgemm index_select_dim0": lambda b: torch.ops.fbgemm.index_select_dim0(weights, b),
+        "numba loop": lambda b: cpu._gather(wn, b.numpy(), on, 0),
+        f"numba loop, prefetch {cpu.PREFETCH_DISTANCE} rows ahead": lambda b: cpu._gather(wn, b.numpy(), on, cpu.PREFETCH_DISTANCE),
+    }
+
+    def unsorted_direct(b):  # rows in request order (shuffled): index_select as they come
+        torch.index_select(weights, 0, b, out=out[: b.numel()])
+
+    def unsorted_via_sort(b):  # sort, gather in ascending row order, scatter into the requested order
+        order = torch.argsort(b)
+        out[: b.numel()].index_copy_(0, order, weights.index_select(0, b[order]))
+
+    def contiguous(b):  # control: as many rows, but one contiguous run at a random offset
+        start = int(b[0]) % max(1, vocab - b.numel())
+        torch.index_select(weights, 0, torch.arange(start, start + b.numel()), out=out[: b.numel()])
+
+    variants["unsorted rows, index_select as given"] = unsorted_direct
+    variants["unsorted rows, sort + gather + scatter"] = unsorted_via_sort
+    variants["control: contiguous rows, index_select"] = contiguous
+    batches = {name: fresh_batches() for name in variants}
+    gen = torch.Generator().manual_seed(7)
+    for name in ("unsorted rows, index_select as given", "unsorted rows, sort + gather + scatter"):
+        batches[name] = [b[torch.randperm(b.numel(), generator=gen)] for b in batches[name]]
+    t = bench.interleaved(variants, batches, copy=True)
+    bw = statistics.median(bench.copy_bw)
+    print(f"\ngather alternatives (fresh batches, bytes read + written / {clock_name}; copy median now "
+          f"{bw / 1e9:.1f} GB/s)")
+    for name in variants:
+        g_med, g_min, g_max = quantiles([2 * dim * 4 / x for x in t[name]])
+        print(f"  {name:44s} {g_med / 1e9:6.2f} GB/s {100 * g_med / bw:5.0f}% of copy "
+              f"[{100 * g_min / bw:.0f}-{100 * g_max / bw:.0f}]")
 
 
 if __name__ == "__main__":

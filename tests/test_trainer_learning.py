@@ -1,0 +1,78 @@
+"""Learning works on the default synthetic data: trained models beat trivial baselines by stated margins.
+
+Data: ``nestpipe.datasets.synth.generate(scale="tiny")`` (planted communities and item->item successors) ->
+``nestpipe ingest`` for both tasks. ``hstu`` trains on 2 gloo ranks with the default config and must beat the
+most-popular baseline on full-catalog HR@10 and NDCG@10; ``dlrm`` trains on 2 ranks and must beat the constant
+(train positive rate) predictor on AUC and logloss. Negative control: the same runs with both learning rates 0
+(the initial model) do not clear the margins, so the margins measure training, not the evaluation.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from nestpipe.datasets import synth
+from nestpipe.ingest import IngestConfig, ingest
+from nestpipe.trainer.evaluate import evaluate_run
+
+# margins over the baselines (measured on 2 ranks: HR@10 0.26 vs 0.15, NDCG@10 0.15 vs 0.09; AUC 0.63, logloss
+# 0.653 vs 0.676; with learning rate 0: HR@10 0.00, AUC 0.49, logloss 0.693)
+HR_MARGIN = 0.05
+NDCG_MARGIN = 0.03
+AUC_MIN = 0.56
+LOGLOSS_MARGIN = 0.01
+HSTU_EPOCHS = 5
+FROZEN = ["--set", "embedding.lr=0", "--set", "optim.lr=0"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("learn")
+    raw = str(root / "raw")
+    synth.generate(raw, scale="tiny", seed=0, progress=False)
+    gr, ctr = str(root / "gr"), str(root / "ctr")
+    ingest(IngestConfig(raw=raw, out=gr, task="gr", batch_size=32, micro_batches=4, max_seq_len=64,
+                        batches_per_shard=2, workers=1, progress=False))
+    ingest(IngestConfig(raw=raw, out=ctr, task="ctr", batch_size=128, micro_batches=4, batches_per_shard=25,
+                        workers=1, progress=False))
+    return {"gr": gr, "ctr": ctr, "root": root}
+
+
+def train(shards, out, model, *args):
+    p = subprocess.run([sys.executable, "-m", "nestpipe", "train", "--shards", shards, "--out", out, "--model", model,
+                        "--nproc-per-node", "2", "--pipeline", "off", "--no-progress", *args],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return evaluate_run(out)
+
+
+def hstu_beats(ev) -> bool:
+    m, b = ev["model"], ev["baseline_most_popular"]
+    return m["HR@10"] >= b["HR@10"] + HR_MARGIN and m["NDCG@10"] >= b["NDCG@10"] + NDCG_MARGIN
+
+
+def dlrm_beats(ev) -> bool:
+    m, b = ev["model"], ev["baseline_constant"]
+    return m["AUC"] >= AUC_MIN and m["logloss"] <= b["logloss"] - LOGLOSS_MARGIN
+
+
+def test_hstu_beats_most_popular(data):
+    ev = train(data["gr"], str(data["root"] / "hstu"), "hstu", "--epochs", str(HSTU_EPOCHS))
+    assert ev["protocol"].startswith("full catalog") and ev["samples"] >= 100
+    assert hstu_beats(ev), ev
+    # negative control: the untrained model (learning rates 0) does not beat the baseline
+    frozen = train(data["gr"], str(data["root"] / "hstu-frozen"), "hstu", "--steps", "1", *FROZEN)
+    assert not hstu_beats(frozen), frozen
+    assert frozen["model"]["HR@10"] < frozen["baseline_most_popular"]["HR@10"], frozen
+
+
+def test_dlrm_beats_constant(data):
+    ev = train(data["ctr"], str(data["root"] / "dlrm"), "dlrm", "--epochs", "1")
+    assert ev["samples"] >= 1000
+    assert dlrm_beats(ev), ev
+    frozen = train(data["ctr"], str(data["root"] / "dlrm-frozen"), "dlrm", "--steps", "1", *FROZEN)
+    assert not dlrm_beats(frozen), frozen

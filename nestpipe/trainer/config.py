@@ -74,12 +74,37 @@ class OptimConfig:
     weight_decay: float = 0.0
 
 
+PIPELINE_MODES = ("off", "dbp", "fwp", "nested")
+
+
+@dataclasses.dataclass
+class PipelineConfig:
+    """The nested pipeline (``TrainConfig.pipeline``: off | dbp | fwp | nested); see ``docs/pipeline.md``.
+
+    ``depth``: how many batches stages 1-3 (data prefetch, H2D, key routing) may run ahead of the batch being
+    trained; retrieval always runs at most one batch ahead (two buffers). ``micro_batching``: ``clustered`` uses the
+    shard's key-centric partition, ``random`` re-partitions every batch uniformly at random (same samples, same
+    gradient sum up to summation order). ``trace_steps`` steps are recorded in the timeline (Chrome trace JSON and a
+    PNG Gantt chart of ``gantt_steps`` steps). ``baseline_metrics``: a ``--pipeline off`` run's metrics.json; the
+    exposed-time ratios in metrics.json are then measured against it.
+    """
+
+    depth: int = 2
+    micro_batching: str = "clustered"  # clustered | random
+    trace_steps: int = 64
+    gantt_steps: int = 4
+    baseline_metrics: str = ""
+    # debug (negative controls): skip the dual-buffer sync copy; apply the update after every micro-batch.
+    debug_skip_dual_buffer_sync: bool = False
+    debug_update_per_micro_batch: bool = False
+
+
 @dataclasses.dataclass
 class TrainConfig:
     shards: str = ""
     out: str = ""
     model: str = "hstu"
-    pipeline: str = "off"
+    pipeline: str = "nested"  # off | dbp | fwp | nested
     steps: Optional[int] = None
     epochs: Optional[int] = None
     seed: int = 0
@@ -95,6 +120,7 @@ class TrainConfig:
     hstu: HSTUConfig = dataclasses.field(default_factory=HSTUConfig)
     dlrm: DLRMConfig = dataclasses.field(default_factory=DLRMConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    pipe: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     # debug hooks for failure tests: raise on ``debug_fail_rank`` at step ``debug_fail_step``; sleep inside
     # checkpoint writes (or mid-step) so a test can kill the run there.
     debug_fail_step: int = -1
@@ -110,7 +136,8 @@ class TrainConfig:
         return _build(cls, d, where)
 
 
-_NESTED = {"embedding": EmbeddingConfig, "hstu": HSTUConfig, "dlrm": DLRMConfig, "optim": OptimConfig}
+_NESTED = {"embedding": EmbeddingConfig, "hstu": HSTUConfig, "dlrm": DLRMConfig, "optim": OptimConfig,
+           "pipe": PipelineConfig}
 
 
 def _build(cls, d: Dict[str, Any], where: str):

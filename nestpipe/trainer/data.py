@@ -68,15 +68,34 @@ def _sequence_tables(manifest: Manifest) -> List[str]:
     return sorted(manifest.tables)
 
 
+def random_partition(b: int, n: int, seed: int, step: int, rank: int) -> np.ndarray:
+    """A uniformly random balanced partition of ``b`` samples into ``n`` micro-batches (clustering off), keyed by
+    (seed, step, rank): the same samples as the shard's clustered partition, only grouped differently."""
+    g = keyed_generator(seed, step, -2, rank)
+    perm = torch.randperm(b, generator=g).numpy()
+    mb = np.empty(b, dtype=np.int64)
+    mb[perm] = np.arange(b) % n
+    return mb
+
+
 def prepare_batch(record: Dict, manifest: Manifest, step: int, rank: int, seed: int,
-                  num_negatives: Tuple[int, int] = (0, 0), where: str = "") -> PreparedBatch:
-    """Host-side preparation of one batch record (see the module docstring)."""
+                  num_negatives: Tuple[int, int] = (0, 0), where: str = "",
+                  micro_batching: str = "clustered") -> PreparedBatch:
+    """Host-side preparation of one batch record (see the module docstring).
+
+    ``micro_batching = "random"`` replaces the shard's clustered partition by :func:`random_partition` and
+    recomputes each micro-batch's unique keys (clustering off)."""
     meta = record.get("meta", {})
     mb = np.asarray(record["mb"]).astype(np.int64)
     b = len(mb)
     if b != manifest.batch_size:
         raise ShardError(f"{where}: record has {b} samples, manifest batch_size is {manifest.batch_size}")
     n = int(meta.get("micro_batches", manifest.micro_batches))
+    if micro_batching not in ("clustered", "random"):
+        raise ValueError(f"micro_batching {micro_batching!r}: expected clustered or random")
+    repartition = micro_batching == "random"
+    if repartition:
+        mb = random_partition(b, n, seed, step, rank)
     keys: Dict[str, np.ndarray] = {}
     offsets: Dict[str, np.ndarray] = {}
     for t in _sequence_tables(manifest):
@@ -104,8 +123,11 @@ def prepare_batch(record: Dict, manifest: Manifest, step: int, rank: int, seed: 
             # value indices of this micro-batch's samples, in sample order
             idx = np.repeat(starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens) + np.arange(lens.sum())
             inv = np.asarray(record[f"{t}.inverse"], dtype=np.int64)[idx]
-            mo = record[f"{t}.mb_offsets"]
-            mk = np.asarray(record[f"{t}.mb_unique"][mo[i]:mo[i + 1]], dtype=np.int64)
+            if repartition:
+                mk = np.unique(inv)
+            else:
+                mo = record[f"{t}.mb_offsets"]
+                mk = np.asarray(record[f"{t}.mb_unique"][mo[i]:mo[i + 1]], dtype=np.int64)
             pos = np.searchsorted(mk, inv)
             if len(inv) and (np.any(pos >= len(mk)) or np.any(mk[np.minimum(pos, len(mk) - 1)] != inv)):
                 raise ShardError(f"{where}: table {t}: micro-batch {i}'s mb_unique does not cover its values")

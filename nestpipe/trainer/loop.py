@@ -1,16 +1,22 @@
 """The training loop of one rank (run under torchrun by :mod:`nestpipe.trainer.launch`).
 
-    for step in range(start, total):        # start = 0, or the resumed checkpoint's step
-        record = next(this rank's shard stream)
-        loss = train_step(...)               # step.py: the synchronous stages in order
-        log, checkpoint every K steps (between steps: nothing in flight)
-    final checkpoint, metrics.json
+    groups = one process group per concurrent stage (route, embed, grad, dense), same order on every rank
+    for segment in segments(start, total, checkpoint_every):      # start = 0, or the resumed checkpoint's step
+        for step, loss in pipeline.run(records, segment):         # off | dbp | fwp | nested (scheduler.py)
+            log
+        checkpoint                                                 # the segment ended drained: nothing in flight
+    final checkpoint, metrics.json, trace.json (+ timeline.png)
+
+All four modes do the same arithmetic in the same order; a segment boundary is where the pipeline drains, so
+checkpoints (and export and eval, which read checkpoints) never see a batch in flight and resume is bitwise exact.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from typing import Iterator, Tuple
 
 import torch
 import torch.distributed as dist
@@ -20,7 +26,9 @@ from nestpipe.trainer.config import TrainConfig
 from nestpipe.trainer.data import ShardStream
 from nestpipe.trainer.device import Device
 from nestpipe.trainer.metrics import ScalarLog, write_json_atomic
-from nestpipe.trainer.step import build_state, train_step
+from nestpipe.trainer.pipeline import process_groups, timeline as tlmod
+from nestpipe.trainer.pipeline.scheduler import PipelineRunner
+from nestpipe.trainer.step import build_state
 
 
 def total_steps(cfg: TrainConfig, batches_per_rank: int) -> int:
@@ -29,14 +37,22 @@ def total_steps(cfg: TrainConfig, batches_per_rank: int) -> int:
     return int(cfg.epochs or 1) * batches_per_rank
 
 
+def segments(start: int, total: int, every: int) -> Iterator[Tuple[int, int]]:
+    """[start, stop) ranges ending at checkpoint steps (multiples of ``every``) and at ``total``."""
+    s = start
+    while s < total:
+        stop = min(total, (s // every + 1) * every) if every else total
+        yield s, stop
+        s = stop
+
+
 def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume: bool) -> dict:
-    if cfg.pipeline != "off":
-        raise ValueError(f"--pipeline {cfg.pipeline!r} is not available in this build; use --pipeline off")
     torch.set_num_threads(cfg.threads)
     stream = ShardStream(cfg.shards, "train", rank, world, verify=cfg.verify_shards)
     manifest = stream.manifest
     steps = total_steps(cfg, stream.batches_per_rank)
-    state = build_state(cfg, manifest, rank, world, device.torch)
+    groups = process_groups.create(world)
+    state = build_state(cfg, manifest, rank, world, device.torch, groups=groups)
     start = 0
     if resume:
         ck = checkpoint.latest(cfg.out)
@@ -44,9 +60,11 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
             checkpoint.clean_partial(cfg.out)
         if ck is not None:
             start = checkpoint.load(ck, state)
+    state.timeline = tlmod.Timeline(rank, start, cfg.pipe.trace_steps)
+    runner = PipelineRunner(state, cfg.pipeline)
     log = ScalarLog(os.path.join(cfg.out, "scalars.jsonl") if rank == 0 else None)
     if rank == 0:
-        log.write(start, event="start", resumed_from_step=start, world=world, steps=steps,
+        log.write(start, event="start", resumed_from_step=start, world=world, steps=steps, pipeline=cfg.pipeline,
                   dropped_batches=stream.dropped, kinds=state.emb.kinds)
     bar = None
     if rank == 0 and cfg.progress:
@@ -57,12 +75,20 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
     t_start = time.perf_counter()
     done = 0
     loss = float("nan")
-    if start < steps:
-        for step, record, path in stream.records(start):
-            if step == cfg.debug_fail_step and rank == cfg.debug_fail_rank:
-                raise RuntimeError(f"rank {rank}: injected failure at step {step} (debug_fail_step)")
-            loss = train_step(state, step, record, where=path)
+
+    def before_step(step: int) -> None:
+        if step == cfg.debug_fail_step and rank == cfg.debug_fail_rank:
+            raise RuntimeError(f"rank {rank}: injected failure at step {step} (debug_fail_step)")
+
+    # steady state: the figures in metrics.json leave out the first ``warm`` steps (pipeline fill, first contact)
+    warm = 2 if steps - start > 4 else 0
+    snap, t_warm = state.timer.snapshot(), t_start
+    records = stream.records(start)
+    for seg_start, seg_stop in segments(start, steps, cfg.checkpoint_every):
+        for step, loss in runner.run(records, seg_start, seg_stop, before_step):
             done += 1
+            if done == warm:
+                snap, t_warm = state.timer.snapshot(), time.perf_counter()
             if rank == 0:
                 el = time.perf_counter() - t_start
                 sps = done * B * world / max(el, 1e-9)
@@ -71,18 +97,23 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
                 if bar:
                     bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{sps:.0f}")
                     bar.update(1)
-            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < steps:
-                checkpoint.save(cfg.out, state, step + 1, cfg.debug_checkpoint_sleep_s)
-            if step + 1 >= steps:
-                break
+        # drained: every stage thread joined, no buffer held, nothing in flight
+        if seg_stop < steps:
+            checkpoint.save(cfg.out, state, seg_stop, cfg.debug_checkpoint_sleep_s)
     elapsed = time.perf_counter() - t_start
     if bar:
         bar.close()
     checkpoint.save(cfg.out, state, steps)
-    # metrics: per-rank throughput and stage times, gathered to rank 0
-    mine = {"rank": rank, "samples_per_s": done * B / max(elapsed, 1e-9), "elapsed_s": elapsed, "steps": done,
-            "stages_s": state.timer.summary(), "exposed_communication_s": state.timer.exposed_communication(),
-            "exposed_lookup_s": state.timer.exposed_lookup()}
+    t = state.timer.minus(snap)
+    steady = max(done - warm, 0) if done >= warm else done
+    steady_s = t_start + elapsed - t_warm
+    mine = {"rank": rank, "samples_per_s": steady * B / max(steady_s, 1e-9), "elapsed_s": elapsed, "steps": done,
+            "measured_steps": steady, "measured_s": steady_s, "warmup_steps": done - steady,
+            "step_s": steady_s / max(steady, 1),
+            "stages_s": t.summary(), "exposed_communication_s": t.exposed_communication(),
+            "exposed_lookup_s": t.exposed_lookup(), "communication_total_s": t.communication_total(),
+            "lookup_total_s": t.lookup_total(), "dbp_rows_synced": runner.rows_synced,
+            "timeline": state.timeline.export()}
     gathered = [None] * world
     if world > 1:
         dist.all_gather_object(gathered, mine)
@@ -90,13 +121,52 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
         gathered = [mine]
     result = {"final_loss": loss, "steps": steps, "resumed_from_step": start}
     if rank == 0:
+        spans = tlmod.merge(g.pop("timeline") for g in gathered)
+        tlmod.write_chrome_trace(os.path.join(cfg.out, "trace.json"), spans)
+        if cfg.pipe.gantt_steps > 0 and spans:
+            first = min(s["step"] for s in spans)
+            show = range(first + 1, first + 1 + cfg.pipe.gantt_steps)  # steady state: skip the pipeline fill
+            tlmod.write_gantt(os.path.join(cfg.out, "timeline.png"), spans, show,
+                              title=f"{cfg.model}, --pipeline {cfg.pipeline}, world {world}")
         total_sps = sum(g["samples_per_s"] for g in gathered)
         metrics = {"model": cfg.model, "pipeline": cfg.pipeline, "world": world, "batch_size_per_rank": B,
                    "steps_run": done, "resumed_from_step": start, "final_loss": loss,
                    "samples_per_s": total_sps, "samples_per_s_per_rank": [g["samples_per_s"] for g in gathered],
-                   "per_rank": gathered, "exchange_kinds": state.emb.kinds}
+                   "per_rank": gathered, "exchange_kinds": state.emb.kinds,
+                   **exposure_summary(gathered, cfg.pipe.baseline_metrics)}
         write_json_atomic(os.path.join(cfg.out, "metrics.json"), metrics)
         log.write(steps, event="end", final_loss=loss, samples_per_s=total_sps)
         log.close()
         result["metrics"] = metrics
+    else:
+        for g in gathered:
+            g.pop("timeline", None)
     return result
+
+
+def _per_step(gathered, key: str) -> float:
+    return sum(g[key] / max(g["measured_steps"], 1) for g in gathered) / max(len(gathered), 1)
+
+
+def exposure_summary(gathered, baseline_path: str = "") -> dict:
+    """Exposed communication and lookup per step (mean over ranks), and their ratio to ``--pipeline off``.
+
+    With ``baseline_path`` (an off run's metrics.json) the ratio is measured against that run; without it the
+    off quantities are estimated from this run: in ``off`` every collective and every lookup is exposed, so the
+    estimate is this run's total time inside collectives / lookups (``ratio_source`` says which)."""
+    out = {"step_s": _per_step(gathered, "measured_s"),
+           "exposed_communication_s_per_step": _per_step(gathered, "exposed_communication_s"),
+           "exposed_lookup_s_per_step": _per_step(gathered, "exposed_lookup_s"),
+           "communication_s_per_step": _per_step(gathered, "communication_total_s"),
+           "lookup_s_per_step": _per_step(gathered, "lookup_total_s")}
+    if baseline_path:
+        with open(baseline_path) as f:
+            base = json.load(f)
+        off_comm, off_look = base["exposed_communication_s_per_step"], base["exposed_lookup_s_per_step"]
+        out["ratio_source"] = os.path.abspath(baseline_path)
+    else:
+        off_comm, off_look = out["communication_s_per_step"], out["lookup_s_per_step"]
+        out["ratio_source"] = "estimate: this run's time inside collectives and lookups"
+    out["exposed_communication_ratio_to_off"] = out["exposed_communication_s_per_step"] / off_comm if off_comm else None
+    out["exposed_lookup_ratio_to_off"] = out["exposed_lookup_s_per_step"] / off_look if off_look else None
+    return out

@@ -1,8 +1,11 @@
 """Stage timers, the scalar log (JSONL) and ``RUN/metrics.json``.
 
-In the synchronous step every collective is waited on by the compute thread, so *exposed communication* is the
-time spent inside collectives (``*.comm``) and *exposed lookup* the time spent in retrieval and in the owner's
-gather/pool work; the pipelined modes report the same keys measured as waiting time.
+:class:`StageTimer` sums seconds per stage name from every thread, and separately what the *compute thread* (the
+thread that built the timer: it runs the dense model and the update) spent. *Exposed communication* is the compute
+thread's time inside collectives (``*.comm``) plus its waits on communication threads (``wait.comm``); *exposed
+lookup* is its time in retrieval and in the owner's gather/pool work plus its waits on the retrieval stage
+(``wait.lookup``). In ``--pipeline off`` everything runs on the compute thread, so exposed equals total; in the
+pipelined modes the same work runs on stage threads and only the waiting is exposed.
 """
 
 from __future__ import annotations
@@ -10,18 +13,27 @@ from __future__ import annotations
 import collections
 import json
 import os
+import threading
 import time
 from typing import Dict, Optional
+
+LOOKUP_STAGES = ("retrieve", "embed.owner")
 
 
 class StageTimer:
     def __init__(self):
         self.total: Dict[str, float] = collections.defaultdict(float)
         self.count: Dict[str, int] = collections.defaultdict(int)
+        self.exposed: Dict[str, float] = collections.defaultdict(float)
+        self.compute_thread = threading.get_ident()
+        self._lock = threading.Lock()
 
     def add(self, name: str, seconds: float) -> None:
-        self.total[name] += seconds
-        self.count[name] += 1
+        with self._lock:
+            self.total[name] += seconds
+            self.count[name] += 1
+            if threading.get_ident() == self.compute_thread:
+                self.exposed[name] += seconds
 
     def span(self, name: str):
         timer = self
@@ -36,17 +48,46 @@ class StageTimer:
         return _Span()
 
     def reset(self) -> None:
-        self.total.clear()
-        self.count.clear()
+        with self._lock:
+            self.total.clear()
+            self.count.clear()
+            self.exposed.clear()
+
+    def snapshot(self) -> "StageTimer":
+        """A copy of the sums so far (steady-state figures are final minus a snapshot taken after warm-up)."""
+        c = StageTimer()
+        with self._lock:
+            c.total.update(self.total)
+            c.count.update(self.count)
+            c.exposed.update(self.exposed)
+        return c
+
+    def minus(self, earlier: "StageTimer") -> "StageTimer":
+        c = StageTimer()
+        with self._lock:
+            for k, v in self.total.items():
+                c.total[k] = v - earlier.total.get(k, 0.0)
+            for k, v in self.exposed.items():
+                c.exposed[k] = v - earlier.exposed.get(k, 0.0)
+        return c
 
     def summary(self) -> Dict[str, float]:
         return {k: round(v, 6) for k, v in sorted(self.total.items())}
 
     def exposed_communication(self) -> float:
-        return sum(v for k, v in self.total.items() if k.endswith(".comm"))
+        """Seconds the compute thread spent in, or waiting on, communication."""
+        return sum(v for k, v in self.exposed.items() if k.endswith(".comm"))
 
     def exposed_lookup(self) -> float:
-        return sum(v for k, v in self.total.items() if k in ("retrieve", "embed.owner"))
+        """Seconds the compute thread spent in, or waiting on, embedding lookup (retrieval + owner gather)."""
+        return sum(v for k, v in self.exposed.items() if k in LOOKUP_STAGES or k == "wait.lookup")
+
+    def communication_total(self) -> float:
+        """Seconds inside collectives on any thread (what ``--pipeline off`` would expose, measured here)."""
+        return sum(v for k, v in self.total.items() if k.endswith(".comm") and not k.startswith("wait."))
+
+    def lookup_total(self) -> float:
+        return sum(v for k, v in self.total.items() if k in LOOKUP_STAGES)
 
 
 class ScalarLog:

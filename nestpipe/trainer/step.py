@@ -11,6 +11,10 @@ The arithmetic order is the specification the pipelined modes reproduce bit for 
 - owners add each entry's row gradient over micro-batches in order (``index_add_``), then over requester ranks in
   rank order; one update per batch; embeddings are frozen between :func:`stage_retrieve` and :func:`stage_update`;
 - random numbers come only from generators keyed by (seed, step, micro-batch, rank).
+
+Every mode (``off``, ``dbp``, ``fwp``, ``nested``) calls these same functions with the same process groups
+(:class:`~nestpipe.trainer.pipeline.process_groups.StageGroups`: route, embed, grad, dense); the pipelined modes
+(:mod:`nestpipe.trainer.pipeline.scheduler`) only run them on other threads and at other times.
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ class StepState:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     timer: StageTimer
-    group: Optional[object] = None
+    group: Optional[object] = None  # the default group: checkpoints and metrics, only while nothing is in flight
+    groups: Optional[object] = None  # StageGroups: one process group per concurrent stage
+    timeline: Optional[object] = None  # pipeline.timeline.Timeline
 
 
 def num_negatives(cfg: TrainConfig):
@@ -76,7 +82,7 @@ def model_feats(cfg: TrainConfig, manifest: Manifest, batch: PreparedBatch, i: i
 def stage_prefetch(state: StepState, step: int, record: Dict, where: str) -> PreparedBatch:
     with state.timer.span("prefetch"):
         return prepare_batch(record, state.manifest, step, state.rank, state.cfg.seed,
-                             num_negatives(state.cfg), where=where)
+                             num_negatives(state.cfg), where=where, micro_batching=state.cfg.pipe.micro_batching)
 
 
 # -- stage 2: H2D ---------------------------------------------------------------------------------------------------
@@ -87,7 +93,14 @@ def stage_h2d(state: StepState, batch: PreparedBatch) -> List[Dict[str, torch.Te
 
 # -- stage 3: key routing -------------------------------------------------------------------------------------------
 def stage_route(state: StepState, batch: PreparedBatch) -> Routing:
-    return state.emb.input_dist(batch)
+    return state.emb.input_dist(batch, _group(state, "route"))
+
+
+def _group(state: StepState, stage: str):
+    """The process group of ``stage``, checked against the one thread allowed to issue on it."""
+    if state.groups is None:
+        return state.group
+    return state.groups.get(stage)
 
 
 # -- stage 4: embedding retrieval ----------------------------------------------------------------------------------
@@ -98,17 +111,42 @@ def stage_retrieve(state: StepState, routing: Routing) -> None:
 # -- stage 5: forward / backward, micro-batch by micro-batch ------------------------------------------------------
 def stage_forward_backward(state: StepState, routing: Routing, feats: List[Dict[str, torch.Tensor]]) -> torch.Tensor:
     """Returns this rank's loss sum divided by ``B * W`` (a detached scalar)."""
-    norm = float(routing.batch.batch_size * state.world)
     total = torch.zeros((), dtype=torch.float64)
+    step = routing.batch.step
+    tl = state.timeline
     for i in range(len(routing.batch.micro)):
-        emb_out, leaf = state.emb.embed(routing, i)
-        t0 = time.perf_counter()
-        loss = state.model(emb_out, feats[i]).sum() / norm
-        loss.backward()
-        total += loss.detach().double().cpu()
-        state.timer.add("dense.fwd_bwd", time.perf_counter() - t0)
-        state.emb.exchange_grad(routing, i, leaf)
+        with _span(tl, "embed.a2a", step, i):
+            emb_out, leaf = state.emb.embed(routing, i, _group(state, "embed"))
+        with _span(tl, "dense", step, i):
+            total += dense_forward_backward(state, routing, emb_out, feats[i])
+        with _span(tl, "grad.a2a", step, i):
+            state.emb.exchange_grad(routing, i, leaf, _group(state, "grad"))
     return total
+
+
+def dense_forward_backward(state: StepState, routing: Routing, emb_out: Dict[str, torch.Tensor],
+                           feats_i: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """One micro-batch's dense forward and backward; loss ``sum(per-sample loss) / (B * W)``. Returns the detached
+    float64 loss. Dense and replicated gradients accumulate in ``.grad`` (micro-batches in call order)."""
+    norm = float(routing.batch.batch_size * state.world)
+    t0 = time.perf_counter()
+    loss = state.model(emb_out, feats_i).sum() / norm
+    loss.backward()
+    out = loss.detach().double().cpu()
+    state.timer.add("dense.fwd_bwd", time.perf_counter() - t0)
+    return out
+
+
+class _NoSpan:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _span(timeline, stage: str, step: int, mb: int = -1):
+    return timeline.span(stage, step, mb) if timeline is not None else _NoSpan()
 
 
 def flat_dtype(grads, rep):
@@ -116,15 +154,18 @@ def flat_dtype(grads, rep):
 
 
 # -- update: one per batch -----------------------------------------------------------------------------------------
-def stage_update(state: StepState, routing: Routing, loss: torch.Tensor) -> float:
-    """All-reduce dense + replicated gradients (one flat buffer), AdamW, owner AdaGrad. Returns the global loss."""
+def stage_update(state: StepState, routing: Routing, loss: torch.Tensor, release: bool = True) -> float:
+    """All-reduce dense + replicated gradients (one flat buffer), AdamW, owner AdaGrad. Returns the global loss.
+
+    ``release=False`` keeps the updated rows in the batch's buffer (the DBP active buffer) for the dual-buffer
+    sync into the next batch's prefetch buffer."""
     params = [p for _, p in sorted(state.model.named_parameters(), key=lambda kv: kv[0])]
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     rep = state.emb.replicated_grads()
     flat = torch.cat([g.reshape(-1) for g in grads + rep] + [loss.to(flat_dtype(grads, rep)).reshape(1).to(state.device)])
     t0 = time.perf_counter()
     if state.world > 1:
-        dist.all_reduce(flat, group=state.group)
+        dist.all_reduce(flat, group=_group(state, "dense"))
     state.timer.add("dense.allreduce.comm", time.perf_counter() - t0)
     t0 = time.perf_counter()
     off = 0
@@ -139,24 +180,30 @@ def stage_update(state: StepState, routing: Routing, loss: torch.Tensor) -> floa
     state.optimizer.zero_grad(set_to_none=True)
     state.emb.update_replicated(rep_red)
     state.timer.add("update.dense", time.perf_counter() - t0)
-    state.emb.update(routing)
+    state.emb.update(routing, release=release)
     return float(flat[-1])
 
 
 def train_step(state: StepState, step: int, record: Dict, where: str = "") -> float:
     """One synchronous step: the stages above, one after another."""
-    batch = stage_prefetch(state, step, record, where)
-    feats = stage_h2d(state, batch)
-    routing = stage_route(state, batch)
-    stage_retrieve(state, routing)
+    tl = state.timeline
+    with _span(tl, "prefetch", step):
+        batch = stage_prefetch(state, step, record, where)
+    with _span(tl, "h2d", step):
+        feats = stage_h2d(state, batch)
+    with _span(tl, "route", step):
+        routing = stage_route(state, batch)
+    with _span(tl, "retrieve", step):
+        stage_retrieve(state, routing)
     if state.cfg.debug_step_sleep_s:
         time.sleep(state.cfg.debug_step_sleep_s)  # debug: a window to kill the run with a batch in flight
     loss = stage_forward_backward(state, routing, feats)
-    return stage_update(state, routing, loss)
+    with _span(tl, "update", step):
+        return stage_update(state, routing, loss)
 
 
 def build_state(cfg: TrainConfig, manifest: Manifest, rank: int, world: int, device: torch.device,
-                group=None) -> StepState:
+                group=None, groups=None, timeline=None) -> StepState:
     from nestpipe.trainer.models import build_model
 
     if cfg.dtype not in DTYPES:
@@ -169,8 +216,8 @@ def build_state(cfg: TrainConfig, manifest: Manifest, rank: int, world: int, dev
     o = cfg.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                   weight_decay=o.weight_decay, foreach=False)
-    return StepState(cfg, manifest, rank, world, device, emb, model, optimizer, timer, group)
+    return StepState(cfg, manifest, rank, world, device, emb, model, optimizer, timer, group, groups, timeline)
 
 
 __all__ = ["NEG_SLOT", "StepState", "build_state", "train_step", "stage_prefetch", "stage_h2d", "stage_route",
-           "stage_retrieve", "stage_forward_backward", "stage_update", "model_feats"]
+           "stage_retrieve", "stage_forward_backward", "stage_update", "model_feats", "dense_forward_backward"]

@@ -18,7 +18,15 @@ Per batch (each step is a method, called in this order by :mod:`nestpipe.trainer
    and, after the micro-batch's backward, one fused gradient All2All (requester -> owner) whose payload the owner
    adds into per-entry gradients with ``index_add_``. Each entry thus sums its micro-batches in order.
 4. :meth:`update`: per store, the row gradient is the sum of its entries in entry order, i.e. over requester ranks
-   in rank order; row-wise AdaGrad is applied once and the rows are written back to the store.
+   in rank order; row-wise AdaGrad is applied once and the rows are written back to the store. The updated rows
+   stay in the batch's buffer (now the *active* buffer) until :meth:`sync_dual_buffer` has copied the rows the next
+   batch shares into the next batch's *prefetch* buffer; :meth:`release` then frees them.
+
+Every collective takes its process group as an argument: the pipelined modes give each concurrent stage its own
+group (:mod:`nestpipe.trainer.pipeline.process_groups`) and issue each group's collectives from one thread only.
+The per-micro-batch exchange is split into owner work (:meth:`embed_send`, :meth:`grad_accumulate`), the
+collective (:meth:`embed_exchange`, :meth:`grad_exchange`) and requester work (:meth:`embed_unpack`) so that a
+communication thread can run the first two while the compute thread runs the dense model.
 """
 
 from __future__ import annotations
@@ -134,10 +142,11 @@ class ShardedEmbeddingCollection:
     def slot_exchange(self, slot: str) -> str:
         return "unique" if slot == NEG_SLOT else self.kinds[slot]
 
-    def _a2a(self, send: torch.Tensor, send_splits: List[int], recv_splits: List[int], stage: str) -> torch.Tensor:
+    def _a2a(self, send: torch.Tensor, send_splits: List[int], recv_splits: List[int], stage: str,
+             group=None) -> torch.Tensor:
         out = send.new_empty(sum(recv_splits))
         t0 = time.perf_counter()
-        dist.all_to_all_single(out, send, recv_splits, send_splits, group=self.group)
+        dist.all_to_all_single(out, send, recv_splits, send_splits, group=group if group is not None else self.group)
         self.timer.add(stage + ".comm", time.perf_counter() - t0)
         return out
 
@@ -147,7 +156,9 @@ class ShardedEmbeddingCollection:
         return batch.keys[slot]
 
     # -- stage: key routing --------------------------------------------------------------------------------------
-    def input_dist(self, batch: PreparedBatch) -> Routing:
+    def input_dist(self, batch: PreparedBatch, group=None) -> Routing:
+        """Key routing of one batch (two ``all_to_all_single`` on ``group``). Depends only on the batch's keys and
+        the placement, never on parameter values, so it may run any number of batches ahead."""
         W, S, N = self.world, len(self.slots), len(batch.micro)
         req: Dict[str, _ReqSlot] = {}
         neg_inv = None
@@ -190,10 +201,11 @@ class ShardedEmbeddingCollection:
             payload.append(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
         C = counts.shape[1]
         t0 = time.perf_counter()
-        got_counts = self._a2a(torch.from_numpy(counts.reshape(-1)).to(self.device), [C] * W, [C] * W, "route")
+        got_counts = self._a2a(torch.from_numpy(counts.reshape(-1)).to(self.device), [C] * W, [C] * W, "route", group)
         got_counts = got_counts.view(W, C).cpu().numpy()
         send_payload = torch.from_numpy(np.concatenate(payload).astype(np.int64)).to(self.device)
-        got = self._a2a(send_payload, [len(p) for p in payload], [int(x) for x in got_counts[:, :S + N * S].sum(1)], "route")
+        got = self._a2a(send_payload, [len(p) for p in payload], [int(x) for x in got_counts[:, :S + N * S].sum(1)], "route",
+                        group)
         got = got.cpu().numpy()
         # owner side: parse, in (requester, slot) order
         cursor = 0
@@ -255,6 +267,10 @@ class ShardedEmbeddingCollection:
 
     # -- stage: embedding retrieval -----------------------------------------------------------------------------
     def retrieve(self, routing: Routing) -> None:
+        """Gather the batch's owner rows (weights + AdaGrad state) from the DRAM store into a fresh buffer.
+
+        Called by the retrieval stage, possibly while the previous batch trains: the rows it shares with that batch
+        may be stale here and are overwritten by :meth:`sync_dual_buffer` before this buffer serves any request."""
         t0 = time.perf_counter()
         for st, o in routing.own.items():
             w, s = self.stores[st].gather(o.rows)
@@ -263,11 +279,17 @@ class ShardedEmbeddingCollection:
         self.timer.add("retrieve", time.perf_counter() - t0)
 
     # -- per micro-batch: embedding All2All ---------------------------------------------------------------------
-    def embed(self, routing: Routing, i: int) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
+    def embed(self, routing: Routing, i: int, group=None) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
         """Outputs of micro-batch ``i`` (per table; ``item#neg`` for negatives) and the received leaf tensor."""
+        send = self.embed_send(routing, i)
+        recv = self.embed_exchange(routing, i, send, group)
+        return self.embed_unpack(routing, i, recv)
+
+    def embed_send(self, routing: Routing, i: int) -> torch.Tensor:
+        """Owner side of micro-batch ``i``: rows (unique-based) or partial pools (reduction-based) from the frozen
+        buffer, for every requester in rank order. Reads the buffer only."""
         t0 = time.perf_counter()
         W = self.world
-        mbd = routing.batch.micro[i]
         parts = []
         for r in range(W):
             for slot in self.slots:
@@ -281,7 +303,16 @@ class ShardedEmbeddingCollection:
                 parts.append(rows.reshape(-1))
         send = torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype, device=self.device)
         self.timer.add("embed.owner", time.perf_counter() - t0)
-        recv = self._a2a(send, routing.send_splits[i], routing.recv_splits[i], "embed")
+        return send
+
+    def embed_exchange(self, routing: Routing, i: int, send: torch.Tensor, group=None) -> torch.Tensor:
+        """The embedding All2All of micro-batch ``i`` (owner -> requester) on ``group``."""
+        return self._a2a(send, routing.send_splits[i], routing.recv_splits[i], "embed", group)
+
+    def embed_unpack(self, routing: Routing, i: int, recv: torch.Tensor) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
+        """Requester side of micro-batch ``i``: the received payload becomes the autograd leaf; per-table outputs."""
+        W = self.world
+        mbd = routing.batch.micro[i]
         t1 = time.perf_counter()
         leaf = recv.requires_grad_(True)
         out: Dict[str, torch.Tensor] = {}
@@ -319,9 +350,17 @@ class ShardedEmbeddingCollection:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
 
     # -- per micro-batch: gradient All2All ----------------------------------------------------------------------
-    def exchange_grad(self, routing: Routing, i: int, leaf: torch.Tensor) -> None:
+    def exchange_grad(self, routing: Routing, i: int, leaf: torch.Tensor, group=None) -> None:
         g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-        got = self._a2a(g.contiguous(), routing.recv_splits[i], routing.send_splits[i], "grad")
+        self.grad_accumulate(routing, i, self.grad_exchange(routing, i, g, group))
+
+    def grad_exchange(self, routing: Routing, i: int, g: torch.Tensor, group=None) -> torch.Tensor:
+        """The gradient All2All of micro-batch ``i`` (requester -> owner) on ``group``."""
+        return self._a2a(g.contiguous(), routing.recv_splits[i], routing.send_splits[i], "grad", group)
+
+    def grad_accumulate(self, routing: Routing, i: int, got: torch.Tensor) -> None:
+        """Owner side: add micro-batch ``i``'s row gradients into the per-entry gradients (``index_add_``).
+        Must be called for micro-batches in index order (one thread does it) so every entry sums them in order."""
         t0 = time.perf_counter()
         off = 0
         for r in range(self.world):
@@ -340,8 +379,12 @@ class ShardedEmbeddingCollection:
 
     # -- stage: owner update -------------------------------------------------------------------------------------
     @torch.no_grad()
-    def update(self, routing: Routing) -> None:
-        """One row-wise AdaGrad step per store; entries are summed in entry (= requester rank) order."""
+    def update(self, routing: Routing, release: bool = True) -> None:
+        """One row-wise AdaGrad step per store; entries are summed in entry (= requester rank) order.
+
+        The updated rows are written back to the DRAM store (the source of truth) before this returns. With
+        ``release=False`` they also stay in the batch's buffer (the *active* buffer) for :meth:`sync_dual_buffer`,
+        and the per-entry gradients restart from zero."""
         t0 = time.perf_counter()
         cfg = self.cfg
         for st, o in routing.own.items():
@@ -350,8 +393,44 @@ class ShardedEmbeddingCollection:
             row_grad.index_add_(0, o.inv, o.grad_entries)
             w, s = rowwise_adagrad(o.buf_w, o.buf_s, row_grad, cfg.lr, cfg.eps, cfg.momentum_scale_groups)
             self.stores[st].write_back(o.rows, w.cpu(), s.cpu())
-            o.buf_w = o.buf_s = o.grad_entries = None
+            if release:
+                o.buf_w = o.buf_s = o.grad_entries = None
+            else:
+                o.buf_w, o.buf_s = w, s
+                o.grad_entries = torch.zeros_like(o.grad_entries)
         self.timer.add("update.sparse", time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def sync_dual_buffer(self, active: Routing, prefetch: Routing) -> int:
+        """DBP consistency: copy the rows of keys(t) ∩ keys(t+1) from the active buffer (batch t, already updated)
+        into the prefetch buffer (batch t+1), weights and AdaGrad state. Returns the number of rows copied.
+
+        Invariant enforced here: when batch t+1's buffer serves its first request, every row in it equals the DRAM
+        store's row after batch t's write-back. Rows of t+1 not in t were not changed by t (and retrieval of t+1
+        started after batch t-1's write-back, see :class:`~nestpipe.trainer.pipeline.dual_buffer.DualBuffer`);
+        rows in both are overwritten here with the exact updated values. Copies are bitwise."""
+        t0 = time.perf_counter()
+        n = 0
+        for st, a in active.own.items():
+            p = prefetch.own[st]
+            if a.buf_w is None or p.buf_w is None:
+                raise RuntimeError(f"table {st}: dual-buffer sync needs the updated active and the retrieved "
+                                   "prefetch buffer")
+            _, ia, ip = np.intersect1d(a.rows.numpy(), p.rows.numpy(), assume_unique=True, return_indices=True)
+            if len(ia):
+                ia_t = torch.from_numpy(ia.astype(np.int64)).to(self.device)
+                ip_t = torch.from_numpy(ip.astype(np.int64)).to(self.device)
+                p.buf_w.index_copy_(0, ip_t, a.buf_w.index_select(0, ia_t))
+                p.buf_s.index_copy_(0, ip_t, a.buf_s.index_select(0, ia_t))
+                n += len(ia)
+        self.timer.add("dbp.sync", time.perf_counter() - t0)
+        return n
+
+    @staticmethod
+    def release(routing: Routing) -> None:
+        """Free a batch's buffers (after its update and, in DBP, after the sync into the next batch)."""
+        for o in routing.own.values():
+            o.buf_w = o.buf_s = o.grad_entries = None
 
     def replicated_grads(self) -> List[torch.Tensor]:
         out = []

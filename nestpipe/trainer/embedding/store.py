@@ -4,12 +4,15 @@ Invariants
 - Rank ``r`` holds exactly the rows :class:`~nestpipe.trainer.placement.TablePlacement` assigns it, as one
   contiguous ``[local_rows, dim]`` float32 tensor plus a ``[local_rows]`` accumulator. The store is the source of
   truth between batches: a batch's rows are gathered from it (retrieval) and written back after the update.
+- :meth:`RowStore.gather` and :meth:`RowStore.write_back` hold the store's lock: the retrieval stage (its own
+  thread in the pipelined modes) never reads a half-written batch of rows while the compute thread writes back.
 - A row is materialised on first touch from ``init_rows(seed, table, id)``; until then its memory is never read
   (``torch.empty``/``torch.zeros`` pages are not touched, so a 32M-row table costs nothing until used).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Dict, Tuple
 
 import numpy as np
@@ -31,6 +34,7 @@ class RowStore:
         self.weight = torch.empty(n, dim, dtype=dtype)
         self.state = torch.zeros(n, dtype=dtype)
         self.materialized = torch.zeros(n, dtype=torch.bool)
+        self.lock = threading.Lock()
 
     @property
     def num_rows(self) -> int:
@@ -48,12 +52,14 @@ class RowStore:
 
     def gather(self, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(weights [n, dim], state [n]) of ``rows`` (int64, unique), materialising untouched ones."""
-        self.materialize(rows)
-        return self.weight.index_select(0, rows), self.state.index_select(0, rows)
+        with self.lock:
+            self.materialize(rows)
+            return self.weight.index_select(0, rows), self.state.index_select(0, rows)
 
     def write_back(self, rows: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> None:
-        self.weight.index_copy_(0, rows, weight.to(self.weight.device))
-        self.state.index_copy_(0, rows, state.to(self.state.device))
+        with self.lock:
+            self.weight.index_copy_(0, rows, weight.to(self.weight.device))
+            self.state.index_copy_(0, rows, state.to(self.state.device))
 
     # -- checkpoints: only materialised rows are saved ------------------------------------------------------------
     def state_dict(self) -> Dict[str, torch.Tensor]:

@@ -1,0 +1,65 @@
+"""DBP's dual buffers: the owner's *active* buffer (rows of batch t, being trained) and *prefetch* buffer (rows of
+batch t+1, retrieved while t trains).
+
+The DBP invariant (stated here, enforced by :class:`DualBuffer` and
+:meth:`~nestpipe.trainer.embedding.collection.ShardedEmbeddingCollection.sync_dual_buffer`):
+
+    When batch t+1's buffer serves its first embedding request, every row in it (weight and AdaGrad state) equals
+    the row in the DRAM store after batch t's update was written back, i.e. what the synchronous step would read.
+
+Why it holds:
+1. Retrieval runs at most one batch ahead: the retrieval stage takes one of two buffer permits before gathering
+   batch u's rows and the compute thread returns batch t's permit only after t's update was written back to the
+   store and synced into t+1 (:meth:`DualBuffer.hand_over`). So retrieval of u starts after batch u-2 was written
+   back: every row of u not touched by batch u-1 is current in the store when gathered (the store's lock makes each
+   gather and write-back atomic).
+2. Rows of keys(u-1) ∩ keys(u) may have been gathered before u-1's write-back: :meth:`DualBuffer.hand_over` copies
+   them from the updated active buffer into the prefetch buffer before u's forward begins (bitwise copies).
+3. Key routing (stages 1-3) does not read parameters, so it may run any number of batches ahead.
+
+``skip_sync`` (debug, ``pipe.debug_skip_dual_buffer_sync``) drops step 2: the negative control for this invariant.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional
+
+from nestpipe.trainer.embedding.collection import Routing, ShardedEmbeddingCollection
+
+
+class Stopped(Exception):
+    """The pipeline is shutting down."""
+
+
+class DualBuffer:
+    PERMITS = 2  # active + prefetch
+
+    def __init__(self, emb: ShardedEmbeddingCollection, skip_sync: bool = False):
+        self.emb = emb
+        self.skip_sync = skip_sync
+        self._free = threading.Semaphore(self.PERMITS)
+        self.rows_synced = 0
+        self.syncs = 0
+
+    def retrieve(self, routing: Routing, stop: threading.Event, timeline=None) -> float:
+        """Retrieval stage (its own thread): wait for a free buffer, then gather batch rows from the store.
+        Returns when the gather started."""
+        while not self._free.acquire(timeout=0.05):
+            if stop.is_set():
+                raise Stopped()
+        t0 = time.perf_counter()
+        self.emb.retrieve(routing)
+        if timeline is not None:
+            timeline.record("retrieve", routing.batch.step, -1, t0, time.perf_counter())
+        return t0
+
+    def hand_over(self, active: Routing, prefetch: Optional[Routing]) -> None:
+        """Compute thread, after ``active``'s update (rows written back, kept in the buffer) and before
+        ``prefetch``'s first embedding send: sync keys(t) ∩ keys(t+1) active -> prefetch, free the active buffer."""
+        if prefetch is not None and not self.skip_sync:
+            self.rows_synced += self.emb.sync_dual_buffer(active, prefetch)
+            self.syncs += 1
+        self.emb.release(active)
+        self._free.release()

@@ -1,0 +1,134 @@
+"""FWP: the Frozen-Window Pipeline inside one batch.
+
+Between a batch's retrieval and its update the owner's buffer is frozen (no update inside the window), so the
+embedding All2All of micro-batch i+1 does not depend on micro-batch i and may run while i computes. Per batch of N
+micro-batches, on three threads:
+
+    embed-comm (group ``embed``):  send(0) a2a(0) | send(1) a2a(1) | send(2) a2a(2) | ...
+    compute:                                wait(0) dense(0)   | wait(1) dense(1) | wait(2) dense(2) ... wait(grads)
+    grad-comm  (group ``grad``):                        a2a(0) acc(0)     | a2a(1) acc(1)    | ...
+
+The compute thread asks for micro-batch i+1's embeddings before it starts micro-batch i (so All2All i+1 overlaps
+dense i) and hands micro-batch i's gradient to grad-comm, whose All2All overlaps dense i+1. Only the first embedding
+All2All and the last gradient All2All are exposed. Each comm thread is the only issuer on its group and runs its
+jobs in submission (= micro-batch) order, so the owner adds micro-batch gradients into each entry in index order,
+the order the synchronous step uses; dense gradients accumulate on the compute thread in the same order. Hence the
+batch's gradient and update are bitwise those of ``--pipeline off``.
+
+``pipe.debug_update_per_micro_batch`` (negative control) applies the full update after every micro-batch but the
+last (and stops prefetching the next micro-batch's rows so it sees the update): the window is no longer frozen.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from nestpipe.trainer.embedding.collection import Routing
+from nestpipe.trainer.step import StepState, dense_forward_backward
+
+
+class CommWorker:
+    """One thread that runs jobs (collectives on one process group, plus owner work) in submission order."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._jobs: "queue.Queue" = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fut, fn, args = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the compute thread
+                fut.set_exception(e)
+
+    def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._jobs.put(None)
+        self.thread.join(timeout)
+
+
+class FrozenWindow:
+    def __init__(self, state: StepState, embed_worker: CommWorker, grad_worker: CommWorker,
+                 update_fn: Optional[Callable[[Routing, torch.Tensor], float]] = None):
+        self.state = state
+        self.embed_worker = embed_worker
+        self.grad_worker = grad_worker
+        self.update_fn = update_fn  # only for the per-micro-batch-update negative control
+        self.debug_per_mb = bool(state.cfg.pipe.debug_update_per_micro_batch)
+
+    # -- jobs on the comm threads ----------------------------------------------------------------------------
+    def _embed_job(self, routing: Routing, i: int) -> torch.Tensor:
+        st = self.state
+        t0 = time.perf_counter()
+        send = st.emb.embed_send(routing, i)
+        recv = st.emb.embed_exchange(routing, i, send, st.groups.get("embed"))
+        if st.timeline is not None:
+            st.timeline.record("embed.a2a", routing.batch.step, i, t0, time.perf_counter())
+        return recv
+
+    def _grad_job(self, routing: Routing, i: int, g: torch.Tensor) -> None:
+        st = self.state
+        t0 = time.perf_counter()
+        got = st.emb.grad_exchange(routing, i, g, st.groups.get("grad"))
+        st.emb.grad_accumulate(routing, i, got)
+        if st.timeline is not None:
+            st.timeline.record("grad.a2a", routing.batch.step, i, t0, time.perf_counter())
+
+    def _wait(self, fut: concurrent.futures.Future, step: int, mb: int):
+        t0 = time.perf_counter()
+        out = fut.result()
+        t1 = time.perf_counter()
+        self.state.timer.add("wait.comm", t1 - t0)
+        if self.state.timeline is not None:
+            self.state.timeline.record("wait.comm", step, mb, t0, t1)
+        return out
+
+    # -- the window ------------------------------------------------------------------------------------------
+    def forward_backward(self, routing: Routing, feats: List[Dict[str, torch.Tensor]]) -> torch.Tensor:
+        """All micro-batches of one batch; returns the loss sum / (B * W) like the synchronous step. On return
+        every gradient All2All has completed and been accumulated (the update may run)."""
+        st = self.state
+        n = len(routing.batch.micro)
+        step = routing.batch.step
+        pending: Dict[int, concurrent.futures.Future] = {0: self.embed_worker.submit(self._embed_job, routing, 0)}
+        grads: List[concurrent.futures.Future] = []
+        total = torch.zeros((), dtype=torch.float64)
+        for i in range(n):
+            if i + 1 < n and not self.debug_per_mb:
+                pending[i + 1] = self.embed_worker.submit(self._embed_job, routing, i + 1)  # overlaps dense(i)
+            recv = self._wait(pending.pop(i), step, i)
+            t0 = time.perf_counter()
+            emb_out, leaf = st.emb.embed_unpack(routing, i, recv)
+            loss_i = dense_forward_backward(st, routing, emb_out, feats[i])
+            total += loss_i
+            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            if st.timeline is not None:
+                st.timeline.record("dense", step, i, t0, time.perf_counter())
+            grads.append(self.grad_worker.submit(self._grad_job, routing, i, g))  # overlaps dense(i+1)
+            if self.debug_per_mb and i + 1 < n:
+                for f in grads:
+                    self._wait(f, step, i)
+                grads.clear()
+                self.update_fn(routing, loss_i)  # NOT frozen: the negative control
+                pending[i + 1] = self.embed_worker.submit(self._embed_job, routing, i + 1)
+        for f in grads:
+            self._wait(f, step, n - 1)
+        return total

@@ -1,0 +1,70 @@
+"""Run several trainings in one launch of ``world`` ranks (tests and benchmarks: one process start, many runs).
+
+    python -m torch.distributed.run --standalone --nproc-per-node W -m nestpipe.trainer.pipeline.testing PLAN.json
+
+``PLAN.json`` is a list of ``{"run": RUN, "resume": bool}``; every ``RUN/config.json`` is written beforehand
+(:func:`write_run`). The runs execute one after another on the same ranks through the trainer's own
+:func:`~nestpipe.trainer.loop.train_worker`, exactly as ``nestpipe train`` would run them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Dict, List, Optional
+
+import torch.distributed as dist
+
+from nestpipe.trainer.config import TrainConfig, merge, save_config
+
+
+def write_run(out: str, shards: str, model: str, pipeline: str, steps: int, sets: Optional[Dict] = None,
+              checkpoint_every: int = 0) -> str:
+    d = TrainConfig().to_dict()
+    d = merge(d, {"shards": os.path.abspath(shards), "out": os.path.abspath(out), "model": model,
+                  "pipeline": pipeline, "steps": steps, "checkpoint_every": checkpoint_every, "progress": False,
+                  "verify_shards": False})
+    d = merge(d, sets or {})
+    cfg = TrainConfig.from_dict(d)
+    os.makedirs(out, exist_ok=True)
+    save_config(cfg, os.path.join(out, "config.json"))
+    return out
+
+
+def run_plan(plan: List[Dict], world: int, plan_path: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    with open(plan_path, "w") as f:
+        json.dump(plan, f)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(world), "--monitor-interval", "0.5", "-m", "nestpipe.trainer.pipeline.testing",
+                           plan_path], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def main(argv=None) -> int:
+    from nestpipe.trainer import device as devmod
+    from nestpipe.trainer.config import load_run_config
+    from nestpipe.trainer.loop import train_worker
+
+    plan_path = (argv or sys.argv[1:])[0]
+    with open(plan_path) as f:
+        plan = json.load(f)
+    dev = devmod.resolve("cpu")
+    rank, world = devmod.init_distributed(dev, 120)
+    try:
+        for item in plan:
+            cfg = load_run_config(item["run"])
+            train_worker(cfg, dev, rank, world, bool(item.get("resume")))
+            if world > 1:
+                dist.barrier()
+    finally:
+        from nestpipe.trainer.pipeline import process_groups
+
+        process_groups.forget()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""The per-stage timeline: spans (thread, stage, step, micro-batch, start, end), Chrome trace JSON, a PNG Gantt chart,
+and the overlap queries the tests assert on.
+
+Each rank records its own spans (thread-safe) for steps ``[first_step, first_step + max_steps)``; times are seconds
+since the rank's origin, and the origin's wall-clock time aligns ranks in the merged trace (``RUN/trace.json``,
+one Chrome-trace process per rank, one track per thread; opens in Perfetto or chrome://tracing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from typing import Callable, Dict, Iterable, List, Optional
+
+Span = Dict[str, object]  # {"rank", "thread", "stage", "step", "mb", "t0", "t1"}
+
+# display order of threads in traces and charts
+THREAD_ORDER = ["data", "h2d", "route", "retrieve", "compute", "embed-comm", "grad-comm"]
+
+
+class Timeline:
+    def __init__(self, rank: int, first_step: int = 0, max_steps: int = 64):
+        self.rank = rank
+        self.first_step = first_step
+        self.max_steps = max_steps
+        self.origin = time.perf_counter()
+        self.origin_wall = time.time()
+        self.spans: List[Span] = []
+        self._lock = threading.Lock()
+
+    def wants(self, step: int) -> bool:
+        return self.first_step <= step < self.first_step + self.max_steps
+
+    def record(self, stage: str, step: int, mb: int, t0: float, t1: float) -> None:
+        if not self.wants(step):
+            return
+        name = threading.current_thread().name
+        thread = "compute" if threading.current_thread() is threading.main_thread() else name
+        with self._lock:
+            self.spans.append({"rank": self.rank, "thread": thread, "stage": stage, "step": int(step),
+                               "mb": int(mb), "t0": t0 - self.origin, "t1": t1 - self.origin})
+
+    @contextlib.contextmanager
+    def span(self, stage: str, step: int, mb: int = -1):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.record(stage, step, mb, t0, time.perf_counter())
+
+    def export(self) -> Dict:
+        with self._lock:
+            return {"rank": self.rank, "origin_wall": self.origin_wall, "spans": list(self.spans)}
+
+
+# -- merged (all ranks) -------------------------------------------------------------------------------------------
+def merge(per_rank: Iterable[Dict]) -> List[Span]:
+    """All ranks' spans on one clock (rank origins aligned by wall-clock time)."""
+    per_rank = list(per_rank)
+    base = min(r["origin_wall"] for r in per_rank)
+    out = []
+    for r in per_rank:
+        shift = r["origin_wall"] - base
+        for s in r["spans"]:
+            out.append(dict(s, t0=s["t0"] + shift, t1=s["t1"] + shift))
+    return out
+
+
+def chrome_trace(spans: List[Span]) -> Dict:
+    events = []
+    threads = sorted({(s["rank"], s["thread"]) for s in spans},
+                     key=lambda rt: (rt[0], THREAD_ORDER.index(rt[1]) if rt[1] in THREAD_ORDER else 99, rt[1]))
+    tid = {rt: i for i, rt in enumerate(threads)}
+    for rank in sorted({s["rank"] for s in spans}):
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+    for (rank, thread), i in tid.items():
+        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": i, "args": {"name": thread}})
+        events.append({"name": "thread_sort_index", "ph": "M", "pid": rank, "tid": i, "args": {"sort_index": i}})
+    for s in spans:
+        name = s["stage"] if s["mb"] < 0 else f"{s['stage']} mb{s['mb']}"
+        events.append({"name": name, "cat": s["stage"], "ph": "X", "pid": s["rank"], "tid": tid[(s["rank"], s["thread"])],
+                       "ts": round(s["t0"] * 1e6, 1), "dur": round(max(s["t1"] - s["t0"], 0) * 1e6, 1),
+                       "args": {"step": s["step"], "micro_batch": s["mb"]}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(path: str, spans: List[Span]) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(chrome_trace(spans), f)
+    os.replace(tmp, path)
+
+
+def load_chrome_trace(path: str) -> List[Span]:
+    """Spans back from a trace written by :func:`write_chrome_trace`."""
+    with open(path) as f:
+        ev = json.load(f)["traceEvents"]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in ev if e.get("name") == "thread_name"}
+    out = []
+    for e in ev:
+        if e.get("ph") != "X":
+            continue
+        out.append({"rank": e["pid"], "thread": names[(e["pid"], e["tid"])], "stage": e["cat"],
+                    "step": e["args"]["step"], "mb": e["args"]["micro_batch"], "t0": e["ts"] / 1e6,
+                    "t1": (e["ts"] + e["dur"]) / 1e6})
+    return out
+
+
+def write_gantt(path: str, spans: List[Span], steps: Optional[Iterable[int]] = None, title: str = "") -> None:
+    """A PNG Gantt chart (one row per rank and thread, one colour per step) of ``steps`` (default: the first 4)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    all_steps = sorted({s["step"] for s in spans})
+    steps = set(steps if steps is not None else all_steps[:4])
+    sel = [s for s in spans if s["step"] in steps and not s["stage"].startswith("wait.")]
+    if not sel:
+        return
+    rows = sorted({(s["rank"], s["thread"]) for s in sel},
+                  key=lambda rt: (rt[0], THREAD_ORDER.index(rt[1]) if rt[1] in THREAD_ORDER else 99))
+    t_base = min(s["t0"] for s in sel)
+    cmap = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(14, 0.45 * len(rows) + 1.5))
+    ordered = sorted(steps)
+    for y, rt in enumerate(rows):
+        for s in sel:
+            if (s["rank"], s["thread"]) != rt:
+                continue
+            c = cmap(ordered.index(s["step"]) % 10)
+            ax.broken_barh([((s["t0"] - t_base) * 1e3, max(s["t1"] - s["t0"], 1e-6) * 1e3)], (y - 0.4, 0.8),
+                           facecolors=c, edgecolors="black", linewidth=0.3)
+            w = (s["t1"] - s["t0"]) * 1e3
+            if w > 0:
+                label = s["stage"].split(".")[0] + (f"{s['mb']}" if s["mb"] >= 0 else "")
+                ax.text((s["t0"] - t_base) * 1e3 + w / 2, y, label, ha="center", va="center", fontsize=5, clip_on=True)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"rank {r} {t}" for r, t in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=cmap(i % 10)) for i in range(len(ordered))]
+    ax.legend(handles, [f"step {s}" for s in ordered], loc="upper right", fontsize=7)
+    ax.set_title(title or "pipeline timeline")
+    fig.tight_layout()
+    tmp = f"{path}.tmp-{os.getpid()}.png"
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+# -- overlap queries ------------------------------------------------------------------------------------------------
+def overlap_s(a: Span, b: Span) -> float:
+    return max(0.0, min(a["t1"], b["t1"]) - max(a["t0"], b["t0"]))
+
+
+def _select(spans: List[Span], rank: int, pred: Callable[[Span], bool]) -> List[Span]:
+    return [s for s in spans if s["rank"] == rank and pred(s)]
+
+
+def retrieval_overlaps(spans: List[Span], rank: int) -> List[int]:
+    """Steps ``t`` whose forward/backward (stage 5: all micro-batches, ``fwd_bwd`` on the compute thread)
+    overlapped the retrieval of batch ``t + 1``."""
+    ret = {s["step"]: s for s in _select(spans, rank, lambda s: s["stage"] == "retrieve")}
+    dense = _select(spans, rank, lambda s: s["stage"] == "fwd_bwd")
+    out = set()
+    for d in dense:
+        r = ret.get(d["step"] + 1)
+        if r is not None and overlap_s(r, d) > 0:
+            out.add(d["step"])
+    return sorted(out)
+
+
+def a2a_overlaps(spans: List[Span], rank: int) -> List[tuple]:
+    """(step, i) where the embedding All2All of micro-batch ``i + 1`` overlapped micro-batch ``i``'s dense compute."""
+    emb = {(s["step"], s["mb"]): s for s in _select(spans, rank, lambda s: s["stage"] == "embed.a2a")}
+    out = []
+    for d in _select(spans, rank, lambda s: s["stage"] == "dense"):
+        e = emb.get((d["step"], d["mb"] + 1))
+        if e is not None and overlap_s(e, d) > 0:
+            out.append((d["step"], d["mb"]))
+    return sorted(out)
+
+
+def grad_overlaps(spans: List[Span], rank: int) -> List[tuple]:
+    """(step, i) where the gradient All2All of micro-batch ``i - 1`` overlapped micro-batch ``i``'s dense compute."""
+    grad = {(s["step"], s["mb"]): s for s in _select(spans, rank, lambda s: s["stage"] == "grad.a2a")}
+    out = []
+    for d in _select(spans, rank, lambda s: s["stage"] == "dense"):
+        g = grad.get((d["step"], d["mb"] - 1))
+        if g is not None and overlap_s(g, d) > 0:
+            out.append((d["step"], d["mb"]))
+    return sorted(out)

@@ -1,0 +1,228 @@
+"""The headline claim: ``--pipeline nested`` (and dbp, fwp) train bitwise-identically to ``--pipeline off``.
+
+Both models, 20 steps, world size 2 and 3 (uneven row ownership: 400 rows over 3 ranks; uneven shards equalised),
+float32. Every exported tensor (embedding rows, AdaGrad state, dense parameters, AdamW state) is compared with
+``torch.equal``. The same runs' timelines prove the overlap happened (retrieval of batch t+1 during batch t's
+forward/backward; the embedding All2All of micro-batch i+1 during micro-batch i's dense compute), and the off
+timeline shows none. Negative controls: dual-buffer sync off and per-micro-batch updates break equality; the
+clustered vs random micro-batch partition agrees only within floating-point tolerance. Resume in nested is bitwise.
+
+All runs of one world size share one launch of the ranks (``nestpipe.trainer.pipeline.testing``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from nestpipe.trainer.export import assemble
+from nestpipe.trainer.pipeline import timeline as tl
+from nestpipe.trainer.pipeline.testing import run_plan, write_run
+from nestpipe.trainer.testing import make_shards
+
+STEPS = 20
+MB = 4  # micro-batches per batch
+SETS = {
+    "hstu": {"embedding": {"replicate_max_rows": 300, "lr": 0.05}, "optim": {"lr": 0.01, "weight_decay": 0.01},
+             "hstu": {"num_layers": 1, "num_random_negatives": 8, "num_popular_negatives": 8}},
+    "dlrm": {"embedding": {"replicate_max_rows": 256, "lr": 0.05}, "optim": {"lr": 0.01, "weight_decay": 0.01},
+             "dlrm": {"bottom_mlp": [16, 8], "top_mlp": [16], "cross_rank": 4}},
+}
+NO_GANTT = {"pipe": {"gantt_steps": 0}}
+
+
+def _sets(model, **pipe):
+    d = json.loads(json.dumps(SETS[model]))
+    d["pipe"] = dict(NO_GANTT["pipe"], **pipe)
+    return d
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("pipe")
+    shards = {
+        "hstu": str(base / "gr"), "dlrm": str(base / "ctr")}
+    make_shards(shards["hstu"], "gr", batch_size=12, micro_batches=MB, shards=(11, 12, 11), eval_shards=(1,),
+                vocab=400, seq_len=10, seed=1)
+    make_shards(shards["dlrm"], "ctr", batch_size=16, micro_batches=MB, shards=(11, 12, 11), eval_shards=(1,),
+                vocab=400, seed=2)
+    out = {}
+
+    def add(plan, world, model, name, pipeline, steps=STEPS, resume=False, checkpoint_every=0, **pipe):
+        run = str(base / f"w{world}-{model}-{name}")
+        if not resume:
+            sets = _sets(model, **pipe)
+            if name == "nested":
+                sets["pipe"]["gantt_steps"] = 3  # one run draws the Gantt chart
+            write_run(run, shards[model], model, pipeline, steps, sets, checkpoint_every)
+        plan.append({"run": run, "resume": resume})
+        out[(world, model, name)] = run
+
+    plan2 = []
+    for model in ("hstu", "dlrm"):
+        add(plan2, 2, model, "off", "off")
+        add(plan2, 2, model, "nested", "nested")
+    add(plan2, 2, "hstu", "dbp", "dbp")
+    add(plan2, 2, "hstu", "fwp", "fwp")
+    add(plan2, 2, "hstu", "nosync", "nested", debug_skip_dual_buffer_sync=True)
+    add(plan2, 2, "dlrm", "nosync", "nested", debug_skip_dual_buffer_sync=True)
+    add(plan2, 2, "hstu", "per-mb", "nested", debug_update_per_micro_batch=True)
+    add(plan2, 2, "hstu", "random-mb", "nested", micro_batching="random")
+    # resume: 8 steps with checkpoints every 4, then resume the same run to 20 steps, all nested
+    add(plan2, 2, "hstu", "resumed", "nested", steps=8, checkpoint_every=4)
+    plan3 = []
+    for model in ("hstu", "dlrm"):
+        add(plan3, 3, model, "off", "off")
+        add(plan3, 3, model, "nested", "nested")
+    for world, plan in ((2, plan2), (3, plan3)):
+        p = run_plan(plan, world, str(base / f"plan{world}.json"), timeout=400)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+        if world == 2:
+            # the resumed run: continue to STEPS from its step-8 checkpoint (a fresh launch, as after a crash)
+            run = out[(2, "hstu", "resumed")]
+            cfg = json.load(open(os.path.join(run, "config.json")))
+            cfg["steps"] = STEPS
+            json.dump(cfg, open(os.path.join(run, "config.json"), "w"))
+            p = run_plan([{"run": run, "resume": True}], 2, str(base / "plan-resume.json"))
+            assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+    return out
+
+
+def _export(run):
+    return assemble(run)
+
+
+def _bitwise_diff(a, b):
+    assert a.keys() == b.keys()
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def _spans(run):
+    return tl.load_chrome_trace(os.path.join(run, "trace.json"))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("model", ["hstu", "dlrm"])
+def test_nested_is_bitwise_equal_to_off_and_overlaps(runs, model, world):
+    off, nested = _export(runs[(world, model, "off")]), _export(runs[(world, model, "nested")])
+    assert int(off["meta.step"]) == STEPS
+    assert _bitwise_diff(off, nested) == []
+    assert len([k for k in off if k.startswith("optim.dense.")]) > 0 and len(off) > 10
+    # the parameters really moved (equality is not two untouched initialisations)
+    m = json.load(open(os.path.join(runs[(world, model, "nested")], "metrics.json")))
+    assert m["steps_run"] == STEPS and m["pipeline"] == "nested" and m["world"] == world
+    assert all(r["dbp_rows_synced"] > 0 for r in m["per_rank"])  # the DBP sync copied shared rows
+    # timeline: overlap really happened, on every rank
+    spans = _spans(runs[(world, model, "nested")])
+    for rank in range(world):
+        ret = tl.retrieval_overlaps(spans, rank)
+        a2a = tl.a2a_overlaps(spans, rank)
+        assert len(ret) >= (STEPS - 1) // 2, (rank, ret)
+        assert len(a2a) >= STEPS * (MB - 1) // 4, (rank, a2a)
+        threads = {s["thread"] for s in spans if s["rank"] == rank}
+        assert {"data", "h2d", "route", "retrieve", "compute", "embed-comm", "grad-comm"} <= threads
+    # the same queries find nothing in the synchronous schedule (the overlap check can fail)
+    off_spans = _spans(runs[(world, model, "off")])
+    for rank in range(world):
+        assert tl.retrieval_overlaps(off_spans, rank) == [] and tl.a2a_overlaps(off_spans, rank) == []
+        assert {s["thread"] for s in off_spans if s["rank"] == rank} == {"compute"}
+
+
+def test_dbp_alone_and_fwp_alone_are_bitwise_equal_to_off(runs):
+    off = _export(runs[(2, "hstu", "off")])
+    for name in ("dbp", "fwp"):
+        assert _bitwise_diff(off, _export(runs[(2, "hstu", name)])) == [], name
+    dbp, fwp = _spans(runs[(2, "hstu", "dbp")]), _spans(runs[(2, "hstu", "fwp")])
+    assert tl.a2a_overlaps(dbp, 0) == [] and len(tl.retrieval_overlaps(dbp, 0)) > 0
+    assert tl.retrieval_overlaps(fwp, 0) == [] and len(tl.a2a_overlaps(fwp, 0)) > 0
+
+
+@pytest.mark.parametrize("model", ["hstu", "dlrm"])
+def test_negative_control_dual_buffer_sync_off_breaks_equality(runs, model):
+    off, bad = _export(runs[(2, model, "off")]), _export(runs[(2, model, "nosync")])
+    diff = _bitwise_diff(off, bad)
+    assert any(k.startswith("embedding.") for k in diff), diff
+    # and the cause is visible: batch t+1's rows were retrieved before batch t's update finished
+    spans = _spans(runs[(2, model, "nosync")])
+    upd = {s["step"]: s for s in spans if s["rank"] == 0 and s["stage"] == "update"}
+    early = [s["step"] for s in spans if s["rank"] == 0 and s["stage"] == "retrieve"
+             and s["step"] - 1 in upd and s["t0"] < upd[s["step"] - 1]["t1"]]
+    assert early
+
+
+def test_negative_control_update_per_micro_batch_breaks_equality(runs):
+    off, bad = _export(runs[(2, "hstu", "off")]), _export(runs[(2, "hstu", "per-mb")])
+    diff = _bitwise_diff(off, bad)
+    assert "embedding.item.weight" in diff and any(k.startswith("dense.") for k in diff), diff
+
+
+def test_clustering_on_vs_off_agrees_within_fp_tolerance_not_bitwise(runs):
+    """Clustering only regroups the same samples into micro-batches: the batch gradient is the same sum in another
+    order, so the result agrees within float32 tolerance, but NOT bitwise (summation order differs)."""
+    clustered, rnd = _export(runs[(2, "hstu", "nested")]), _export(runs[(2, "hstu", "random-mb")])
+    for k in clustered:
+        torch.testing.assert_close(rnd[k], clustered[k], rtol=1e-3, atol=1e-4, msg=lambda m: f"{k}: {m}")
+    assert _bitwise_diff(clustered, rnd), "a different partition should change the summation order somewhere"
+
+
+def test_resume_in_nested_is_bitwise(runs):
+    run = runs[(2, "hstu", "resumed")]
+    starts = [json.loads(x) for x in open(os.path.join(run, "scalars.jsonl")) if '"start"' in x]
+    assert [s["resumed_from_step"] for s in starts] == [0, 8], starts
+    assert all(s["pipeline"] == "nested" for s in starts)
+    assert _bitwise_diff(_export(runs[(2, "hstu", "off")]), _export(run)) == []
+
+
+def test_observability_trace_gantt_metrics(runs):
+    run = runs[(2, "hstu", "nested")]
+    trace = json.load(open(os.path.join(run, "trace.json")))
+    ev = trace["traceEvents"]
+    assert {e["pid"] for e in ev if e["ph"] == "X"} == {0, 1}
+    assert {"prefetch", "h2d", "route", "retrieve", "dense", "embed.a2a", "grad.a2a", "update", "dbp.sync"} <= {
+        e["cat"] for e in ev if e["ph"] == "X"}
+    png = os.path.join(run, "timeline.png")
+    assert os.path.getsize(png) > 10_000 and open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert not os.path.exists(os.path.join(runs[(2, "hstu", "off")], "timeline.png"))  # gantt_steps = 0
+    m = json.load(open(os.path.join(run, "metrics.json")))
+    off = json.load(open(os.path.join(runs[(2, "hstu", "off")], "metrics.json")))
+    for key in ("exposed_communication_s_per_step", "exposed_lookup_s_per_step", "communication_s_per_step",
+                "exposed_communication_ratio_to_off", "exposed_lookup_ratio_to_off"):
+        assert m[key] is not None and m[key] >= 0, key
+    # off exposes everything it does; nested exposes less communication than it performs
+    assert off["exposed_communication_ratio_to_off"] == pytest.approx(1.0)
+    assert m["exposed_communication_s_per_step"] < m["communication_s_per_step"]
+
+
+# -- in-process units ------------------------------------------------------------------------------------------------
+def test_one_issuing_thread_per_group():
+    from nestpipe.trainer.pipeline.process_groups import ISSUERS, STAGE_GROUPS, StageGroups
+
+    g = StageGroups({s: object() for s in STAGE_GROUPS})
+    with pytest.raises(RuntimeError, match="no issuing thread"):
+        g.get("route")
+    t = threading.Thread(target=lambda: None, name="route")
+    g.bind("route", t)
+    with pytest.raises(RuntimeError, match="only 'route' may issue"):
+        g.get("route")
+    got = []
+    t2 = threading.Thread(target=lambda: got.append(g.get("route")), name="route")
+    g.bind("route", t2)
+    t2.start()
+    t2.join()
+    assert got == [g.groups["route"]]
+    # every mode names exactly one issuer for every group; concurrent stages never share a group
+    for mode, issuers in ISSUERS.items():
+        assert set(issuers) == set(STAGE_GROUPS), mode
+    assert ISSUERS["nested"]["route"] != ISSUERS["nested"]["embed"] != ISSUERS["nested"]["grad"]
+
+
+def test_config_default_is_nested():
+    from nestpipe.trainer.config import TrainConfig
+
+    assert TrainConfig().pipeline == "nested"
+    assert TrainConfig.from_dict({"pipe": {"depth": 3}}).pipe.depth == 3

@@ -113,6 +113,7 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
             "stages_s": t.summary(), "exposed_communication_s": t.exposed_communication(),
             "exposed_lookup_s": t.exposed_lookup(), "communication_total_s": t.communication_total(),
             "lookup_total_s": t.lookup_total(), "dbp_rows_synced": runner.rows_synced,
+            "network_bytes": dict(t.bytes),
             "timeline": state.timeline.export()}
     gathered = [None] * world
     if world > 1:

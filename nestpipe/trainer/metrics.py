@@ -25,6 +25,7 @@ class StageTimer:
         self.total: Dict[str, float] = collections.defaultdict(float)
         self.count: Dict[str, int] = collections.defaultdict(int)
         self.exposed: Dict[str, float] = collections.defaultdict(float)
+        self.bytes: Dict[str, int] = collections.defaultdict(int)  # payload bytes sent to other ranks, per stage
         self.compute_thread = threading.get_ident()
         self._lock = threading.Lock()
 
@@ -34,6 +35,10 @@ class StageTimer:
             self.count[name] += 1
             if threading.get_ident() == self.compute_thread:
                 self.exposed[name] += seconds
+
+    def add_bytes(self, name: str, n: int) -> None:
+        with self._lock:
+            self.bytes[name] += int(n)
 
     def span(self, name: str):
         timer = self
@@ -60,6 +65,7 @@ class StageTimer:
             c.total.update(self.total)
             c.count.update(self.count)
             c.exposed.update(self.exposed)
+            c.bytes.update(self.bytes)
         return c
 
     def minus(self, earlier: "StageTimer") -> "StageTimer":
@@ -69,6 +75,8 @@ class StageTimer:
                 c.total[k] = v - earlier.total.get(k, 0.0)
             for k, v in self.exposed.items():
                 c.exposed[k] = v - earlier.exposed.get(k, 0.0)
+            for k, v in self.bytes.items():
+                c.bytes[k] = v - earlier.bytes.get(k, 0)
         return c
 
     def summary(self) -> Dict[str, float]:

@@ -166,6 +166,8 @@ def stage_update(state: StepState, routing: Routing, loss: torch.Tensor, release
     t0 = time.perf_counter()
     if state.world > 1:
         dist.all_reduce(flat, group=_group(state, "dense"))
+        # ring all-reduce: each rank sends 2 (W - 1) / W of the buffer
+        state.timer.add_bytes("dense.allreduce", 2 * (state.world - 1) * flat.numel() * flat.element_size() // state.world)
     state.timer.add("dense.allreduce.comm", time.perf_counter() - t0)
     t0 = time.perf_counter()
     off = 0

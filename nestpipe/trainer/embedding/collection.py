@@ -147,6 +147,7 @@ class ShardedEmbeddingCollection:
         out = send.new_empty(sum(recv_splits))
         t0 = time.perf_counter()
         dist.all_to_all_single(out, send, recv_splits, send_splits, group=group if group is not None else self.group)
+        self.timer.add_bytes(stage, (sum(send_splits) - send_splits[self.rank]) * send.element_size())
         self.timer.add(stage + ".comm", time.perf_counter() - t0)
         return out
 

@@ -33,11 +33,13 @@ def write_run(out: str, shards: str, model: str, pipeline: str, steps: int, sets
     return out
 
 
-def run_plan(plan: List[Dict], world: int, plan_path: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_plan(plan: List[Dict], world: int, plan_path: str, timeout: float = 300,
+             prefix: Optional[List[str]] = None) -> subprocess.CompletedProcess:
+    """Launch ``world`` ranks that run ``plan``; ``prefix`` wraps the command (e.g. ``ip netns exec NS``)."""
     with open(plan_path, "w") as f:
         json.dump(plan, f)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+    return subprocess.run([*(prefix or []), sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(world), "--monitor-interval", "0.5", "-m", "nestpipe.trainer.pipeline.testing",
                            plan_path], capture_output=True, text=True, timeout=timeout, env=env)
 

@@ -63,18 +63,21 @@ class Bench:
 
     def interleaved(self, fns, batches=None, copy=False):
         """Per-rep times of each function in ``fns`` (a dict), run in alternating order rep by rep. With
-        ``batches`` (one list of fresh batches per function, ``reps + 2`` each) the function is called with its
-        next batch and the time is per row (s / row). ``copy``: take a memory-copy sample every rep."""
+        ``batches`` (lists of fresh batches, ``reps + 2`` each, as many lists as functions) every call gets a batch
+        of its own and the time is per row (s / row); the lists rotate among the functions rep by rep, so no
+        function keeps a luckier list. A batch may be a tuple (its first element counts the rows).
+        ``copy``: take a memory-copy sample every rep."""
         names = list(fns)
         for w in range(2):  # warm-up (JIT load, allocator) on batches not timed
-            for name in names:
-                fns[name](batches[name][self.reps + w]) if batches else fns[name]()
+            for k, name in enumerate(names):
+                fns[name](batches[k][self.reps + w]) if batches else fns[name]()
         times = {name: [] for name in names}
         for i in range(self.reps):
             for name in names if i % 2 == 0 else names[::-1]:
                 if batches:
-                    b = batches[name][i]
-                    times[name].append(self.time(fns[name], b) / max(1, b.numel()))
+                    b = batches[(names.index(name) + i) % len(names)][i]
+                    n = (b[0] if isinstance(b, tuple) else b).numel()
+                    times[name].append(self.time(fns[name], b) / max(1, n))
                 else:
                     times[name].append(self.time(fns[name]))
             if copy:
@@ -160,14 +163,14 @@ def main():
     t = bench.interleaved({
         "fast": lambda b: K.gather_rows(weights, b, out[: b.numel()]),
         "ref": lambda b: torch.index_select(weights, 0, b, out=out[: b.numel()]),
-    }, {"fast": fresh_batches(), "ref": fresh_batches()}, copy=True)
+    }, [fresh_batches(), fresh_batches()], copy=True)
     results.append(("gather_rows", t, n_unique, 2 * dim * 4))
 
     grads = torch.randn(out.shape[0], dim) * 1e-3
     t = bench.interleaved({
         "fast": lambda b: K.adagrad_update(weights, state, b, grads[: b.numel()], 1e-3),
         "ref": lambda b: R.adagrad_update(weights, state, b, grads[: b.numel()], 1e-3, 1e-8, check_distinct=False),
-    }, {"fast": fresh_batches(), "ref": fresh_batches()}, copy=True)
+    }, [fresh_batches(), fresh_batches()], copy=True)
     # weights read + written, grads read, state read + written
     results.append(("adagrad_update", t, n_unique, 3 * dim * 4 + 8))
 
@@ -228,32 +231,35 @@ def main():
     if args.no_gather_variants:
         return
     # Gather alternatives on fresh sorted batches, interleaved, each against the same copy median.
+    # Every batch is (sorted rows, the same rows shuffled, a contiguous run of as many rows at a random offset).
     wn, on = weights.numpy(), out.numpy()
     variants = {
-        "torch index_select (selected)": lambda b: torch.index_select(weights, 0, b, out=out[: b.numel()]),
-        "fbgemm index_select_dim0": lambda b: torch.ops.fbgemm.index_select_dim0(weights, b),
-        "numba loop": lambda b: cpu._gather(wn, b.numpy(), on, 0),
-        f"numba loop, prefetch {cpu.PREFETCH_DISTANCE} rows ahead": lambda b: cpu._gather(wn, b.numpy(), on, cpu.PREFETCH_DISTANCE),
+        "torch index_select (selected)": lambda b: torch.index_select(weights, 0, b[0], out=out[: b[0].numel()]),
+        "fbgemm index_select_dim0": lambda b: torch.ops.fbgemm.index_select_dim0(weights, b[0]),
+        "numba loop": lambda b: cpu._gather(wn, b[0].numpy(), on, 0),
+        f"numba loop, prefetch {cpu.PREFETCH_DISTANCE} rows ahead": lambda b: cpu._gather(wn, b[0].numpy(), on, cpu.PREFETCH_DISTANCE),
     }
 
     def unsorted_direct(b):  # rows in request order (shuffled): index_select as they come
-        torch.index_select(weights, 0, b, out=out[: b.numel()])
+        torch.index_select(weights, 0, b[1], out=out[: b[1].numel()])
 
     def unsorted_via_sort(b):  # sort, gather in ascending row order, scatter into the requested order
-        order = torch.argsort(b)
-        out[: b.numel()].index_copy_(0, order, weights.index_select(0, b[order]))
+        order = torch.argsort(b[1])
+        out[: b[1].numel()].index_copy_(0, order, weights.index_select(0, b[1][order]))
 
-    def contiguous(b):  # control: as many rows, but one contiguous run at a random offset
-        start = int(b[0]) % max(1, vocab - b.numel())
-        torch.index_select(weights, 0, torch.arange(start, start + b.numel()), out=out[: b.numel()])
+    def contiguous(b):  # control: as many rows, but one contiguous run
+        torch.index_select(weights, 0, b[2], out=out[: b[2].numel()])
 
     variants["unsorted rows, index_select as given"] = unsorted_direct
     variants["unsorted rows, sort + gather + scatter"] = unsorted_via_sort
     variants["control: contiguous rows, index_select"] = contiguous
-    batches = {name: fresh_batches() for name in variants}
     gen = torch.Generator().manual_seed(7)
-    for name in ("unsorted rows, index_select as given", "unsorted rows, sort + gather + scatter"):
-        batches[name] = [b[torch.randperm(b.numel(), generator=gen)] for b in batches[name]]
+
+    def triple(b):
+        start = int(torch.randint(0, max(1, vocab - b.numel()), (1,), generator=gen))
+        return b, b[torch.randperm(b.numel(), generator=gen)], torch.arange(start, start + b.numel())
+
+    batches = [[triple(b) for b in fresh_batches()] for _ in variants]
     t = bench.interleaved(variants, batches, copy=True)
     bw = statistics.median(bench.copy_bw)
     print(f"\ngather alternatives (fresh batches, bytes read + written / {clock_name}; copy median now "

@@ -184,13 +184,16 @@ def test_rejects_are_kept_with_file_line_and_raw_text(raw, tmp_path):
     vb = os.path.join(src, "video_features_basic_27k.csv")
     vlines = open(vb).read().splitlines()
     vlines[2] = vlines[2] + ',"1,2"'  # an extra quoted column after the tags
+    fields = vlines[4].split(",")
+    vlines[4] = ",".join(fields[:3] + fields[4:])  # one column short (the tags may still be quoted)
     open(vb, "w").write("\n".join(vlines) + "\n")
     out = str(tmp_path / "o")
-    m = ingest(_cfg(src, out, max_reject_fraction=0.01))
+    # small chunks: rejects in later chunks of a file must still get absolute line numbers
+    m = ingest(_cfg(src, out, max_reject_fraction=0.01, chunk_mb=0.02))
     with open(os.path.join(out, "rejects.csv"), newline="") as f:
         rows = list(csv.DictReader(f))
     got = {(r["file"], int(r["line"])): r for r in rows}
-    assert len(rows) == m.rejected_rows == 5
+    assert len(rows) == m.rejected_rows == 6
     for i, text in bad.items():
         r = got[(LOG1, i + 1)]
         assert r["raw"] == text
@@ -198,6 +201,8 @@ def test_rejects_are_kept_with_file_line_and_raw_text(raw, tmp_path):
     assert "columns" in got[(LOG1, 6)]["reason"] and "columns" in got[(LOG1, 8)]["reason"]
     assert got[(LOG1, len(lines) + 1)]["raw"] == truncated
     assert got[("video_features_basic_27k.csv", 3)]["raw"] == vlines[2]
+    assert got[("video_features_basic_27k.csv", 5)]["raw"] == vlines[4]
+    assert "columns" in got[("video_features_basic_27k.csv", 5)]["reason"]
     # the good CRLF rows were all kept: every other log row made it into the samples
     assert m.stats["tokens"] == sum(
         len(open(os.path.join(raw, n)).read().splitlines()) - 1
@@ -328,3 +333,18 @@ def test_pack_unpack_roundtrip_and_corruption():
     bad["g.unique_counts.npy"][0] += 5
     with pytest.raises(S.ShardError, match="packed group 'g'"):
         S.decode_sample(bad)
+
+
+def test_short_rows_are_caught_although_polars_accepts_them():
+    """Polars' reader fills a short row with nulls instead of failing: the separator count is what rejects it."""
+    import io
+
+    from nestpipe.ingest.parse import ColumnSpec, parse_chunk
+
+    schema = {f"c{i}": pl.Int64 for i in range(5)}
+    data = b"1,2,3,4,5\n1,2,3,4\n1,2,3,4,5\n"
+    naive = pl.read_csv(io.BytesIO(data), has_header=False, schema=schema)
+    assert naive.height == 3 and naive["c4"].null_count() == 1  # the bug a naive reader has
+    spec = ColumnSpec(list(schema), schema, ["c0"])
+    df, rejects = parse_chunk(data, spec, path="f.csv", first_line=2)
+    assert df.height == 2 and [(r.line, r.raw) for r in rejects] == [(3, "1,2,3,4")]

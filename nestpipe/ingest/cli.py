@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the sample order and the clustering")
     p.add_argument("--partitions", type=int, default=None,
                    help="hash partitions of the spill (default: one per 128 MB of input, at least 4)")
-    p.add_argument("--chunk-mb", type=int, default=64, help="parse chunk size in MB (bounds memory)")
+    p.add_argument("--chunk-mb", type=float, default=64, help="parse chunk size in MB (bounds memory)")
     p.add_argument("--batches-per-shard", type=int, default=None, help="default: about 128 MB per shard")
     p.add_argument("--clustering", default="default", help="clustering method (see `nestpipe cluster-report`)")
     p.add_argument("--dim", type=int, default=64, help="default embedding dim recorded in the manifest")

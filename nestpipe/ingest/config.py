@@ -28,7 +28,7 @@ class IngestConfig:
     force: bool = False
     seed: int = 0
     partitions: Optional[int] = None  # hash partitions for the spill; default from the input size
-    chunk_mb: int = 64
+    chunk_mb: float = 64  # parse chunk size; memory per worker is a small multiple of it
     batches_per_shard: Optional[int] = None  # default: about 128 MB per shard
     clustering: str = "default"
     dim: int = 64

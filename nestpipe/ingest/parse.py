@@ -51,23 +51,20 @@ class Chunk:
 def plan_chunks(path: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Tuple[bytes, List[Chunk]]:
     """Split ``path`` after its header into chunks of about ``chunk_bytes`` that end at a line end.
 
-    Returns the raw header line and the chunks, each with its first line number (one counting pass over the
-    file, so chunks can then be parsed in any order or in parallel with exact line numbers).
+    Returns the raw header line and the chunks. Only a few bytes around each cut are read, so ``first_line`` is
+    left at 0 here: line numbers are known once the chunks before have been counted (see :func:`iter_file`).
     """
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         header = f.readline()
         start = f.tell()
-        line = 2
         chunks: List[Chunk] = []
         while start < size:
-            data = f.read(chunk_bytes)
-            rest = f.readline() if start + len(data) < size else b""
-            end = start + len(data) + len(rest)
-            chunks.append(Chunk(path, len(chunks), start, end, line))
-            line += data.count(b"\n") + rest.count(b"\n")
-            if end == size and not (rest or data).endswith(b"\n"):
-                line += 1
+            end = min(start + chunk_bytes, size)
+            if end < size:
+                f.seek(end)
+                end += len(f.readline())
+            chunks.append(Chunk(path, len(chunks), start, end, 0))
             start = end
     return header, chunks
 
@@ -115,33 +112,27 @@ def parse_chunk(data: bytes, spec: ColumnSpec, *, path: str, first_line: int) ->
 
     ``first_line`` is the file line number of the chunk's first line.
     """
-    offsets = line_starts(data)
-    n_lines = len(offsets) - 1
     keep = list(spec.keep or spec.columns)
+    buf = np.frombuffer(data, dtype=np.uint8)
+    n_lines = int(np.count_nonzero(buf == _NL)) + (1 if len(data) and data[-1] != _NL else 0)
     if n_lines == 0:
         empty = pl.DataFrame(schema={**{c: spec.dtypes[c] for c in keep}, "line": pl.Int64})
         return empty, []
     ncols = len(spec.columns)
     if spec.quoted_any:
-        return _parse_csv_module(data, offsets, spec, path=path, first_line=first_line, keep=keep)
-    # Exact pre-check: every line has ncols-1 field separators outside quotes and balanced quotes.
-    buf = np.frombuffer(data, dtype=np.uint8)
+        return _parse_csv_module(data, line_starts(data), spec, path=path, first_line=first_line, keep=keep)
     is_quote = buf == _QUOTE
     has_quotes = bool(is_quote.any())
+    offsets: Optional[np.ndarray] = None
     if has_quotes and not spec.quoted_last:
         fast = False
     else:
-        # Per-line counts as differences of positions found by binary search (much faster than reduceat).
-        sep = np.flatnonzero(buf == _COMMA)
-        if has_quotes:
-            quotes = np.flatnonzero(is_quote)
-            # a separator is inside quotes when an odd number of quotes precede it
-            sep = sep[(np.searchsorted(quotes, sep) & 1) == 0]
-            quotes_per_line = np.diff(np.searchsorted(quotes, offsets))
-        commas = np.diff(np.searchsorted(sep, offsets))
-        fast = bool(np.all(commas == ncols - 1))
-        if has_quotes:
-            fast = fast and bool(np.all(quotes_per_line % 2 == 0))
+        # Exact pre-check without per-line work: Polars raises on a line with too many fields, so when it parses
+        # and the total separator count equals (ncols - 1) per line, no line can have too few either. Separators
+        # inside the quoted last column are the commas of its parsed values; any other string column holding a
+        # comma (a quoted field elsewhere) sends the chunk to the validating path.
+        fast = not has_quotes or int(np.count_nonzero(is_quote)) % 2 == 0
+    total_commas = int(np.count_nonzero(buf == _COMMA)) if fast else 0
     if fast:
         try:
             df = pl.read_csv(
@@ -151,12 +142,25 @@ def parse_chunk(data: bytes, spec: ColumnSpec, *, path: str, first_line: int) ->
         except (pl.exceptions.ComputeError, pl.exceptions.SchemaError, pl.exceptions.NoDataError):
             fast = False
         else:
-            ok = len(df) == n_lines and not any(df[c].null_count() for c in spec.required)
+            inside = 0
+            if has_quotes:
+                last = spec.columns[-1]
+                inside = int(df[last].str.count_matches(",").fill_null(0).sum())
+                others = [c for c in spec.columns[:-1] if spec.dtypes[c] == pl.Utf8]
+                if any(df[c].str.contains(",").fill_null(False).any() for c in others):
+                    inside = -1  # force the validating path
+            ok = (
+                len(df) == n_lines
+                and total_commas - inside == (ncols - 1) * n_lines
+                and not any(df[c].null_count() for c in spec.required)
+            )
             if ok:
                 df = df.select(keep).with_columns(
                     pl.int_range(first_line, first_line + n_lines, dtype=pl.Int64).alias("line")
                 )
                 return df, []
+    if offsets is None:
+        offsets = line_starts(data)
     return _parse_validating(data, offsets, spec, path=path, first_line=first_line, keep=keep)
 
 
@@ -274,6 +278,10 @@ def iter_file(
 ) -> Iterator[Tuple[Chunk, pl.DataFrame, List[Reject]]]:
     """Sequentially parse a whole file (header excluded), yielding each chunk's rows and rejects."""
     _, chunks = plan_chunks(path, chunk_bytes)
+    line = 2
     for ch in chunks:
-        df, rej = parse_chunk(read_chunk_bytes(ch), spec, path=path, first_line=ch.first_line)
+        data = read_chunk_bytes(ch)
+        ch.first_line = line
+        df, rej = parse_chunk(data, spec, path=path, first_line=line)
+        line += count_lines(data)
         yield ch, df, rej

@@ -40,10 +40,11 @@ from nestpipe.datasets import kuairand as K
 from nestpipe.datasets import shards as S
 from nestpipe.ingest import ctr, gr
 from nestpipe.ingest.config import IngestConfig
-from nestpipe.ingest.parse import ColumnSpec, Reject, parse_chunk, plan_chunks, read_chunk_bytes
+from nestpipe.ingest.parse import ColumnSpec, Reject, count_lines, parse_chunk, plan_chunks, read_chunk_bytes
 from nestpipe.ingest.spill import read_partition, write_partitioned
 
 WORK = "_work"
+LINE_KEY_BITS = 40  # at most 2**40 lines per chunk
 STATE = "state.json"
 REJECTS = "rejects.csv"
 
@@ -123,7 +124,10 @@ def _fingerprint_file(path: str) -> Dict[str, Any]:
 # unit functions (top level: they run in worker processes)
 
 def _unit_parse(args: Tuple[str, str, str, int, str, int, int, int, int, int]) -> Dict[str, Any]:
-    work, task, kind, file_idx, path, chunk_idx, start, end, first_line, num_parts = args
+    work, task, kind, file_idx, path, chunk_idx, start, end, num_parts = args
+    # Rows are numbered by a chunk-relative key (chunk index in the high bits, line within the chunk below), so
+    # chunks parse independently; keys sort like file lines, and rejects get absolute line numbers at the end.
+    first_line = (chunk_idx << LINE_KEY_BITS) + 1
     out = os.path.join(work, "s1", f"{kind}-{file_idx:03d}-{chunk_idx:05d}.arrow")
     if os.path.exists(out):
         with open(out + ".stats.json") as f:
@@ -133,11 +137,13 @@ def _unit_parse(args: Tuple[str, str, str, int, str, int, int, int, int, int]) -
 
     data = read_chunk_bytes(Chunk(path, chunk_idx, start, end, first_line))
     df, rejects = parse_chunk(data, _spec_for(kind, task), path=path, first_line=first_line)
+    n_lines = count_lines(data)
     df = df.with_columns(
         pl.lit(file_idx, dtype=pl.Int16).alias("src"),
         *[pl.col(c).clip(0, 1).cast(t) for c, t in NARROW.items() if c in df.columns and kind.startswith("log_")],
     )
-    stats: Dict[str, Any] = {"rows": len(df) + len(rejects), "good": len(df), "rejected": len(rejects), "max": {}}
+    stats: Dict[str, Any] = {"rows": len(df) + len(rejects), "good": len(df), "rejected": len(rejects), "max": {},
+                             "lines": n_lines}
     for c in ("user_id", "video_id", "author_id", "music_id", "date"):
         if c in df.columns and len(df):
             v = df[c].max()
@@ -387,6 +393,7 @@ class _Executor:
         results: List[Optional[Dict[str, Any]]] = [None] * len(units)
         bar = _progress(len(units), desc, cfg.progress)
         t0 = time.time()
+        self.stage_seconds = getattr(self, "stage_seconds", {})
         rows = 0
 
         def done(i: int, r: Dict[str, Any]) -> None:
@@ -406,6 +413,7 @@ class _Executor:
                     done(futs[fut], fut.result())
         finally:
             bar.close()
+            self.stage_seconds[desc.split(" ", 1)[1]] = round(time.time() - t0, 3)
         return results  # type: ignore[return-value]
 
 
@@ -463,22 +471,27 @@ def _auto_partitions(total_bytes: int) -> int:
     return int(min(4096, max(4, math.ceil(total_bytes / (128 << 20)))))
 
 
-def _write_rejects(cfg: IngestConfig, work: str, units: List[Tuple[str, int, str]], parse_units) -> Tuple[int, str]:
+def _write_rejects(cfg: IngestConfig, work: str, parse_units, s1: List[Dict[str, Any]]) -> Tuple[int, str]:
+    """Gather every chunk's rejects into OUT/rejects.csv in input order, with absolute file line numbers."""
+    import csv
+
     path = os.path.join(cfg.out, REJECTS)
     tmp = path + ".tmp"
     n = 0
+    next_line: Dict[int, int] = {}
     with open(tmp, "w", newline="") as f:
-        import csv
-
         w = csv.writer(f)
         w.writerow(["file", "line", "reason", "raw"])
-        for u in parse_units:
+        for u, stats in zip(parse_units, s1):
             _, _, kind, fidx, _, cidx, *_ = u
+            first = next_line.get(fidx, 2)  # chunks of a file come in order; the header is line 1
+            next_line[fidx] = first + stats["lines"]
             rp = os.path.join(work, "s1", f"{kind}-{fidx:03d}-{cidx:05d}.arrow.rejects.jsonl")
             with open(rp) as rf:
                 for line in rf:
                     r = json.loads(line)
-                    w.writerow([os.path.basename(r["file"]), r["line"], r["reason"], r["raw"]])
+                    within = r["line"] - (cidx << LINE_KEY_BITS) - 1
+                    w.writerow([os.path.basename(r["file"]), first + within, r["reason"], r["raw"]])
                     n += 1
     os.replace(tmp, path)
     return n, REJECTS
@@ -509,16 +522,15 @@ def _ingest_stages(cfg: IngestConfig, ex: "_Executor", found, inputs, fps, num_p
                    work: str, t_start: float) -> S.Manifest:
     # 1. parse
     parse_units = []
-    chunk_bytes = cfg.chunk_mb << 20
+    chunk_bytes = max(1, int(cfg.chunk_mb * (1 << 20)))
     for kind, fidx, path in inputs:
         _, chunks = plan_chunks(path, chunk_bytes)
         for ch in chunks:
-            parse_units.append((work, cfg.task, kind, fidx, path, ch.index, ch.start, ch.end, ch.first_line,
-                                num_parts))
+            parse_units.append((work, cfg.task, kind, fidx, path, ch.index, ch.start, ch.end, num_parts))
     s1 = ex.run(_unit_parse, parse_units, cfg, "1/4 parse")
     rows = sum(s["rows"] for s in s1)
     rejected = sum(s["rejected"] for s in s1)
-    n_rejects, rejects_file = _write_rejects(cfg, work, inputs, parse_units)
+    n_rejects, rejects_file = _write_rejects(cfg, work, parse_units, s1)
     assert n_rejects == rejected
     if rows and rejected / rows > cfg.max_reject_fraction:
         raise IngestError(
@@ -576,6 +588,7 @@ def _ingest_stages(cfg: IngestConfig, ex: "_Executor", found, inputs, fps, num_p
         "samples": {split: int(sum(s[f"{split}_samples"] for s in s3)) for split in ("train", "eval")},
         "resumed_shards": sum(1 for r in s4 if r.get("resumed")),
         "seconds": round(time.time() - t_start, 3),
+        "stage_seconds": dict(ex.stage_seconds),
     }
     for key in ("users", "tokens", "users_too_short"):
         if all(key in s for s in s3):

@@ -4,7 +4,8 @@
 
 For each size: synthetic KuaiRand logs (scale `medium` vocabulary, N interactions), then rows/s and peak RSS of
 `ingest --task gr`, `ingest --task ctr`, a bare Polars `scan_csv(...).sink_parquet(...)` of the same logs, and
-(at sizes <= 5M only; it needs about 3.3 GiB there) pandas `read_csv` + sort + `groupby("user_id").agg(list)`.
+(at sizes <= 5M only; it needs about 3.3 GiB there) pandas `read_csv` + sort + `groupby("user_id").agg(list)` on
+every column, the way popular open-source GR preprocessors do it. pandas is only needed here (`pip install pandas`).
 Rows are log rows. Peak RSS is the maximum over the tool's process tree, sampled every 50 ms.
 """
 
@@ -33,7 +34,7 @@ import glob, sys, pandas as pd
 files = sorted(glob.glob(sys.argv[1] + "/log_*.csv"))
 df = pd.concat([pd.read_csv(f) for f in files], ignore_index=True)
 df = df.sort_values(["user_id", "time_ms"])
-seqs = df.groupby("user_id").agg({"video_id": list, "time_ms": list, "is_click": list})
+seqs = df.groupby("user_id").agg(list)  # every column to per-user lists, as GR preprocessors do
 print(len(seqs))
 """
 

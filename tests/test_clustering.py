@@ -332,3 +332,25 @@ def test_weights_steer_the_partition(method):
     assert redundancy(a_keys, one_each, a) == 1.0 and redundancy(b_keys, one_each, a) == 2.0
     with pytest.raises(ValueError, match="weights must give one cost per key occurrence"):
         assign(values, offsets, 4, method=method, weights=[1.0])
+
+
+def test_unique_keys_multi_equals_per_table_unique_keys():
+    from nestpipe.clustering import unique_keys, unique_keys_multi
+
+    rng = np.random.default_rng(7)
+    b, n = 64, 4
+    assignment = rng.permutation(np.arange(b) % n)
+    tables = []
+    for vocab, max_len in ((5, 1), (1000, 3), (2**62, 6), (3, 0)):
+        lengths = rng.integers(0, max_len + 1, b)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        values = rng.integers(-vocab, vocab, offsets[-1], dtype=np.int64)
+        tables.append((values, offsets))
+    multi = unique_keys_multi(tables, assignment, num_micro_batches=n)
+    for (values, offsets), (u, inv, per_mb) in zip(tables, multi):
+        ru, rinv, rper = unique_keys(values, offsets, assignment, num_micro_batches=n)
+        assert np.array_equal(u, ru) and np.array_equal(inv, rinv) and inv.dtype == np.int32
+        assert len(per_mb) == n and all(np.array_equal(x, y) for x, y in zip(per_mb, rper))
+    # negative control: a table's keys must not leak into another table's unique list
+    shifted = [(tables[0][0] + 1, tables[0][1])] + tables[1:]
+    assert not np.array_equal(unique_keys_multi(shifted, assignment, num_micro_batches=n)[0][0], multi[0][0])

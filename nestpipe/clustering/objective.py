@@ -69,3 +69,56 @@ def unique_keys(
     bounds = np.searchsorted(mb, np.arange(1, n))
     per_mb = np.split(position.astype(np.int32), bounds) if n else []
     return keys, inverse.astype(np.int32), per_mb
+
+
+def unique_keys_multi(
+    tables: List[Tuple[np.ndarray, np.ndarray]], assignment, *, num_micro_batches: Optional[int] = None
+) -> List[Tuple[np.ndarray, np.ndarray, List[np.ndarray]]]:
+    """:func:`unique_keys` for several tables of one batch at once (one sort instead of one per table).
+
+    ``tables`` holds (values, offsets) per table, all over the same B samples. Returns, per table, exactly what
+    :func:`unique_keys` returns for it. Worth it when a batch has many small tables (e.g. CTR single-id features).
+    """
+    if not tables:
+        return []
+    b = len(np.asarray(tables[0][1])) - 1
+    a, n = check_assignment(assignment, b, num_micro_batches)
+    vals, tids, mbs = [], [], []
+    for t, (values, offsets) in enumerate(tables):
+        values, offsets = check_batch(values, offsets)
+        if len(offsets) - 1 != b:
+            raise ValueError(f"table {t} has {len(offsets) - 1} samples, expected {b}")
+        vals.append(values)
+        tids.append(np.full(len(values), t, np.int64))
+        mbs.append(a[sample_of_occurrence(offsets)].astype(np.int64))
+    values = np.concatenate(vals)
+    tid = np.concatenate(tids)
+    mb = np.concatenate(mbs)
+    order = np.lexsort((values, tid))
+    sv, st = values[order], tid[order]
+    new = np.ones(len(sv), bool)
+    if len(sv):
+        new[1:] = (sv[1:] != sv[:-1]) | (st[1:] != st[:-1])
+    key_of_sorted = np.cumsum(new) - 1
+    global_key = np.empty(len(values), np.int64)
+    global_key[order] = key_of_sorted
+    keys_all = sv[new]
+    key_table = st[new]
+    n_keys = len(keys_all)
+    table_start = np.searchsorted(key_table, np.arange(len(tables) + 1))
+    # distinct (table, micro-batch, key) triples, sorted by table, then micro-batch, then key
+    codes = np.unique((tid * n + mb) * max(n_keys, 1) + global_key)
+    group, gkey = np.divmod(codes, max(n_keys, 1))
+    bounds = np.searchsorted(group, np.arange(len(tables) * n + 1))
+    out = []
+    cursor = 0
+    for t in range(len(tables)):
+        lo, hi = table_start[t], table_start[t + 1]
+        nnz = len(vals[t])
+        inverse = (global_key[cursor:cursor + nnz] - lo).astype(np.int32)
+        cursor += nnz
+        per_mb = [
+            (gkey[bounds[t * n + i]:bounds[t * n + i + 1]] - lo).astype(np.int32) for i in range(n)
+        ]
+        out.append((keys_all[lo:hi].copy(), inverse, per_mb))
+    return out

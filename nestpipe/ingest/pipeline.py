@@ -281,8 +281,9 @@ def cluster_fields(batch: Dict[str, Any], tables: Sequence[str], cluster_tables:
             cursor += ln
     mb = clustering.assign(values, offsets, n, method=method, seed=seed).astype(np.int32)
     batch["mb"] = mb
-    for t in tables:
-        uniq, inverse, per_mb = clustering.unique_keys(batch[f"{t}.values"], S.table_offsets(batch, t), mb)
+    results = clustering.unique_keys_multi(
+        [(batch[f"{t}.values"], S.table_offsets(batch, t)) for t in tables], mb, num_micro_batches=n)
+    for t, (uniq, inverse, per_mb) in zip(tables, results):
         batch[f"{t}.unique"] = uniq.astype(np.int64)
         batch[f"{t}.inverse"] = inverse.astype(np.int32)
         sizes = np.array([len(x) for x in per_mb], np.int64)

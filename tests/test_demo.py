@@ -1,0 +1,13 @@
+"""The quick start's main job runs end to end (training itself is covered by tests/test_trainer_learning.py)."""
+
+import subprocess
+import sys
+
+
+def test_demo_generates_ingests_and_reports(tmp_path):
+    out = tmp_path / "demo"
+    r = subprocess.run([sys.executable, "-m", "nestpipe", "demo", "--scale", "tiny", "--out", str(out),
+                        "--workers", "1", "--skip-training"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("shards verified: OK") == 2
+    assert (out / "shards-gr" / "manifest.json").exists() and (out / "shards-ctr" / "manifest.json").exists()

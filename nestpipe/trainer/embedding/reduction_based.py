@@ -5,7 +5,11 @@ sum per owner instead of the bag's rows is about ``ids per bag`` times fewer byt
 
 - input_dist (once per batch, inside the fused routing): for every micro-batch the requester sends each owner the
   (sample within the micro-batch, entry) pairs of the values that owner holds, in value order.
-- compute (owner): ``partial[sample] = sum of buffer[entry]`` over its pairs (``index_add_``, value order).
+- compute (owner): ``partial[sample] = sum of buffer[entry]`` over its pairs, in value order starting from zero.
+  The pairs of one owner arrive sorted by sample (the requester's stable bucketing keeps value order, which is
+  sample order), so on CPU float32 this is ``nestpipe.kernels.pooled_lookup``'s ordered segment sum (one pass,
+  bitwise equal to ``zeros.index_add_(0, samples, buffer[entries])``, tested); other dtypes/devices, or pairs not
+  sorted by sample, use that ``index_add_``.
 - output_dist (the per-micro-batch embedding All2All): each owner returns ``[b, D]``; the requester adds the partial
   sums in rank order: ``((partial_0 + partial_1) + ...)``.
 - backward: the pooled gradient ``[b, D]`` goes to every owner; the owner adds ``grad[sample]`` into each pair's
@@ -49,6 +53,15 @@ class ShardedReductionBased:
     @staticmethod
     def compute(buffer: torch.Tensor, samples: torch.Tensor, entry_rows: torch.Tensor, num_samples: int
                 ) -> torch.Tensor:
+        """``[num_samples, D]``: ``out[s] = sum of buffer[entry_rows[j]]`` over ``samples[j] == s``, ascending ``j``."""
+        if (buffer.device.type == "cpu" and buffer.dtype == torch.float32 and len(samples)
+                and bool((samples[1:] >= samples[:-1]).all()) and int(samples[-1]) < num_samples):
+            return segment_pool(buffer, samples, entry_rows, num_samples)
+        return ShardedReductionBased.compute_reference(buffer, samples, entry_rows, num_samples)
+
+    @staticmethod
+    def compute_reference(buffer: torch.Tensor, samples: torch.Tensor, entry_rows: torch.Tensor, num_samples: int
+                          ) -> torch.Tensor:
         out = buffer.new_zeros(num_samples, buffer.shape[1])
         return out.index_add_(0, samples, buffer.index_select(0, entry_rows))
 
@@ -56,3 +69,17 @@ class ShardedReductionBased:
     def accumulate(grad_entries: torch.Tensor, samples: torch.Tensor, entries: torch.Tensor,
                    grad_pooled: torch.Tensor) -> None:
         grad_entries.index_add_(0, entries, grad_pooled.index_select(0, samples))
+
+
+def segment_pool(buffer: torch.Tensor, samples: torch.Tensor, entry_rows: torch.Tensor, num_samples: int
+                 ) -> torch.Tensor:
+    """Ordered segment sum for ``samples`` sorted ascending: bag ``s`` sums ``buffer[entry_rows[j]]`` for its ``j``
+    in ascending order from zero (``nestpipe.kernels.pooled_lookup``'s forward; no autograd: the owner's buffer is
+    frozen and its gradient arrives through the gradient All2All)."""
+    import nestpipe.kernels as K
+
+    counts = torch.bincount(samples, minlength=num_samples)
+    offsets = torch.zeros(num_samples + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    with torch.no_grad():
+        return K.pooled_lookup(buffer.detach(), entry_rows, offsets)

@@ -1,0 +1,410 @@
+"""Trainer benchmark: NestPipe's synchronous step (``--pipeline off``) against TorchRec on the same workload.
+
+Workload (the TorchRec comparison): 8 pooled tables x 100k rows x dim 64, batch 1024 per rank, about 20 ids per
+feature (lengths uniform in [15, 25], ids uniform), 13 dense features, bottom MLP 13-128-64, top MLP 576-256-1
+(concatenation, no cross layers), BCE loss, row-wise AdaGrad on the tables and AdamW on the dense part, 2 ranks on
+gloo, 1 thread per rank. Both sides train on the same pre-generated batches (``make_batches``: same seed, same ids,
+lengths, dense features and labels), cycled; the first ``--warmup`` steps are not timed.
+
+- NestPipe: ``nestpipe.trainer.step.train_step`` on in-memory records of the shard format (micro-batches from
+  ``--micro-batches``; 1 = the whole batch), all tables reduction-based. Its time includes the host preparation
+  (``prepare_batch``), key routing, retrieval, exchange, dense fwd/bwd and both updates.
+- TorchRec (when ``--torchrec-python`` points at a python with torchrec 1.8 + fbgemm-gpu-cpu, e.g. a separate venv,
+  never the project's): ``EmbeddingBagCollection`` under ``DistributedModelParallel`` with the default CPU plan,
+  fused row-wise AdaGrad (``apply_optimizer_in_backward``), ``TrainPipelineSparseDist``.
+
+samples/s per rank = batch x timed steps / wall time of the timed steps (the slower rank). Both sides run in the
+same invocation, one after the other, on the same 2 shared cores: compare the ratio measured in one run.
+
+    python benchmarks/trainer_bench.py --torchrec-python /tmp/torchrec-venv/bin/python
+    python benchmarks/trainer_bench.py --big        # a step with the full KuaiRand-27K item vocabulary (see --help)
+
+``--big``: one ``item`` table of 32,038,725 rows x dim 64 fp32 (+ row-wise AdaGrad state) sharded over 2 ranks
+(8.3 GB of rows, about 4.1 GB per rank, created lazily: pages are touched on first use), HSTU-shaped sequence
+batches (unique-based exchange) of Zipf(1.2) ids; reports step time and peak RSS per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+# -- the shared workload ---------------------------------------------------------------------------------------------
+def make_batches(rank: int, n: int, batch: int, tables: int, rows: int, dense: int, min_len: int, max_len: int,
+                 seed: int = 0):
+    """``n`` batches for ``rank``: per table (lengths [B], ids [sum]), dense [B, F] float32, labels [B] float32."""
+    rng = np.random.default_rng(seed * 1000 + rank)
+    out = []
+    for _ in range(n):
+        feats = []
+        for _t in range(tables):
+            lens = rng.integers(min_len, max_len + 1, size=batch).astype(np.int64)
+            feats.append((lens, rng.integers(0, rows, size=int(lens.sum())).astype(np.int64)))
+        d = rng.normal(size=(batch, dense)).astype(np.float32)
+        logit = 0.8 * d[:, 0] - 0.5 * d[:, 1] + 0.3 * (feats[0][1][np.cumsum(feats[0][0]) - 1] % 2)
+        y = (rng.random(batch) < 1 / (1 + np.exp(-logit))).astype(np.float32)
+        out.append({"feats": feats, "dense": d, "labels": y})
+    return out
+
+
+# -- NestPipe side ---------------------------------------------------------------------------------------------------
+def _record(b, micro_batches: int, tables):
+    """A shard-format record (as ``nestpipe ingest`` writes for CTR) from one generated batch."""
+    from nestpipe.clustering import unique_keys
+
+    B = len(b["dense"])
+    mb = (np.arange(B) % micro_batches).astype(np.int32)
+    rec = {"meta": {"micro_batches": micro_batches}, "mb": mb, "dense": b["dense"],
+           "labels": b["labels"][:, None]}
+    for name, (lens, ids) in zip(tables, b["feats"]):
+        off = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(lens, out=off[1:])
+        uniq, inv, per_mb = unique_keys(ids, off, mb)
+        mo = np.zeros(len(per_mb) + 1, dtype=np.int64)
+        np.cumsum([len(p) for p in per_mb], out=mo[1:])
+        rec.update({f"{name}.values": ids, f"{name}.lengths": lens.astype(np.int32), f"{name}.unique": uniq,
+                    f"{name}.inverse": inv.astype(np.int32), f"{name}.mb_unique": np.concatenate(per_mb).astype(np.int32),
+                    f"{name}.mb_offsets": mo})
+    return rec
+
+
+def nestpipe_worker(rank: int, world: int, a, port: int, q):
+    import torch
+    import torch.distributed as dist
+
+    from nestpipe.datasets.shards import Manifest, TableSpec
+    from nestpipe.trainer.config import TrainConfig
+    from nestpipe.trainer.step import build_state, train_step
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    tables = [f"t{i}" for i in range(a.tables)]
+    man = Manifest(task="ctr", batch_size=a.batch, micro_batches=a.micro_batches,
+                   tables={t: TableSpec(a.rows, a.dim, "pooled") for t in tables}, sets={},
+                   dense_features=[f"d{i}" for i in range(a.dense)], labels=["is_click"])
+    cfg = TrainConfig(model="dlrm", pipeline="off", threads=1)
+    cfg.embedding.replicate_max_rows = 0
+    cfg.dlrm.bottom_mlp, cfg.dlrm.top_mlp, cfg.dlrm.cross_layers = (128, a.dim), (256,), 0
+    state = build_state(cfg, man, rank, world, torch.device("cpu"))
+    recs = [_record(b, a.micro_batches, tables)
+            for b in make_batches(rank, a.distinct_batches, a.batch, a.tables, a.rows, a.dense, a.min_len, a.max_len)]
+    times = []
+    prof = None
+    for step in range(a.warmup + a.steps):
+        if step == a.warmup and rank == 0 and os.environ.get("NP_BENCH_PROFILE"):
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = train_step(state, step, recs[step % len(recs)])
+        times.append(time.perf_counter() - t0)
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(os.environ["NP_BENCH_PROFILE"])
+    dist.barrier()
+    el = sum(times[a.warmup:])
+    stages = {k: v / (a.warmup + a.steps) for k, v in state.timer.total.items()}
+    q.put({"rank": rank, "elapsed": el, "steps": a.steps, "loss": loss, "stage_s_per_step": stages})
+    dist.destroy_process_group()
+
+
+def run_ranks(target, a, world=2):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, a, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    res, t0 = [], time.time()
+    while len(res) < len(procs):
+        try:
+            res.append(q.get(timeout=1))
+        except Exception:  # queue.Empty: check the ranks are alive
+            if any(p.exitcode not in (None, 0) for p in procs) or time.time() - t0 > a.timeout:
+                for p in procs:
+                    p.terminate()
+                raise RuntimeError("a rank failed or timed out (its traceback is above)")
+    for p in procs:
+        p.join(timeout=60)
+        if p.exitcode not in (0, None):
+            raise RuntimeError(f"rank process exited with {p.exitcode}")
+    return sorted(res, key=lambda r: r["rank"])
+
+
+def bench_nestpipe(a):
+    res = run_ranks(nestpipe_worker, a)
+    el = max(r["elapsed"] for r in res)
+    return {"samples_per_s_per_rank": a.batch * a.steps / el, "ms_per_step": 1000 * el / a.steps,
+            "final_loss": res[0]["loss"], "stages_ms_per_step_rank0": {k: round(1000 * v, 2) for k, v in
+                                                                      sorted(res[0]["stage_s_per_step"].items())}}
+
+
+# -- the full KuaiRand-27K item vocabulary ------------------------------------------------------------------------
+def _gr_record(rng, B, seq, vocab):
+    from nestpipe.clustering import unique_keys
+
+    lens = np.full(B, seq, dtype=np.int64)
+    item = ((rng.zipf(1.2, B * seq) - 1) % vocab).astype(np.int64)
+    action = rng.integers(0, 256, B * seq).astype(np.int64)
+    mb = np.zeros(B, dtype=np.int32)
+    off = np.zeros(B + 1, dtype=np.int64)
+    np.cumsum(lens, out=off[1:])
+    rec = {"meta": {"micro_batches": 1}, "mb": mb}
+    for name, ids in (("item", item), ("action", action)):
+        uniq, inv, per_mb = unique_keys(ids, off, mb)
+        mo = np.array([0, len(per_mb[0])], dtype=np.int64)
+        rec.update({f"{name}.values": ids, f"{name}.lengths": lens.astype(np.int32), f"{name}.unique": uniq,
+                    f"{name}.inverse": inv.astype(np.int32), f"{name}.mb_unique": per_mb[0].astype(np.int32),
+                    f"{name}.mb_offsets": mo})
+    return rec
+
+
+def big_worker(rank: int, world: int, a, port: int, q):
+    import resource
+
+    import psutil
+    import torch
+    import torch.distributed as dist
+
+    from nestpipe.datasets.shards import Manifest, TableSpec
+    from nestpipe.trainer.config import TrainConfig
+    from nestpipe.trainer.step import build_state, train_step
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    proc = psutil.Process()
+    man = Manifest(task="gr", batch_size=a.big_batch, micro_batches=1, max_seq_len=a.big_seq,
+                   tables={"item": TableSpec(a.big_rows, 64, "sequence"), "action": TableSpec(256, 64, "sequence")},
+                   sets={})
+    cfg = TrainConfig(model="hstu", pipeline="off", threads=1)
+    t0 = time.perf_counter()
+    state = build_state(cfg, man, rank, world, torch.device("cpu"))
+    store = state.emb.stores["item"]
+    info = {"rank": rank, "local_rows": store.num_rows, "build_s": time.perf_counter() - t0,
+            "rss_after_build_gib": proc.memory_info().rss / 2**30}
+    if a.big_materialize_all:
+        t0 = time.perf_counter()
+        for lo in range(0, store.num_rows, 1 << 18):
+            store.materialize(torch.arange(lo, min(store.num_rows, lo + (1 << 18))))
+        info["materialize_all_s"] = time.perf_counter() - t0
+    rng = np.random.default_rng(100 + rank)
+    times = []
+    for step in range(a.big_steps):
+        rec = _gr_record(rng, a.big_batch, a.big_seq, a.big_rows)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = train_step(state, step, rec)
+        times.append(time.perf_counter() - t0)
+    dist.barrier()
+    info.update({"step_s": times, "loss": loss, "materialized_rows": int(store.materialized.sum()),
+                 "rss_gib": proc.memory_info().rss / 2**30,
+                 "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                 "store_bytes_gib": (store.weight.numel() * 4 + store.state.numel() * 4) / 2**30})
+    q.put(info)
+    dist.destroy_process_group()
+
+
+def bench_big(a):
+    res = run_ranks(big_worker, a)
+    return {"rows": a.big_rows, "dim": 64, "world": 2, "batch_per_rank": a.big_batch, "seq_len": a.big_seq,
+            "full_store_gib": a.big_rows * (64 + 1) * 4 / 2**30, "per_rank": res}
+
+
+# -- TorchRec side (runs under --torchrec-python) ------------------------------------------------------------------
+TORCHREC_SCRIPT = r'''
+import json, os, sys, time
+import numpy as np
+import torch, torch.distributed as dist
+import torch.multiprocessing as mp
+sys.path.insert(0, os.environ["NP_BENCH_DIR"])
+from trainer_bench import make_batches
+
+def worker(rank, world, a, port, q):
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.datasets.utils import Batch
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    names = [f"t{i}" for i in range(a["tables"])]
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=n, embedding_dim=a["dim"],
+                num_embeddings=a["rows"], feature_names=[n]) for n in names], device=torch.device("meta"))
+            self.bottom = nn.Sequential(nn.Linear(a["dense"], 128), nn.ReLU(), nn.Linear(128, a["dim"]), nn.ReLU())
+            self.top = nn.Sequential(nn.Linear(a["dim"] * (1 + len(names)), 256), nn.ReLU(), nn.Linear(256, 1))
+
+        def forward(self, batch):
+            kt = self.ebc(batch.sparse_features)
+            x = torch.cat([self.bottom(batch.dense_features), kt.values()], dim=1)
+            logit = self.top(x).squeeze(1)
+            loss = F.binary_cross_entropy_with_logits(logit, batch.labels, reduction="sum") / (a["batch"] * world)
+            return loss, logit.detach()
+
+    torch.manual_seed(0)
+    m = Model()
+    apply_optimizer_in_backward(RowWiseAdagrad, m.ebc.parameters(), {"lr": 0.05, "eps": 1e-8})
+    model = DistributedModelParallel(m, device=torch.device("cpu"))
+    dense_opt = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
+                                      lambda ps: torch.optim.AdamW(ps, lr=4e-3))
+    opt = CombinedOptimizer([model.fused_optimizer, dense_opt])
+    pipe = TrainPipelineSparseDist(model, opt, torch.device("cpu"))
+    raw = make_batches(rank, a["distinct_batches"], a["batch"], a["tables"], a["rows"], a["dense"],
+                       a["min_len"], a["max_len"])
+    batches = []
+    for b in raw:
+        lens = torch.from_numpy(np.concatenate([l for l, _ in b["feats"]]))
+        vals = torch.from_numpy(np.concatenate([v for _, v in b["feats"]]))
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=names, values=vals, lengths=lens)
+        batches.append(Batch(dense_features=torch.from_numpy(b["dense"]), sparse_features=kjt,
+                             labels=torch.from_numpy(b["labels"])))
+    total = a["warmup"] + a["steps"]
+
+    def it():
+        for s in range(total + 4):
+            yield batches[s % len(batches)]
+
+    itr = iter(it())
+    times = []
+    for s in range(total):
+        dist.barrier()
+        t0 = time.perf_counter()
+        pipe.progress(itr)
+        times.append(time.perf_counter() - t0)
+    dist.barrier()
+    q.put({"rank": rank, "elapsed": sum(times[a["warmup"]:]), "plan": str(model.plan)[:2000] if rank == 0 else ""})
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    a = json.loads(sys.argv[1])
+    import socket
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=worker, args=(r, 2, a, port, q)) for r in range(2)]
+    for p in ps: p.start()
+    res, t0 = [], time.time()
+    while len(res) < len(ps):
+        try:
+            res.append(q.get(timeout=1))
+        except Exception:
+            if any(p.exitcode not in (None, 0) for p in ps) or time.time() - t0 > a["timeout"]:
+                for p in ps: p.terminate()
+                sys.exit("a TorchRec rank failed or timed out")
+    res.sort(key=lambda r: r["rank"])
+    for p in ps: p.join(timeout=60)
+    print("RESULT " + json.dumps(res))
+'''
+
+
+def bench_torchrec(a):
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "torchrec_side.py")
+        with open(path, "w") as f:
+            f.write(TORCHREC_SCRIPT)
+        keys = ("tables", "rows", "dim", "batch", "dense", "min_len", "max_len", "distinct_batches", "warmup",
+                "steps", "timeout")
+        env = dict(os.environ, NP_BENCH_DIR=HERE, OMP_NUM_THREADS="1", PYTHONPATH=HERE)
+        p = subprocess.run([a.torchrec_python, path, json.dumps({k: getattr(a, k) for k in keys})],
+                           capture_output=True, text=True, env=env, timeout=a.timeout + 120)
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    if p.returncode != 0 or not line:
+        raise RuntimeError(f"TorchRec side failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+    res = json.loads(line[0][len("RESULT "):])
+    el = max(r["elapsed"] for r in res)
+    return {"samples_per_s_per_rank": a.batch * a.steps / el, "ms_per_step": 1000 * el / a.steps,
+            "plan": res[0]["plan"]}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tables", type=int, default=8)
+    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1024, help="samples per rank")
+    p.add_argument("--dense", type=int, default=13)
+    p.add_argument("--min-len", type=int, default=15)
+    p.add_argument("--max-len", type=int, default=25)
+    p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--distinct-batches", type=int, default=8)
+    p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--pipeline", default="off", choices=["off"], help="NestPipe mode (the synchronous step)")
+    p.add_argument("--torchrec-python", default=os.environ.get("TORCHREC_PYTHON"),
+                   help="a python with torchrec 1.8 + fbgemm-gpu-cpu (e.g. /tmp/torchrec-venv/bin/python)")
+    p.add_argument("--skip-nestpipe", action="store_true")
+    p.add_argument("--big", action="store_true", help="the 32M-row KuaiRand-27K item vocabulary step (see above)")
+    p.add_argument("--big-rows", type=int, default=32_038_725)
+    p.add_argument("--big-batch", type=int, default=128)
+    p.add_argument("--big-seq", type=int, default=200)
+    p.add_argument("--big-steps", type=int, default=4)
+    p.add_argument("--big-materialize-all", action="store_true",
+                   help="initialise every row of the store before the steps (the whole 8.3 GB resident)")
+    p.add_argument("--json", help="also write the results here")
+    a = p.parse_args(argv)
+    out = {"workload": {k: getattr(a, k) for k in ("tables", "rows", "dim", "batch", "dense", "min_len", "max_len",
+                                                   "micro_batches", "steps", "warmup")}}
+    if a.big:
+        out["big"] = bench_big(a)
+        print(json.dumps(out["big"], indent=1))
+    else:
+        if not a.skip_nestpipe:
+            out["nestpipe"] = bench_nestpipe(a)
+            print(f"NestPipe --pipeline off: {out['nestpipe']['samples_per_s_per_rank']:.0f} samples/s per rank "
+                  f"({out['nestpipe']['ms_per_step']:.1f} ms/step)", flush=True)
+            print("  stages (ms/step, rank 0): " + json.dumps(out["nestpipe"]["stages_ms_per_step_rank0"]), flush=True)
+        if a.torchrec_python:
+            out["torchrec"] = bench_torchrec(a)
+            print(f"TorchRec TrainPipelineSparseDist: {out['torchrec']['samples_per_s_per_rank']:.0f} samples/s per "
+                  f"rank ({out['torchrec']['ms_per_step']:.1f} ms/step)", flush=True)
+            if "nestpipe" in out:
+                out["ratio_nestpipe_over_torchrec"] = (out["nestpipe"]["samples_per_s_per_rank"]
+                                                       / out["torchrec"]["samples_per_s_per_rank"])
+                print(f"ratio NestPipe / TorchRec (this run): {out['ratio_nestpipe_over_torchrec']:.2f}")
+        else:
+            print("TorchRec side skipped: pass --torchrec-python PATH (a venv with torchrec 1.8, fbgemm-gpu-cpu 1.8)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

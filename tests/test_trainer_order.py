@@ -1,0 +1,93 @@
+"""Order-stable reductions the synchronous step and the pipelined modes rely on for bitwise reproducibility.
+
+- CPU ``index_add_`` adds source rows into their targets in index order (a serial loop), for any thread count.
+- The owner's reduction-based pooling (ordered segment sum) is bitwise equal to ``zeros.index_add_``.
+Negative controls: the values are chosen so that another summation order gives other bits, and the test checks
+that it does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nestpipe.trainer.embedding.reduction_based import ReductionBased, ShardedReductionBased
+
+
+def cancelling_rows(n: int, dim: int, seed: int) -> torch.Tensor:
+    """float32 rows of mixed magnitudes (1e7 .. 1e-3, both signs): sums depend on the order of addition."""
+    rng = np.random.default_rng(seed)
+    mag = 10.0 ** rng.integers(-3, 8, size=(n, dim))
+    return torch.from_numpy((rng.standard_normal((n, dim)) * mag).astype(np.float32))
+
+
+def serial(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor, order) -> torch.Tensor:
+    out = out.clone()
+    for j in order:
+        out[index[j]] += src[j]
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_index_add_accumulates_in_index_order(threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n, targets, dim = 3000, 7, 16
+        src = cancelling_rows(n, dim, 0)
+        index = torch.from_numpy(np.random.default_rng(1).integers(0, targets, n))
+        base = cancelling_rows(targets, dim, 2)
+        got = base.clone().index_add_(0, index, src)
+        assert torch.equal(got, serial(base, index, src, range(n)))
+        # the same call again: bitwise identical
+        assert torch.equal(got, base.clone().index_add_(0, index, src))
+        # negative control: reversed order of addition changes the bits (so the check above can fail)
+        assert not torch.equal(got, serial(base, index, src, range(n - 1, -1, -1)))
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_owner_pooling_bitwise_equals_index_add():
+    rng = np.random.default_rng(3)
+    buf = cancelling_rows(500, 64, 4)
+    for n, b in ((0, 4), (1, 1), (20_000, 1024), (777, 5)):
+        samples = torch.from_numpy(np.sort(rng.integers(0, b, n)))
+        entries = torch.from_numpy(rng.integers(0, len(buf), n))
+        fast = ShardedReductionBased.compute(buf, samples, entries, b)
+        ref = ShardedReductionBased.compute_reference(buf, samples, entries, b)
+        assert fast.shape == (b, 64) and torch.equal(fast, ref)
+    # unsorted pairs take the index_add_ path: still the reference
+    samples = torch.from_numpy(rng.integers(0, 9, 400))
+    entries = torch.from_numpy(rng.integers(0, len(buf), 400))
+    assert torch.equal(ShardedReductionBased.compute(buf, samples, entries, 9),
+                       ShardedReductionBased.compute_reference(buf, samples, entries, 9))
+    # negative control: pooling the same pairs in another order gives other bits
+    samples = torch.from_numpy(np.sort(rng.integers(0, 3, 3000)))
+    entries = torch.from_numpy(rng.integers(0, len(buf), 3000))
+    flip = torch.arange(2999, -1, -1)
+    ref = ShardedReductionBased.compute_reference(buf, samples, entries, 3)
+    assert not torch.equal(ref, ShardedReductionBased.compute_reference(buf, samples[flip], entries[flip], 3))
+
+
+def test_reduction_plan_keeps_value_order_per_owner():
+    """The requester's per-owner lists are sorted by sample (what the owner's segment sum needs)."""
+    rng = np.random.default_rng(5)
+    keys, world = 300, 3
+    dest = rng.integers(0, world, keys)
+    pos = np.zeros(keys, dtype=np.int64)
+    for r in range(world):
+        pos[dest == r] = np.arange(int((dest == r).sum()))
+    lens = rng.integers(0, 30, 64)
+    value_sample = np.repeat(np.arange(64), lens)
+    value_key = rng.integers(0, keys, len(value_sample))
+    lists = ReductionBased.plan(dest, pos, value_key, value_sample, world)
+    total = 0
+    for r, lst in enumerate(lists):
+        h = len(lst) // 2
+        s, e = lst[:h], lst[h:]
+        assert np.all(np.diff(s) >= 0)
+        sel = dest[value_key] == r
+        assert np.array_equal(s, value_sample[sel]) and np.array_equal(e, pos[value_key[sel]])
+        total += h
+    assert total == len(value_key)

@@ -125,7 +125,7 @@ def test_nested_is_bitwise_equal_to_off_and_overlaps(runs, model, world):
         assert len(ret) >= (STEPS - 1) // 2, (rank, ret)
         assert len(a2a) >= STEPS * (MB - 1) // 4, (rank, a2a)
         threads = {s["thread"] for s in spans if s["rank"] == rank}
-        assert {"data", "h2d", "route", "retrieve", "compute", "embed-comm", "grad-comm"} <= threads
+        assert {"data", "h2d", "route", "retrieve", "compute", "comm"} <= threads
     # the same queries find nothing in the synchronous schedule (the overlap check can fail)
     off_spans = _spans(runs[(world, model, "off")])
     for rank in range(world):
@@ -218,7 +218,13 @@ def test_one_issuing_thread_per_group():
     # every mode names exactly one issuer for every group; concurrent stages never share a group
     for mode, issuers in ISSUERS.items():
         assert set(issuers) == set(STAGE_GROUPS), mode
-    assert ISSUERS["nested"]["route"] != ISSUERS["nested"]["embed"] != ISSUERS["nested"]["grad"]
+    assert ISSUERS["nested"]["route"] != ISSUERS["nested"]["embed"] != ISSUERS["nested"]["dense"]
+    # FWP: one comm thread issues on both exchange groups in one fixed order, or one thread per group
+    from nestpipe.trainer.pipeline.process_groups import issuers
+
+    assert issuers("nested")["embed"] == issuers("nested")["grad"] == "comm"
+    two = issuers("nested", 2)
+    assert len({two["route"], two["embed"], two["grad"], two["dense"]}) == 4
 
 
 def test_config_default_is_nested():

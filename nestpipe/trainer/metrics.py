@@ -36,6 +36,14 @@ class StageTimer:
             if threading.get_ident() == self.compute_thread:
                 self.exposed[name] += seconds
 
+    def add_split(self, name: str, total_s: float, exposed_s: float) -> None:
+        """Work that ran ``total_s`` in the background (e.g. an asynchronous collective) while the compute thread
+        waited ``exposed_s`` of it."""
+        with self._lock:
+            self.total[name] += total_s
+            self.count[name] += 1
+            self.exposed[name] += exposed_s
+
     def add_bytes(self, name: str, n: int) -> None:
         with self._lock:
             self.bytes[name] += int(n)

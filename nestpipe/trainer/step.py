@@ -154,36 +154,78 @@ def flat_dtype(grads, rep):
 
 
 # -- update: one per batch -----------------------------------------------------------------------------------------
-def stage_update(state: StepState, routing: Routing, loss: torch.Tensor, release: bool = True) -> float:
-    """All-reduce dense + replicated gradients (one flat buffer), AdamW, owner AdaGrad. Returns the global loss.
+@dataclasses.dataclass
+class DenseReduce:
+    """The batch's flat dense + replicated gradient buffer (the loss sum as its last element) and, when issued
+    asynchronously, the all-reduce in flight."""
 
-    ``release=False`` keeps the updated rows in the batch's buffer (the DBP active buffer) for the dual-buffer
-    sync into the next batch's prefetch buffer."""
+    params: List[torch.nn.Parameter]
+    grads: List[torch.Tensor]
+    rep: List[torch.Tensor]
+    flat: torch.Tensor
+    work: Optional[object] = None
+    t_issue: float = 0.0
+
+
+def update_begin(state: StepState, loss: torch.Tensor, async_op: bool = False) -> DenseReduce:
+    """Flatten dense + replicated gradients and the loss sum, and all-reduce them on the ``dense`` group (in flight
+    on return when ``async_op``; :func:`update_dense` waits). Reads gradients only: the sparse update may run
+    while it is in flight."""
     params = [p for _, p in sorted(state.model.named_parameters(), key=lambda kv: kv[0])]
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     rep = state.emb.replicated_grads()
     flat = torch.cat([g.reshape(-1) for g in grads + rep] + [loss.to(flat_dtype(grads, rep)).reshape(1).to(state.device)])
+    red = DenseReduce(params, grads, rep, flat)
     t0 = time.perf_counter()
     if state.world > 1:
-        dist.all_reduce(flat, group=_group(state, "dense"))
+        red.work = dist.all_reduce(flat, group=_group(state, "dense"), async_op=async_op)
+        if not async_op:
+            red.work = None
         # ring all-reduce: each rank sends 2 (W - 1) / W of the buffer
         state.timer.add_bytes("dense.allreduce", 2 * (state.world - 1) * flat.numel() * flat.element_size() // state.world)
-    state.timer.add("dense.allreduce.comm", time.perf_counter() - t0)
+    red.t_issue = t0
+    if red.work is None:
+        state.timer.add("dense.allreduce.comm", time.perf_counter() - t0)
+    return red
+
+
+def update_dense(state: StepState, red: DenseReduce) -> float:
+    """Wait for the all-reduce (if in flight), then AdamW and the replicated tables. Returns the global loss."""
+    if red.work is not None:
+        t0 = time.perf_counter()
+        red.work.wait()
+        t1 = time.perf_counter()
+        # in flight from issue to completion (communication time); the compute thread only waited t1 - t0 (exposed)
+        state.timer.add_split("dense.allreduce.comm", t1 - red.t_issue, t1 - t0)
+        red.work = None
     t0 = time.perf_counter()
+    flat = red.flat
     off = 0
-    for p, g in zip(params, grads):
+    for p, g in zip(red.params, red.grads):
         p.grad = flat[off:off + g.numel()].view_as(g).clone()
         off += g.numel()
     rep_red = []
-    for g in rep:
+    for g in red.rep:
         rep_red.append(flat[off:off + g.numel()].view_as(g).clone())
         off += g.numel()
     state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
     state.emb.update_replicated(rep_red)
     state.timer.add("update.dense", time.perf_counter() - t0)
-    state.emb.update(routing, release=release)
     return float(flat[-1])
+
+
+def stage_update(state: StepState, routing: Routing, loss: torch.Tensor, release: bool = True) -> float:
+    """All-reduce dense + replicated gradients (one flat buffer), AdamW, owner AdaGrad. Returns the global loss.
+
+    ``release=False`` keeps the updated rows in the batch's buffer (the DBP active buffer) for the dual-buffer
+    sync into the next batch's prefetch buffer. The pipelined modes call the same three parts
+    (:func:`update_begin`, :func:`update_dense`, ``emb.update``) with the all-reduce in flight during the sparse
+    update: the parts read and write disjoint tensors, so the order between them changes no bit."""
+    red = update_begin(state, loss)
+    out = update_dense(state, red)
+    state.emb.update(routing, release=release)
+    return out
 
 
 def train_step(state: StepState, step: int, record: Dict, where: str = "") -> float:
@@ -222,4 +264,4 @@ def build_state(cfg: TrainConfig, manifest: Manifest, rank: int, world: int, dev
 
 
 __all__ = ["NEG_SLOT", "StepState", "build_state", "train_step", "stage_prefetch", "stage_h2d", "stage_route",
-           "stage_retrieve", "stage_forward_backward", "stage_update", "model_feats", "dense_forward_backward"]
+           "stage_retrieve", "stage_forward_backward", "stage_update", "update_begin", "update_dense", "DenseReduce", "model_feats", "dense_forward_backward"]

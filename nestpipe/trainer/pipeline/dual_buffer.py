@@ -58,8 +58,16 @@ class DualBuffer:
     def hand_over(self, active: Routing, prefetch: Optional[Routing]) -> None:
         """Compute thread, after ``active``'s update (rows written back, kept in the buffer) and before
         ``prefetch``'s first embedding send: sync keys(t) ∩ keys(t+1) active -> prefetch, free the active buffer."""
+        self.sync(active, prefetch)
+        self.release(active)
+
+    def sync(self, active: Routing, prefetch: Optional[Routing]) -> None:
+        """The first half of :meth:`hand_over`: after it ``prefetch``'s buffer is final (may serve requests)."""
         if prefetch is not None and not self.skip_sync:
             self.rows_synced += self.emb.sync_dual_buffer(active, prefetch)
             self.syncs += 1
+
+    def release(self, active: Routing) -> None:
+        """The second half: free the active buffer and its permit (the retrieval of batch t+2 may start)."""
         self.emb.release(active)
         self._free.release()

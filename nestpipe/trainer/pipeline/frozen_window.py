@@ -2,18 +2,25 @@
 
 Between a batch's retrieval and its update the owner's buffer is frozen (no update inside the window), so the
 embedding All2All of micro-batch i+1 does not depend on micro-batch i and may run while i computes. Per batch of N
-micro-batches, on three threads:
+micro-batches, on two threads (default):
 
-    embed-comm (group ``embed``):  send(0) a2a(0) | send(1) a2a(1) | send(2) a2a(2) | ...
-    compute:                                wait(0) dense(0)   | wait(1) dense(1) | wait(2) dense(2) ... wait(grads)
-    grad-comm  (group ``grad``):                        a2a(0) acc(0)     | a2a(1) acc(1)    | ...
+    compute:  wait(e0) dense(0)           | wait(e1) dense(1)           | wait(e2) dense(2)           | ... wait(gN-1)
+    comm:     e0 e1 (primed)   | e2 g0                   | e3 g1                   | e4 g2   ...            gN-1
 
-The compute thread asks for micro-batch i+1's embeddings before it starts micro-batch i (so All2All i+1 overlaps
-dense i) and hands micro-batch i's gradient to grad-comm, whose All2All overlaps dense i+1. Only the first embedding
-All2All and the last gradient All2All are exposed. Each comm thread is the only issuer on its group and runs its
-jobs in submission (= micro-batch) order, so the owner adds micro-batch gradients into each entry in index order,
-the order the synchronous step uses; dense gradients accumulate on the compute thread in the same order. Hence the
-batch's gradient and update are bitwise those of ``--pipeline off``.
+``e i`` is micro-batch i's owner send + embedding All2All (group ``embed``), ``g i`` its gradient All2All + the
+owner's ``index_add_`` (group ``grad``). After dense(i) the compute thread queues e(i+2) and then g(i), so while it
+computes dense(i+1) the comm thread moves the embeddings micro-batch i+2 needs first and then micro-batch i's
+gradients: the embedding All2All of i+1 was queued before dense(i) began and overlaps it, the gradient All2All of
+i-1 overlaps dense(i) too. One thread issues on both groups in this fixed order, the same on every rank (blocking
+collectives on two groups cannot deadlock), so it is still exactly one issuing thread per group; the two All2Alls
+never compete for the link or the cores (``NESTPIPE_FWP_COMM_THREADS=2`` runs them on one thread per group
+instead, concurrently). The first two embedding All2Alls of batch t+1 are started by the scheduler (:meth:`prime`)
+as soon as t+1's buffer is final, while batch t's dense all-reduce and AdamW finish.
+
+Jobs run in submission (= micro-batch) order per group, so the owner adds micro-batch gradients into each entry in
+index order, the order the synchronous step uses; dense gradients accumulate on the compute thread in the same
+order. Hence the batch's gradient and update are bitwise those of ``--pipeline off``. Only the first embedding
+All2All (when not primed) and the last gradient All2All are exposed.
 
 ``pipe.debug_update_per_micro_batch`` (negative control) applies the full update after every micro-batch but the
 last (and stops prefetching the next micro-batch's rows so it sees the update): the window is no longer frozen.
@@ -73,6 +80,17 @@ class FrozenWindow:
         self.grad_worker = grad_worker
         self.update_fn = update_fn  # only for the per-micro-batch-update negative control
         self.debug_per_mb = bool(state.cfg.pipe.debug_update_per_micro_batch)
+        # embedding All2Alls in flight ahead of the micro-batch being computed (1: micro-batch i+1 during i)
+        self.lookahead = max(1, int(getattr(state.cfg.pipe, "embed_lookahead", 1)))
+        self._primed: Dict[int, Dict[int, concurrent.futures.Future]] = {}  # step -> micro-batch -> future
+
+    def prime(self, routing: Routing) -> None:
+        """Start the batch's first embedding All2Alls now (micro-batches 0..lookahead). Allowed from the moment
+        the batch's buffer is final (retrieved and dual-buffer synced) -- the window is frozen from there on; the
+        scheduler calls it while the previous batch's dense all-reduce is still in flight."""
+        n = len(routing.batch.micro)
+        k = 1 if self.debug_per_mb else min(n, self.lookahead + 1)
+        self._primed[routing.batch.step] = {i: self.embed_worker.submit(self._embed_job, routing, i) for i in range(k)}
 
     # -- jobs on the comm threads ----------------------------------------------------------------------------
     def _embed_job(self, routing: Routing, i: int) -> torch.Tensor:
@@ -108,12 +126,15 @@ class FrozenWindow:
         st = self.state
         n = len(routing.batch.micro)
         step = routing.batch.step
-        pending: Dict[int, concurrent.futures.Future] = {0: self.embed_worker.submit(self._embed_job, routing, 0)}
+        if step not in self._primed:
+            self.prime(routing)
+        pending: Dict[int, concurrent.futures.Future] = self._primed.pop(step)
         grads: List[concurrent.futures.Future] = []
         total = torch.zeros((), dtype=torch.float64)
         for i in range(n):
-            if i + 1 < n and not self.debug_per_mb:
-                pending[i + 1] = self.embed_worker.submit(self._embed_job, routing, i + 1)  # overlaps dense(i)
+            j = i + self.lookahead
+            if j < n and j not in pending and not self.debug_per_mb:
+                pending[j] = self.embed_worker.submit(self._embed_job, routing, j)  # overlaps dense(i)
             recv = self._wait(pending.pop(i), step, i)
             t0 = time.perf_counter()
             emb_out, leaf = st.emb.embed_unpack(routing, i, recv)
@@ -122,6 +143,10 @@ class FrozenWindow:
             g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             if st.timeline is not None:
                 st.timeline.record("dense", step, i, t0, time.perf_counter())
+            j = i + 1 + self.lookahead
+            if j < n and not self.debug_per_mb:
+                # queued before gradient i: on one comm thread embedding i+2 goes first and overlaps dense(i+1)
+                pending[j] = self.embed_worker.submit(self._embed_job, routing, j)
             grads.append(self.grad_worker.submit(self._grad_job, routing, i, g))  # overlaps dense(i+1)
             if self.debug_per_mb and i + 1 < n:
                 for f in grads:

@@ -4,7 +4,7 @@ Every mode runs the same stage functions of :mod:`nestpipe.trainer.step` on the 
 groups; only where (which thread) and when they run differs:
 
     off     prefetch, h2d, route, retrieve, [embed a2a, dense, grad a2a] x N, update   - all on the compute thread
-    fwp     as off, but the N micro-batches run in the Frozen-Window Pipeline (embed-comm / grad-comm threads)
+    fwp     as off, but the N micro-batches run in the Frozen-Window Pipeline (the ``comm`` thread)
     dbp     the five-stage Dual-Buffer Pipeline; micro-batches as in off
     nested  DBP between batches and FWP inside each batch (the default)
 
@@ -30,6 +30,7 @@ Checkpoints (and so export and eval, which read them) are only taken there.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -39,10 +40,10 @@ import torch
 
 from nestpipe.trainer.pipeline.dual_buffer import DualBuffer, Stopped
 from nestpipe.trainer.pipeline.frozen_window import CommWorker, FrozenWindow
-from nestpipe.trainer.pipeline.process_groups import ISSUERS
+from nestpipe.trainer.pipeline.process_groups import issuers
 from nestpipe.trainer.pipeline.streams import StageStream, wait_handoff
 from nestpipe.trainer.step import (StepState, _span, stage_forward_backward, stage_h2d, stage_prefetch,
-                                   stage_retrieve, stage_route, stage_update)
+                                   stage_retrieve, stage_route, stage_update, update_begin, update_dense)
 
 MODES = ("off", "dbp", "fwp", "nested")
 
@@ -85,6 +86,11 @@ class PipelineRunner:
         if pc.debug_update_per_micro_batch and not self.fwp:
             raise ValueError("pipe.debug_update_per_micro_batch needs --pipeline fwp or nested")
         self.rows_synced = 0
+        # FWP communication threads: 1 (default: embedding + gradient All2Alls in one fixed order) or 2 (one per
+        # exchange group, running concurrently); ``NESTPIPE_FWP_COMM_THREADS`` chooses (benchmark comparisons)
+        self.comm_threads = int(os.environ.get("NESTPIPE_FWP_COMM_THREADS", "1"))
+        if self.comm_threads not in (1, 2):
+            raise ValueError(f"NESTPIPE_FWP_COMM_THREADS={self.comm_threads}: expected 1 or 2")
 
     # -- public --------------------------------------------------------------------------------------------------
     def run(self, records: Iterator[Tuple[int, dict, str]], start: int, stop: int,
@@ -95,11 +101,15 @@ class PipelineRunner:
         workers: List[CommWorker] = []
         fw = None
         try:
+            threads = {"compute": threading.current_thread()}
             if self.fwp:
-                workers = [CommWorker("embed-comm"), CommWorker("grad-comm")]
-                fw = FrozenWindow(st, workers[0], workers[1], update_fn=self._intermediate_update)
-            threads = {"compute": threading.current_thread(), "embed-comm": workers[0].thread if workers else None,
-                       "grad-comm": workers[1].thread if workers else None}
+                if self.comm_threads == 2:
+                    workers = [CommWorker("embed-comm"), CommWorker("grad-comm")]
+                    fw = FrozenWindow(st, workers[0], workers[1], update_fn=self._intermediate_update)
+                else:  # one thread, embedding and gradient All2Alls in submission order (fixed, same on all ranks)
+                    workers = [CommWorker("comm")]
+                    fw = FrozenWindow(st, workers[0], workers[0], update_fn=self._intermediate_update)
+                threads.update({w.name: w.thread for w in workers})
             if self.dbp:
                 yield from self._run_dbp(records, start, stop, before_step, fw, threads)
             else:
@@ -115,7 +125,7 @@ class PipelineRunner:
     def _bind(self, threads) -> None:
         if self.state.groups is None:
             return
-        for stage, who in ISSUERS[self.mode].items():
+        for stage, who in issuers(self.mode, self.comm_threads).items():
             self.state.groups.bind(stage, threads[who])
 
     def _intermediate_update(self, routing, loss) -> float:
@@ -233,32 +243,67 @@ class PipelineRunner:
             t.start()
         active = None
         finished = False
+
+        synced = None  # the active batch, already synced into the next one, whose buffer is still held
+
+        def take(step, early=False):
+            """Batch ``step`` from the retrieval stage (its buffer gathered), then the DBP sync from the active batch:
+            after it the buffer is final (the invariant of dual_buffer.py) and the window is frozen. ``early``: the
+            active batch's buffer and permit are kept until :func:`release_synced` (so the retrieval of the batch
+            after ``step`` starts when ``step`` starts computing, as without ``early``)."""
+            nonlocal active, synced
+            t0 = time.perf_counter()
+            item = _get(q_ready, halt)
+            t1 = time.perf_counter()
+            if isinstance(item, _Failure):
+                raise RuntimeError(f"pipeline stage {item.stage!r} failed at or before step {step}: "
+                                   f"{type(item.exc).__name__}: {item.exc}") from item.exc
+            routing, feats, ev, when = item
+            self._account_wait(step, t0, t1, when)
+            if routing.batch.step != step:
+                raise RuntimeError(f"pipeline delivered step {routing.batch.step}, expected {step}")
+            wait_handoff(st.device, ev, [t for f in feats for t in f.values()])
+            if active is not None:
+                with _span(tl, "dbp.sync", step):
+                    dual.sync(active, routing)  # the DBP invariant: see dual_buffer.py
+                if early:
+                    synced = active
+                else:
+                    dual.release(active)
+                active = None
+            return routing, feats
+
+        def release_synced():
+            nonlocal synced
+            if synced is not None:
+                dual.release(synced)
+                synced = None
+
         try:
+            nxt = None
             for step in range(start, stop):
                 if before_step:
                     before_step(step)
-                t0 = time.perf_counter()
-                item = _get(q_ready, halt)
-                t1 = time.perf_counter()
-                if isinstance(item, _Failure):
-                    raise RuntimeError(f"pipeline stage {item.stage!r} failed at or before step {step}: "
-                                       f"{type(item.exc).__name__}: {item.exc}") from item.exc
-                routing, feats, ev, when = item
-                self._account_wait(step, t0, t1, when)
-                if routing.batch.step != step:
-                    raise RuntimeError(f"pipeline delivered step {routing.batch.step}, expected {step}")
-                wait_handoff(st.device, ev, [t for f in feats for t in f.values()])
-                if active is not None:
-                    with _span(tl, "dbp.sync", step):
-                        dual.hand_over(active, routing)  # the DBP invariant: see dual_buffer.py
-                    active = None
+                routing, feats = nxt if nxt is not None else take(step)
+                nxt = None
                 self._debug_sleep()
                 with _span(tl, "fwd_bwd", step):
+                    release_synced()  # batch step-1's buffer: the retrieval of step+1 starts as step computes
                     loss = self._forward_backward(fw, routing, feats)
                 with _span(tl, "update", step):
-                    loss = stage_update(st, routing, loss, release=False)
+                    # dense all-reduce in flight while the owner's sparse update runs (disjoint tensors)
+                    red = update_begin(st, loss, async_op=True)
+                    st.emb.update(routing, release=False)
                 active = routing  # its updated rows stay until synced into batch step+1's buffer
+                if fw is not None and step + 1 < stop and not st.cfg.pipe.debug_update_per_micro_batch:
+                    # the next batch's buffer is final once synced: its first embedding All2Alls start now,
+                    # while this batch's dense all-reduce and AdamW finish
+                    nxt = take(step + 1, early=True)
+                    fw.prime(nxt[0])
+                with _span(tl, "update.dense", step):
+                    loss = update_dense(st, red)
                 yield step, loss
+            release_synced()
             if active is not None:
                 dual.hand_over(active, None)
                 active = None

@@ -18,7 +18,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 Span = Dict[str, object]  # {"rank", "thread", "stage", "step", "mb", "t0", "t1"}
 
 # display order of threads in traces and charts
-THREAD_ORDER = ["data", "h2d", "route", "retrieve", "compute", "embed-comm", "grad-comm"]
+THREAD_ORDER = ["data", "h2d", "route", "retrieve", "compute", "comm", "embed-comm", "grad-comm"]
 
 
 class Timeline:

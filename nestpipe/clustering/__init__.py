@@ -7,7 +7,7 @@ into one id space.
 """
 
 from nestpipe.clustering.core import assign, method_names, redundancy, unique_keys
-from nestpipe.clustering.objective import unique_keys_multi
+from nestpipe.clustering.objective import unique_keys_multi, unique_keys_packed
 from nestpipe.clustering.keys import combine_keys
 
-__all__ = ["assign", "combine_keys", "method_names", "redundancy", "unique_keys", "unique_keys_multi"]
+__all__ = ["assign", "combine_keys", "method_names", "redundancy", "unique_keys", "unique_keys_multi", "unique_keys_packed"]

@@ -79,6 +79,15 @@ def unique_keys_multi(
     ``tables`` holds (values, offsets) per table, all over the same B samples. Returns, per table, exactly what
     :func:`unique_keys` returns for it. Worth it when a batch has many small tables (e.g. CTR single-id features).
     """
+    packed = unique_keys_packed(tables, assignment, num_micro_batches=num_micro_batches)
+    return [(keys, inverse, np.split(mb_unique, mb_offsets[1:-1])) for keys, inverse, mb_unique, mb_offsets in packed]
+
+
+def unique_keys_packed(
+    tables: List[Tuple[np.ndarray, np.ndarray]], assignment, *, num_micro_batches: Optional[int] = None
+) -> List[Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Like :func:`unique_keys_multi`, with the per-micro-batch positions of each table concatenated in
+    micro-batch order (int32) plus their int64 offsets [N+1]: the layout the shard format stores."""
     if not tables:
         return []
     b = len(np.asarray(tables[0][1])) - 1
@@ -99,16 +108,16 @@ def unique_keys_multi(
     new = np.ones(len(sv), bool)
     if len(sv):
         new[1:] = (sv[1:] != sv[:-1]) | (st[1:] != st[:-1])
-    key_of_sorted = np.cumsum(new) - 1
     global_key = np.empty(len(values), np.int64)
-    global_key[order] = key_of_sorted
+    global_key[order] = np.cumsum(new) - 1
     keys_all = sv[new]
-    key_table = st[new]
-    n_keys = len(keys_all)
-    table_start = np.searchsorted(key_table, np.arange(len(tables) + 1))
+    table_start = np.searchsorted(st[new], np.arange(len(tables) + 1))
+    k = max(len(keys_all), 1)
     # distinct (table, micro-batch, key) triples, sorted by table, then micro-batch, then key
-    codes = np.unique((tid * n + mb) * max(n_keys, 1) + global_key)
-    group, gkey = np.divmod(codes, max(n_keys, 1))
+    codes = np.sort((tid * n + mb) * k + global_key)
+    if len(codes):
+        codes = codes[np.concatenate([[True], codes[1:] != codes[:-1]])]
+    group, gkey = np.divmod(codes, k)
     bounds = np.searchsorted(group, np.arange(len(tables) * n + 1))
     out = []
     cursor = 0
@@ -117,8 +126,7 @@ def unique_keys_multi(
         nnz = len(vals[t])
         inverse = (global_key[cursor:cursor + nnz] - lo).astype(np.int32)
         cursor += nnz
-        per_mb = [
-            (gkey[bounds[t * n + i]:bounds[t * n + i + 1]] - lo).astype(np.int32) for i in range(n)
-        ]
-        out.append((keys_all[lo:hi].copy(), inverse, per_mb))
+        gb = bounds[t * n:(t + 1) * n + 1]
+        mb_unique = (gkey[gb[0]:gb[-1]] - lo).astype(np.int32)
+        out.append((keys_all[lo:hi].copy(), inverse, mb_unique, (gb - gb[0]).astype(np.int64)))
     return out

@@ -281,16 +281,13 @@ def cluster_fields(batch: Dict[str, Any], tables: Sequence[str], cluster_tables:
             cursor += ln
     mb = clustering.assign(values, offsets, n, method=method, seed=seed).astype(np.int32)
     batch["mb"] = mb
-    results = clustering.unique_keys_multi(
+    results = clustering.unique_keys_packed(
         [(batch[f"{t}.values"], S.table_offsets(batch, t)) for t in tables], mb, num_micro_batches=n)
-    for t, (uniq, inverse, per_mb) in zip(tables, results):
-        batch[f"{t}.unique"] = uniq.astype(np.int64)
-        batch[f"{t}.inverse"] = inverse.astype(np.int32)
-        sizes = np.array([len(x) for x in per_mb], np.int64)
-        mo = np.zeros(n + 1, np.int64)
-        np.cumsum(sizes, out=mo[1:])
-        batch[f"{t}.mb_unique"] = (np.concatenate(per_mb) if per_mb else np.zeros(0)).astype(np.int32)
-        batch[f"{t}.mb_offsets"] = mo
+    for t, (uniq, inverse, mb_unique, mb_offsets) in zip(tables, results):
+        batch[f"{t}.unique"] = uniq
+        batch[f"{t}.inverse"] = inverse
+        batch[f"{t}.mb_unique"] = mb_unique
+        batch[f"{t}.mb_offsets"] = mb_offsets
     return batch
 
 

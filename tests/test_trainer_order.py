@@ -48,7 +48,17 @@ def test_cpu_index_add_accumulates_in_index_order(threads):
         torch.set_num_threads(old)
 
 
-def test_owner_pooling_bitwise_equals_index_add():
+@pytest.mark.parametrize("threads", [1, 2])  # 1: the serial Numba loop; 2: nestpipe.kernels.pooled_lookup
+def test_owner_pooling_bitwise_equals_index_add(threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_owner_pooling()
+    finally:
+        torch.set_num_threads(old)
+
+
+def _check_owner_pooling():
     rng = np.random.default_rng(3)
     buf = cancelling_rows(500, 64, 4)
     for n, b in ((0, 4), (1, 1), (20_000, 1024), (777, 5)):

@@ -23,6 +23,8 @@ from typing import List
 import numpy as np
 import torch
 
+from nestpipe.trainer.embedding.replicated import owner_bounds, owner_order
+
 
 class ReductionBased:
     """Requester side."""
@@ -32,8 +34,8 @@ class ReductionBased:
              world: int) -> List[np.ndarray]:
         """Per-owner flat int64 lists ``[samples..., entries...]`` for one micro-batch."""
         d = dest[value_key]
-        order = np.argsort(d, kind="stable")
-        bounds = np.searchsorted(d[order], np.arange(world + 1))
+        order = owner_order(d, world)
+        bounds = owner_bounds(d, world)
         samples = value_sample[order]
         entries = pos_in_dest[value_key[order]]
         return [np.concatenate([samples[bounds[r]:bounds[r + 1]], entries[bounds[r]:bounds[r + 1]]])
@@ -74,12 +76,50 @@ class ShardedReductionBased:
 def segment_pool(buffer: torch.Tensor, samples: torch.Tensor, entry_rows: torch.Tensor, num_samples: int
                  ) -> torch.Tensor:
     """Ordered segment sum for ``samples`` sorted ascending: bag ``s`` sums ``buffer[entry_rows[j]]`` for its ``j``
-    in ascending order from zero (``nestpipe.kernels.pooled_lookup``'s forward; no autograd: the owner's buffer is
-    frozen and its gradient arrives through the gradient All2All)."""
-    import nestpipe.kernels as K
+    in ascending order from zero (the arithmetic of ``nestpipe.kernels.pooled_lookup``'s forward; no autograd: the
+    owner's buffer is frozen and its gradient arrives through the gradient All2All).
 
+    With one intra-op thread (the trainer's default) a serial Numba loop runs it: calling Numba's parallel kernels
+    from ranks that share the cores wakes its OpenMP pool (``NUMBA_NUM_THREADS`` threads, all cores by default),
+    whose spinning workers measured 7x slower steps on 2 ranks x 1 thread (1183 vs 159 ms per step). With more
+    threads: ``nestpipe.kernels.pooled_lookup``."""
     counts = torch.bincount(samples, minlength=num_samples)
     offsets = torch.zeros(num_samples + 1, dtype=torch.int64)
     torch.cumsum(counts, 0, out=offsets[1:])
+    buffer = buffer.detach().contiguous()
+    serial = _serial_kernel() if torch.get_num_threads() == 1 else None
+    if serial is not None:
+        out = torch.empty(num_samples, buffer.shape[1], dtype=buffer.dtype)
+        serial(buffer.numpy(), entry_rows.contiguous().numpy(), offsets.numpy(), out.numpy())
+        return out
+    import nestpipe.kernels as K
+
     with torch.no_grad():
-        return K.pooled_lookup(buffer.detach(), entry_rows, offsets)
+        return K.pooled_lookup(buffer, entry_rows, offsets)
+
+
+_SERIAL = []
+
+
+def _serial_kernel():
+    """The serial segment sum (compiled once per process, cached on disk); None without Numba."""
+    if not _SERIAL:
+        try:
+            import numba
+        except ImportError:
+            _SERIAL.append(None)
+            return None
+
+        @numba.njit(cache=True, nogil=True)
+        def segment_sum_serial(src, index, offsets, out):
+            dim = src.shape[1]
+            for s in range(offsets.shape[0] - 1):
+                for k in range(dim):
+                    out[s, k] = 0.0
+                for j in range(offsets[s], offsets[s + 1]):
+                    r = index[j]
+                    for k in range(dim):
+                        out[s, k] += src[r, k]
+
+        _SERIAL.append(segment_sum_serial)
+    return _SERIAL[0]

@@ -15,6 +15,21 @@ from nestpipe.trainer.embedding.store import rowwise_adagrad
 from nestpipe.trainer.placement import init_rows
 
 
+def owner_order(dest: np.ndarray, world: int) -> np.ndarray:
+    """``np.argsort(dest, kind="stable")`` for owner ranks in ``[0, world)``: the same permutation (a stable sort is
+    unique), computed on a 16-bit copy so numpy uses its linear-time radix sort (about 6x faster at 20k keys)."""
+    if world <= 1 << 15:
+        dest = dest.astype(np.int16)
+    return np.argsort(dest, kind="stable")
+
+
+def owner_bounds(dest: np.ndarray, world: int) -> np.ndarray:
+    """``[world + 1]`` start of every owner's run in ``dest`` sorted by owner."""
+    out = np.zeros(world + 1, dtype=np.int64)
+    np.cumsum(np.bincount(dest, minlength=world), out=out[1:])
+    return out
+
+
 class ReplicatedTable:
     def __init__(self, name: str, table_id: int, vocab: int, dim: int, seed: int, init_scale: float,
                  device: torch.device, dtype: torch.dtype = torch.float32):

@@ -19,6 +19,8 @@ from typing import List, Tuple
 import numpy as np
 import torch
 
+from nestpipe.trainer.embedding.replicated import owner_bounds, owner_order
+
 
 class UniqueBased:
     """Requester side."""
@@ -28,9 +30,9 @@ class UniqueBased:
              ) -> Tuple[List[np.ndarray], np.ndarray]:
         """Per-owner entry lists for one micro-batch and the gather that restores ``mb_keys`` order."""
         d = dest[mb_keys]
-        order = np.argsort(d, kind="stable")
+        order = owner_order(d, world)
         sorted_pos = pos_in_dest[mb_keys[order]]
-        bounds = np.searchsorted(d[order], np.arange(world + 1))
+        bounds = owner_bounds(d, world)
         lists = [sorted_pos[bounds[r]:bounds[r + 1]] for r in range(world)]
         unperm = np.empty_like(order)
         unperm[order] = np.arange(len(order))

@@ -101,3 +101,26 @@ def test_reduction_plan_keeps_value_order_per_owner():
         assert np.array_equal(s, value_sample[sel]) and np.array_equal(e, pos[value_key[sel]])
         total += h
     assert total == len(value_key)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_owner_gradient_accumulation_bitwise_equals_index_add(dtype):
+    from nestpipe.trainer.embedding.reduction_based import ShardedReductionBased, scatter_add_rows
+    from nestpipe.trainer.embedding.unique_based import ShardedUniqueBased
+
+    rng = np.random.default_rng(7)
+    acc = cancelling_rows(50, 32, 8).to(dtype)
+    for n in (1, 5000):
+        index = torch.from_numpy(rng.integers(0, 50, n))  # repeated targets: order matters
+        src = cancelling_rows(n, 32, 9).to(dtype)
+        got, ref = acc.clone(), acc.clone().index_add_(0, index, src)
+        ShardedUniqueBased.accumulate(got, index, src)
+        assert torch.equal(got, ref)
+        pooled = cancelling_rows(64, 32, 10).to(dtype)
+        samples = torch.from_numpy(rng.integers(0, 64, n))
+        got, ref = acc.clone(), acc.clone().index_add_(0, index, pooled.index_select(0, samples))
+        ShardedReductionBased.accumulate(got, samples, index, pooled)
+        assert torch.equal(got, ref)
+    assert scatter_add_rows(acc.clone(), index, src)  # the Numba loop ran (not the index_add_ fallback)
+    with pytest.raises(IndexError):  # out-of-range targets fail loudly, as index_add_ does
+        scatter_add_rows(acc.clone(), torch.tensor([50]), src[:1])

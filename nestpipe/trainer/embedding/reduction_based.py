@@ -18,7 +18,7 @@ sum per owner instead of the bag's rows is about ``ids per bag`` times fewer byt
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 import torch
@@ -70,7 +70,11 @@ class ShardedReductionBased:
     @staticmethod
     def accumulate(grad_entries: torch.Tensor, samples: torch.Tensor, entries: torch.Tensor,
                    grad_pooled: torch.Tensor) -> None:
-        grad_entries.index_add_(0, entries, grad_pooled.index_select(0, samples))
+        """``grad_entries[entries[j]] += grad_pooled[samples[j]]`` for ascending ``j``: exactly
+        ``grad_entries.index_add_(0, entries, grad_pooled.index_select(0, samples))`` (a serial loop in index order
+        on CPU, tested bitwise), without materialising the gathered rows."""
+        if not scatter_add_rows(grad_entries, entries, grad_pooled, samples):
+            grad_entries.index_add_(0, entries, grad_pooled.index_select(0, samples))
 
 
 def segment_pool(buffer: torch.Tensor, samples: torch.Tensor, entry_rows: torch.Tensor, num_samples: int
@@ -123,3 +127,55 @@ def _serial_kernel():
 
         _SERIAL.append(segment_sum_serial)
     return _SERIAL[0]
+
+
+def scatter_add_rows(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
+                     src_index: Optional[torch.Tensor] = None) -> bool:
+    """In place ``out[index[j]] += src[src_index[j]]`` (``src[j]`` when ``src_index`` is None) for ``j`` ascending,
+    one row at a time: the arithmetic of CPU ``out.index_add_(0, index, src[src_index])``. Returns False (nothing
+    done) where it does not apply (not CPU, other dtypes, no Numba); the caller then runs ``index_add_``."""
+    if (out.device.type != "cpu" or src.device.type != "cpu" or out.dtype not in (torch.float32, torch.float64)
+            or src.dtype != out.dtype or not out.is_contiguous() or out.dim() != 2 or len(index) == 0):
+        return False
+    kernels = _scatter_kernels()
+    if kernels is None:
+        return False
+    gather_scatter, scatter = kernels
+    src = src.detach().contiguous()
+    if src_index is None:
+        scatter(out.numpy(), index.contiguous().numpy(), src.numpy())
+    else:
+        gather_scatter(out.numpy(), index.contiguous().numpy(), src.numpy(), src_index.contiguous().numpy())
+    return True
+
+
+_SCATTER = []
+
+
+def _scatter_kernels():
+    if not _SCATTER:
+        try:
+            import numba
+        except ImportError:
+            _SCATTER.append(None)
+            return None
+
+        @numba.njit(cache=True, nogil=True, boundscheck=True)
+        def gather_scatter_add(out, index, src, src_index):
+            dim = out.shape[1]
+            for j in range(index.shape[0]):
+                o = index[j]
+                s = src_index[j]
+                for k in range(dim):
+                    out[o, k] += src[s, k]
+
+        @numba.njit(cache=True, nogil=True, boundscheck=True)
+        def scatter_add(out, index, src):
+            dim = out.shape[1]
+            for j in range(index.shape[0]):
+                o = index[j]
+                for k in range(dim):
+                    out[o, k] += src[j, k]
+
+        _SCATTER.append((gather_scatter_add, scatter_add))
+    return _SCATTER[0]

@@ -60,4 +60,8 @@ class ShardedUniqueBased:
 
     @staticmethod
     def accumulate(grad_entries: torch.Tensor, entries: torch.Tensor, grad_rows: torch.Tensor) -> None:
-        grad_entries.index_add_(0, entries, grad_rows)
+        """``grad_entries.index_add_(0, entries, grad_rows)`` (CPU: the same serial loop in index order, in Numba)."""
+        from nestpipe.trainer.embedding.reduction_based import scatter_add_rows
+
+        if not scatter_add_rows(grad_entries, entries, grad_rows):
+            grad_entries.index_add_(0, entries, grad_rows)

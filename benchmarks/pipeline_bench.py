@@ -12,12 +12,27 @@ others per step and the non-communication (compute) time per step; the cap is th
 as long as the compute, then one ``off`` run under the cap checks it (printed: measured communication vs compute).
 Without a cap the two ranks' TCP copies compete for the same cores as compute, so loopback shows little overlap.
 
-    python benchmarks/pipeline_bench.py [--steps 12] [--batch 64] [--seq-len 100] [--micro-batches 8] [--out DIR]
+    python benchmarks/pipeline_bench.py [--steps 20] [--batch 64] [--seq-len 100] [--micro-batches 8] [--out DIR]
+        [--torchrec-python /tmp/torchrec-venv-pipe/bin/python] [--no-pooled]
 
-Prints one row per (network, mode): step time, samples/s, exposed communication and lookup per step, their ratio
-to off, and speedup over off; writes DIR/results.json and keeps every run directory (trace.json, timeline.png).
-TorchRec's TrainPipelineSparseDist is compared when torchrec is importable (not implemented in this script yet:
-reported as skipped).
+Workloads. GR-shaped (the paper's setting at a configurable scale; ``--batch 128 --seq-len 200`` is the paper's):
+per rank ``--batch`` sequences of ``--seq-len`` tokens, a 1M-row item table and a 256-row action table (dim 64;
+the action table is replicated by NestPipe, ``embedding.replicate_max_rows``), Zipf(1.2) item ids, micro-batches
+from the clustering, HSTU with one layer and 2 heads, 64 negatives shared by the batch (32 uniform + 32 in-batch
+popular), sampled softmax, row-wise AdaGrad + AdamW. Pooled (the trainer's comparison workload): 8 tables x 100k
+rows x dim 64, batch 1024 per rank, 15-25 ids per feature, 13 dense features, DLRM with MLPs 13-128-64 and
+576-256-1, row-wise AdaGrad + AdamW.
+
+Per network: the GR workload in every mode (and ``nested-2t``: nested with one communication thread per exchange
+group, ``NESTPIPE_FWP_COMM_THREADS=2``, the previous layout, for comparison in the same run), the pooled workload
+in ``off`` and ``nested``, and, with ``--torchrec-python`` (a python with torchrec 1.8 + fbgemm-gpu-cpu 1.8, e.g.
+a separate venv), TorchRec's ``TrainPipelineSparseDist`` on both workloads (``benchmarks/torchrec_runner.py``; on
+the GR workload it reads the very sequences NestPipe trains on and runs NestPipe's HSTU module as its dense model).
+
+Prints one row per (network, workload, mode): step time, samples/s, exposed communication and lookup per step, their
+ratio to off, and speedup over off; the bound line (nested step vs max(CPU-bound stages, communication)); the
+ratios to TorchRec. All ratios compare runs of one invocation (the machine is shared: compare within a run).
+Writes DIR/results.json and keeps every run directory (trace.json, timeline.png).
 """
 
 from __future__ import annotations
@@ -30,36 +45,189 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
+from nestpipe.clustering import assign
+from nestpipe.datasets.shards import Manifest, ShardEntry, TableSpec, save_manifest, write_shard
 from nestpipe.trainer.pipeline.testing import run_plan, write_run
-from nestpipe.trainer.testing import make_shards
+from nestpipe.trainer.testing import _table_fields
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torchrec_runner  # noqa: E402 (benchmarks/ is not a package)
 
 MODES = ("off", "dbp", "fwp", "nested")
 NS = "nestpipe-bench"
+WORLD = 2
+POOLED = {"tables": 8, "rows": 100_000, "dim": 64, "batch": 1024, "dense": 13, "min_len": 15, "max_len": 25}
+NEGATIVES = (32, 32)  # uniform, in-batch popular: 64 shared by the batch
 
 
-def sets(args):
+# -- workloads ------------------------------------------------------------------------------------------------------
+def make_gr_shards(out, batch, seq_len, micro_batches, vocab, batches_per_rank, zipf=1.2, seed=7):
+    """GR-shaped shards: item (``vocab`` rows) + action (256 rows) tokens, ``batch`` sequences of ``seq_len``."""
+    os.makedirs(out, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    tables = {"item": TableSpec(vocab, 64, "sequence"), "action": TableSpec(256, 64, "sequence")}
+    sets_, index = {}, 0
+    for split, counts in (("train", [batches_per_rank] * WORLD), ("eval", [1])):
+        entries = []
+        for si, nb in enumerate(counts):
+            recs = []
+            for _ in range(nb):
+                lengths = np.full(batch, seq_len, dtype=np.int32)
+                off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+                item = ((rng.zipf(zipf, int(off[-1])) - 1) % vocab).astype(np.int64)
+                action = rng.integers(0, 256, int(off[-1])).astype(np.int64)
+                mb = assign(item, off, micro_batches, seed=index).astype(np.int32)
+                rec = {"meta": {"index": index, "split": split, "task": "gr", "samples": batch,
+                                "micro_batches": micro_batches}, "mb": mb}
+                for name, v in (("item", item), ("action", action)):
+                    for f, arr in _table_fields(v, lengths, mb).items():
+                        rec[f"{name}.{f}"] = arr
+                rec["user"] = rng.integers(0, 1000, batch)
+                rec["time"] = np.arange(len(item), dtype=np.int64) * 1000
+                recs.append((f"{index:08d}", rec))
+                index += 1
+            name = f"{split}-{si:06d}.tar"
+            digest, size = write_shard(os.path.join(out, name), recs)
+            entries.append(ShardEntry(name, nb, nb * batch, digest, size))
+        sets_[split] = entries
+    save_manifest(out, Manifest(task="gr", batch_size=batch, micro_batches=micro_batches, tables=tables, sets=sets_,
+                                max_seq_len=seq_len))
+
+
+def make_pooled_shards(out, micro_batches, batches_per_rank, seed=11):
+    """The pooled comparison workload as CTR shards (micro-batches from the clustering of table t0)."""
+    P = POOLED
+    os.makedirs(out, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    names = [f"t{i}" for i in range(P["tables"])]
+    tables = {t: TableSpec(P["rows"], P["dim"], "pooled") for t in names}
+    sets_, index = {}, 0
+    for split, counts in (("train", [batches_per_rank] * WORLD), ("eval", [1])):
+        entries = []
+        for si, nb in enumerate(counts):
+            recs = []
+            for _ in range(nb):
+                B = P["batch"]
+                feats = []
+                for _t in names:
+                    lens = rng.integers(P["min_len"], P["max_len"] + 1, size=B).astype(np.int32)
+                    feats.append((rng.integers(0, P["rows"], size=int(lens.sum())).astype(np.int64), lens))
+                off0 = np.concatenate([[0], np.cumsum(feats[0][1])]).astype(np.int64)
+                mb = assign(feats[0][0], off0, micro_batches, seed=index).astype(np.int32)
+                rec = {"meta": {"index": index, "split": split, "task": "ctr", "samples": B,
+                                "micro_batches": micro_batches}, "mb": mb}
+                for t, (v, lens) in zip(names, feats):
+                    for f, arr in _table_fields(v, lens, mb).items():
+                        rec[f"{t}.{f}"] = arr
+                d = rng.normal(size=(B, P["dense"])).astype(np.float32)
+                rec["dense"] = d
+                rec["labels"] = (rng.random(B) < 1 / (1 + np.exp(-0.8 * d[:, 0]))).astype(np.float32)[:, None]
+                recs.append((f"{index:08d}", rec))
+                index += 1
+            name = f"{split}-{si:06d}.tar"
+            digest, size = write_shard(os.path.join(out, name), recs)
+            entries.append(ShardEntry(name, nb, nb * P["batch"], digest, size))
+        sets_[split] = entries
+    save_manifest(out, Manifest(task="ctr", batch_size=P["batch"], micro_batches=micro_batches, tables=tables,
+                                sets=sets_, dense_features=[f"d{i}" for i in range(P["dense"])], labels=["is_click"]))
+
+
+def torchrec_gr_data(shards, path, batches):
+    """Per rank, the first ``batches`` batches that rank trains in NestPipe (item and action token sequences)."""
+    from nestpipe.trainer.data import ShardStream
+
+    out = {"batches": np.array(batches)}
+    for r in range(WORLD):
+        recs = ShardStream(shards, "train", r, WORLD, verify=False).records(0)
+        for k in range(batches):
+            _, rec, _ = next(recs)
+            out[f"r{r}_b{k}_lengths"] = np.asarray(rec["item.lengths"])
+            out[f"r{r}_b{k}_item"] = np.asarray(rec["item.values"])
+            out[f"r{r}_b{k}_action"] = np.asarray(rec["action.values"])
+    np.savez(path, **out)
+
+
+def sets(args, workload="gr"):
+    if workload == "pooled":
+        return {"embedding": {"replicate_max_rows": 0, "dim": 64},
+                "dlrm": {"bottom_mlp": [128, 64], "top_mlp": [256], "cross_layers": 0},
+                "pipe": {"gantt_steps": 3, "trace_steps": args.steps}}
     return {"embedding": {"replicate_max_rows": 300, "dim": 64}, "hstu": {
         "num_layers": 1, "num_heads": 2, "linear_dim": 32, "max_seq_len": args.seq_len,
-        "num_random_negatives": 32, "num_popular_negatives": 32},
+        "num_random_negatives": NEGATIVES[0], "num_popular_negatives": NEGATIVES[1]},
         "pipe": {"gantt_steps": 3, "trace_steps": args.steps}}
 
 
-def run_modes(args, shards, tag, prefix=None, modes=MODES, baseline=None):
+def run_modes(args, shards, tag, prefix=None, modes=MODES, workload="gr", env=None):
     plan = []
     runs = {}
     for m in modes:
         run = os.path.join(args.out, f"{tag}-{m}")
         shutil.rmtree(run, ignore_errors=True)
-        s = sets(args)
-        if baseline:
-            s["pipe"]["baseline_metrics"] = baseline
-        write_run(run, shards, "hstu", m, args.steps, s)
+        write_run(run, shards, "hstu" if workload == "gr" else "dlrm", m.split("-")[0], args.steps, sets(args, workload))
         plan.append({"run": run})
         runs[m] = run
-    p = run_plan(plan, 2, os.path.join(args.out, f"plan-{tag}.json"), timeout=3600, prefix=prefix)
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        p = run_plan(plan, WORLD, os.path.join(args.out, f"plan-{tag}.json"), timeout=3600, prefix=prefix)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     if p.returncode != 0:
         sys.exit(f"{tag}: training failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
     return {m: json.load(open(os.path.join(r, "metrics.json"))) for m, r in runs.items()}
+
+
+def run_network(args, shards, tag, prefix=None):
+    """Everything measured on one network: the GR workload in every mode (+ nested-2t), the pooled workload in off
+    and nested, TorchRec on both."""
+    out = {"gr": run_modes(args, shards["gr"], f"{tag}-gr", prefix)}
+    out["gr"].update(run_modes(args, shards["gr"], f"{tag}-gr", prefix, modes=("nested-2t",),
+                               env={"NESTPIPE_FWP_COMM_THREADS": "2"}))
+    if shards.get("pooled"):
+        out["pooled"] = run_modes(args, shards["pooled"], f"{tag}-pooled", prefix, modes=("off", "nested"),
+                                  workload="pooled")
+    if args.torchrec_python:
+        tr = {}
+        common = {"warmup": 3, "steps": args.steps, "timeout": 1500}
+        try:
+            tr["gr"] = torchrec_runner.run(args.torchrec_python, dict(
+                common, workload="gr", data=shards["gr_data"], dim=64, item_rows=args.vocab, max_seq_len=args.seq_len,
+                negatives=sum(NEGATIVES), hstu={"num_layers": 1, "num_heads": 2, "linear_dim": 32,
+                                                "max_seq_len": args.seq_len}), prefix)
+            if shards.get("pooled"):
+                tr["pooled"] = torchrec_runner.run(args.torchrec_python, dict(common, workload="pooled", **POOLED),
+                                                   prefix)
+        except Exception as e:  # noqa: BLE001 - reported, the rest of the benchmark stands
+            tr["error"] = str(e)[-3000:]
+            print(f"TorchRec failed: {str(e)[-1500:]}")
+        out["torchrec"] = tr
+    return out
+
+
+def torchrec_lines(res, title):
+    tr = res.get("torchrec")
+    if tr is None:
+        print(f"{title}: TorchRec skipped (pass --torchrec-python PATH: a python with torchrec 1.8 + fbgemm-gpu-cpu 1.8)")
+        return {}
+    out = {}
+    for w in ("gr", "pooled"):
+        if w not in tr or w not in res:
+            continue
+        t, n, o = tr[w], res[w]["nested"], res[w]["off"]
+        r = n["samples_per_s"] / t["samples_per_s"]
+        out[w] = {"torchrec_samples_per_s": t["samples_per_s"], "torchrec_ms_per_step": t["ms_per_step"],
+                  "nested_samples_per_s": n["samples_per_s"], "off_samples_per_s": o["samples_per_s"],
+                  "nested_over_torchrec": r, "off_over_torchrec": o["samples_per_s"] / t["samples_per_s"],
+                  "torchrec_sharding": t["sharding"]}
+        print(f"{title}, {w}: TorchRec TrainPipelineSparseDist ({'/'.join(t['sharding'])}) {t['samples_per_s']:.0f} "
+              f"samples/s ({t['ms_per_step']:.1f} ms/step); NestPipe nested {n['samples_per_s']:.0f}, off "
+              f"{o['samples_per_s']:.0f}: nested / TorchRec = {r:.2f}, off / TorchRec = "
+              f"{out[w]['off_over_torchrec']:.2f}")
+    return out
 
 
 def bytes_per_step(metrics):
@@ -155,61 +323,81 @@ def bound_line(res, rate, n_mb):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--batch", type=int, default=64, help="sequences per rank per batch")
-    ap.add_argument("--seq-len", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=64, help="GR: sequences per rank per batch")
+    ap.add_argument("--seq-len", type=int, default=100, help="GR: tokens per sequence")
     ap.add_argument("--micro-batches", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=1_000_000)
+    ap.add_argument("--vocab", type=int, default=1_000_000, help="GR: item table rows")
     ap.add_argument("--out", default="/tmp/nestpipe-pipeline-bench")
     ap.add_argument("--rate", type=float, default=None, help="skip calibration: cap in bit/s")
+    ap.add_argument("--no-pooled", action="store_true", help="skip the pooled workload")
+    ap.add_argument("--no-cap", action="store_true", help="skip (b)")
+    ap.add_argument("--torchrec-python", default=os.environ.get("TORCHREC_PYTHON"),
+                    help="a python with torchrec 1.8 + fbgemm-gpu-cpu 1.8 (e.g. /tmp/torchrec-venv-pipe/bin/python)")
     args = ap.parse_args(argv)
+    if args.torchrec_python and not os.path.exists(args.torchrec_python):
+        print(f"--torchrec-python {args.torchrec_python}: not found, TorchRec comparison skipped")
+        args.torchrec_python = None
     os.makedirs(args.out, exist_ok=True)
-    shards = os.path.join(args.out, "shards")
-    if not os.path.exists(os.path.join(shards, "manifest.json")):
+    per_rank = args.steps + 2
+    shards = {"gr": os.path.join(args.out, f"shards-gr-{args.batch}x{args.seq_len}-mb{args.micro_batches}-s{per_rank}")}
+    if not os.path.exists(os.path.join(shards["gr"], "manifest.json")):
         t0 = time.time()
-        make_shards(shards, "gr", batch_size=args.batch, micro_batches=args.micro_batches, shards=(8, 8),
-                    eval_shards=(1,), vocab=args.vocab, seq_len=args.seq_len, seed=7, oov_rate=0.0)
-        print(f"shards: {time.time() - t0:.1f} s")
+        make_gr_shards(shards["gr"], args.batch, args.seq_len, args.micro_batches, args.vocab, per_rank)
+        print(f"GR shards: {time.time() - t0:.1f} s")
+    if not args.no_pooled:
+        shards["pooled"] = os.path.join(args.out, f"shards-pooled-mb{args.micro_batches}-s{per_rank}")
+        if not os.path.exists(os.path.join(shards["pooled"], "manifest.json")):
+            t0 = time.time()
+            make_pooled_shards(shards["pooled"], args.micro_batches, per_rank)
+            print(f"pooled shards: {time.time() - t0:.1f} s")
+    if args.torchrec_python:
+        shards["gr_data"] = os.path.join(args.out, "torchrec-gr-data.npz")
+        torchrec_gr_data(shards["gr"], shards["gr_data"], min(8, per_rank))
     results = {"config": vars(args)}
-    lo = run_modes(args, shards, "loopback")
+    lo = run_network(args, shards, "loopback")
     results["loopback"] = lo
-    table("(a) plain loopback, world 2", lo)
-    results["loopback_bound"] = bound_line(lo, None, args.micro_batches)
-    try:
-        torchrec = __import__("torchrec")
-        results["torchrec"] = f"torchrec {torchrec.__version__} installed; comparison not implemented here yet"
-    except ImportError:
-        results["torchrec"] = "torchrec not installed: TorchRec comparison skipped"
-    print(results["torchrec"])
-    if os.geteuid() != 0 or shutil.which("tc") is None:
+    table("(a) plain loopback, world 2, GR-shaped", lo["gr"])
+    results["loopback_bound"] = bound_line(lo["gr"], None, args.micro_batches)
+    if "pooled" in lo:
+        table("(a) plain loopback, world 2, pooled", lo["pooled"])
+    results["loopback_torchrec"] = torchrec_lines(lo, "(a) loopback")
+    if args.no_cap:
+        pass
+    elif os.geteuid() != 0 or shutil.which("tc") is None:
         print("(b) bandwidth-capped link skipped: needs root and tc (ip netns + tc tbf)")
     else:
-        off = lo["off"]
+        off = lo["gr"]["off"]
         B, C = bytes_per_step(off), compute_s_per_step(off)
         rate = args.rate or B * 8 / C
-        print(f"\ncalibration: {B / 1e6:.2f} MB per step over the link, compute {C * 1e3:.1f} ms per step "
-              f"-> cap {rate / 1e6:.0f} Mbit/s")
+        print(f"\ncalibration (GR workload): {B / 1e6:.2f} MB per step over the link, compute {C * 1e3:.1f} ms per "
+              f"step -> cap {rate / 1e6:.0f} Mbit/s")
+        prefix = ["ip", "netns", "exec", NS]
         try:
             make_namespace(rate)
-            prefix = ["ip", "netns", "exec", NS]
-            check = run_modes(args, shards, "cap-calib", prefix, modes=("off",))["off"]
-            cc, cm = check["exposed_communication_s_per_step"], compute_s_per_step(check)
-            if not args.rate and cc > 0:  # one refinement: communication time scales ~ 1 / rate
-                rate = rate * cc / cm
-                print(f"under the first cap: communication {cc * 1e3:.1f} ms vs compute {cm * 1e3:.1f} ms per step; "
-                      f"refined cap {rate / 1e6:.0f} Mbit/s")
-                make_namespace(rate)
-            cap = run_modes(args, shards, "cap", prefix)
+            if not args.rate:  # one refinement: communication time scales ~ 1 / rate
+                check = run_modes(args, shards["gr"], "cap-calib", prefix, modes=("off",))["off"]
+                cc, cm = check["exposed_communication_s_per_step"], compute_s_per_step(check)
+                if cc > 0:
+                    rate = rate * cc / cm
+                    print(f"under the first cap: communication {cc * 1e3:.1f} ms vs compute {cm * 1e3:.1f} ms per "
+                          f"step; refined cap {rate / 1e6:.0f} Mbit/s")
+                    make_namespace(rate)
+            cap = run_network(args, shards, "cap", prefix)
         finally:
             drop_namespace()
-        off = cap["off"]
-        print(f"cap: {tc_line(rate)}; off under the cap: "
+        off = cap["gr"]["off"]
+        print(f"\ncap: {tc_line(rate)}; off under the cap: "
               f"communication {off['exposed_communication_s_per_step'] * 1e3:.1f} ms vs compute "
               f"{compute_s_per_step(off) * 1e3:.1f} ms per step")
         results["cap_bit_per_s"] = rate
+        results["cap_tc"] = tc_line(rate)
         results["capped"] = cap
-        table(f"(b) capped loopback ({rate / 1e6:.0f} Mbit/s), world 2", cap)
-        results["capped_bound"] = bound_line(cap, rate, args.micro_batches)
+        table(f"(b) capped loopback ({rate / 1e6:.0f} Mbit/s), world 2, GR-shaped", cap["gr"])
+        results["capped_bound"] = bound_line(cap["gr"], rate, args.micro_batches)
+        if "pooled" in cap:
+            table(f"(b) capped loopback ({rate / 1e6:.0f} Mbit/s), world 2, pooled", cap["pooled"])
+        results["capped_torchrec"] = torchrec_lines(cap, "(b) capped")
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     print(f"\nresults: {os.path.join(args.out, 'results.json')}; traces and timeline.png in {args.out}/*-nested")

@@ -1,0 +1,271 @@
+"""TorchRec's ``TrainPipelineSparseDist`` on the benchmark workloads, for comparison with NestPipe.
+
+Runs under a python that has torchrec 1.8 + fbgemm-gpu-cpu 1.8 + torch 2.13 (a separate venv: torchrec is not a
+dependency of this project), two ranks over gloo on CPU, one intra-op thread per rank:
+
+    TORCHREC_PYTHON benchmarks/torchrec_runner.py '{"workload": "gr", "data": "DATA.npz", ...}'
+
+and prints one line ``RESULT {json}`` (samples/s per rank, ms per step, the sharding plan). Callers:
+:func:`run` (from the project venv; optional prefix such as ``ip netns exec NS``), used by
+``benchmarks/pipeline_bench.py``.
+
+Workloads
+- ``pooled``: 8 tables x 100k rows x dim 64 (``EmbeddingBagCollection``, sum pooling), batch 1024 per rank,
+  15-25 ids per feature, 13 dense features, bottom MLP 13-128-64, top MLP 576-256-1, BCE; data generated here.
+- ``gr``: the GR-shaped workload from ``DATA.npz`` (written by ``pipeline_bench.py`` from the very shards NestPipe
+  trains on: per rank and batch the item and action token sequences); ``EmbeddingCollection`` with an item table
+  (feature ``item`` and the batch's shared negatives ``item_neg``) and an action table; the dense model is
+  NestPipe's own HSTU module (imported from this repository: plain torch), so both systems run the same dense
+  arithmetic and differ only in embedding storage, communication and pipelining.
+Embeddings: fused row-wise AdaGrad (FBGEMM, applied in backward); dense: AdamW. Sharding: row-wise for every
+table (constrained; the stock ``EmbeddingBagCollectionSharder`` offers row-wise only for CUDA, so the pooled
+workload uses a sharder subclass that also offers it on CPU; ``EmbeddingCollectionSharder`` offers it on CPU).
+On CPU TorchRec's pipelines have no streams: the pipeline's stages run one after another on the one thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def run(python: str, params: dict, prefix=None, timeout: float = 1800) -> dict:
+    """Run the TorchRec side under ``python`` (optionally wrapped by ``prefix``); returns the parsed result."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([*(prefix or []), python, os.path.abspath(__file__), json.dumps(params)], capture_output=True,
+                       text=True, timeout=timeout, env=env)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"torchrec runner failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+
+
+# -- everything below runs under the TorchRec python ----------------------------------------------------------------
+def _pooled_batches(rank, a):
+    import numpy as np
+
+    rng = np.random.default_rng(1000 + rank)
+    out = []
+    for _ in range(a.get("distinct_batches", 8)):
+        lens, vals = [], []
+        for _t in range(a["tables"]):
+            ln = rng.integers(a["min_len"], a["max_len"] + 1, size=a["batch"]).astype(np.int64)
+            lens.append(ln)
+            vals.append(rng.integers(0, a["rows"], size=int(ln.sum())).astype(np.int64))
+        d = rng.normal(size=(a["batch"], a["dense"])).astype(np.float32)
+        y = (rng.random(a["batch"]) < 1 / (1 + np.exp(-0.8 * d[:, 0]))).astype(np.float32)
+        out.append((np.concatenate(lens), np.concatenate(vals), d, y))
+    return out
+
+
+def _worker(rank, world, a, port, q):
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torchrec import (EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig,
+                          KeyedJaggedTensor)
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.distributed.types import ShardingType
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+    from torchrec.streamable import Pipelineable
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dev = torch.device("cpu")
+
+    class Batch(Pipelineable):
+        def __init__(self, sparse_features, **fields):
+            self.sparse_features = sparse_features
+            self.fields = fields
+
+        def to(self, device, non_blocking=False):
+            return Batch(self.sparse_features.to(device, non_blocking=non_blocking),
+                         **{k: v.to(device, non_blocking=non_blocking) for k, v in self.fields.items()})
+
+        def record_stream(self, stream):
+            pass
+
+        def pin_memory(self):
+            return self
+
+    class RowWiseEBCSharder(EmbeddingBagCollectionSharder):
+        def sharding_types(self, compute_device_type):
+            return sorted(set(super().sharding_types(compute_device_type)) | {ShardingType.ROW_WISE.value})
+
+    batches = []
+    if a["workload"] == "pooled":
+        names = [f"t{i}" for i in range(a["tables"])]
+
+        class Head(nn.Module):  # everything after the lookup: one leaf module for the pipeline's FX tracing
+            def __init__(self):
+                super().__init__()
+                self.bottom = nn.Sequential(nn.Linear(a["dense"], 128), nn.ReLU(), nn.Linear(128, a["dim"]), nn.ReLU())
+                self.top = nn.Sequential(nn.Linear(a["dim"] * (1 + len(names)), 256), nn.ReLU(), nn.Linear(256, 1))
+
+            def forward(self, kt, fields):
+                x = torch.cat([self.bottom(fields["dense"]), kt.values()], dim=1)
+                logit = self.top(x).squeeze(1)
+                loss = F.binary_cross_entropy_with_logits(logit, fields["labels"], reduction="sum")
+                return loss / (len(logit) * world), logit.detach()
+
+        class Model(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+                    name=n, embedding_dim=a["dim"], num_embeddings=a["rows"], feature_names=[n]) for n in names],
+                    device=torch.device("meta"))
+                self.head = Head()
+
+            def forward(self, batch):
+                return self.head(self.ebc(batch.sparse_features), batch.fields)
+
+        for lens, vals, d, y in _pooled_batches(rank, a):
+            kjt = KeyedJaggedTensor.from_lengths_sync(keys=names, values=torch.from_numpy(vals),
+                                                      lengths=torch.from_numpy(lens))
+            batches.append(Batch(kjt, dense=torch.from_numpy(d), labels=torch.from_numpy(y)))
+        tables, sharders, B = names, [RowWiseEBCSharder()], a["batch"]
+    else:
+        sys.path.insert(0, ROOT)
+        from nestpipe.trainer.config import HSTUConfig
+        from nestpipe.trainer.models.hstu import HSTU
+
+        data = np.load(a["data"])
+        nb = int(data["batches"])
+        hcfg = HSTUConfig(**a["hstu"])
+
+        class Head(nn.Module):  # everything after the lookup: one leaf module for the pipeline's FX tracing
+            def __init__(self):
+                super().__init__()
+                self.hstu = HSTU(hcfg, a["dim"], ["item", "action"], a["max_seq_len"])
+
+            def forward(self, jt, f):
+                emb = {"item": jt["item"].values(), "action": jt["action"].values(), "item#neg": jt["item_neg"].values()}
+                per_sample = self.hstu(emb, {"lengths": f["lengths"], "item_ids": f["item_ids"], "neg_ids": f["neg_ids"]})
+                return per_sample.sum() / (len(f["lengths"]) * world), per_sample.detach()
+
+        class Model(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.ec = EmbeddingCollection(tables=[
+                    EmbeddingConfig(name="item", embedding_dim=a["dim"], num_embeddings=a["item_rows"],
+                                    feature_names=["item", "item_neg"]),
+                    EmbeddingConfig(name="action", embedding_dim=a["dim"], num_embeddings=256,
+                                    feature_names=["action"])], device=torch.device("meta"))
+                self.head = Head()
+
+            def forward(self, batch):
+                return self.head(self.ec(batch.sparse_features), batch.fields)
+
+        rng = np.random.default_rng(2000 + rank)
+        for k in range(nb):
+            lens = data[f"r{rank}_b{k}_lengths"].astype(np.int64)
+            item = data[f"r{rank}_b{k}_item"].astype(np.int64)
+            action = data[f"r{rank}_b{k}_action"].astype(np.int64)
+            neg = rng.integers(0, a["item_rows"], size=a["negatives"]).astype(np.int64)
+            b = len(lens)
+            neg_lens = np.zeros(b, np.int64)
+            neg_lens[0] = len(neg)
+            kjt = KeyedJaggedTensor.from_lengths_sync(
+                keys=["item", "item_neg", "action"], values=torch.from_numpy(np.concatenate([item, neg, action])),
+                lengths=torch.from_numpy(np.concatenate([lens, neg_lens, lens])))
+            batches.append(Batch(kjt, lengths=torch.from_numpy(lens), item_ids=torch.from_numpy(item),
+                                 neg_ids=torch.from_numpy(neg)))
+        tables, sharders, B = ["item", "action"], [EmbeddingCollectionSharder()], len(batches[0].fields["lengths"])
+
+    torch.manual_seed(0)
+    m = Model()
+    emb_module = m.ebc if a["workload"] == "pooled" else m.ec
+    apply_optimizer_in_backward(RowWiseAdagrad, emb_module.parameters(), {"lr": 0.05, "eps": 1e-8})
+    constraints = {t: ParameterConstraints(sharding_types=[a.get("sharding", "row_wise")]) for t in tables}
+    topo = Topology(world_size=world, compute_device="cpu")
+    planner = EmbeddingShardingPlanner(topology=topo, constraints=constraints)
+    plan = planner.collective_plan(m, sharders, dist.GroupMember.WORLD)
+    model = DistributedModelParallel(m, device=dev, plan=plan, sharders=sharders)
+    dense_opt = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
+                                      lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    opt = CombinedOptimizer([model.fused_optimizer, dense_opt])
+    pipe = TrainPipelineSparseDist(model, opt, dev)
+
+    warm, steps = a["warmup"], a["steps"]
+
+    def it():
+        s = 0
+        while True:
+            yield batches[s % len(batches)]
+            s += 1
+
+    itr = iter(it())
+    for _ in range(warm):
+        pipe.progress(itr)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        pipe.progress(itr)
+    dist.barrier()
+    el = time.perf_counter() - t0
+    shard_types = sorted({str(ps.sharding_type) for mod in plan.plan.values() for ps in mod.values()})
+    q.put({"rank": rank, "elapsed_s": el, "steps": steps, "batch": B, "sharding": shard_types})
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    a = json.loads((argv or sys.argv[1:])[0])
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_worker, args=(r, 2, a, port, q)) for r in range(2)]
+    for p in ps:
+        p.start()
+    res = []
+    deadline = time.time() + a.get("timeout", 1200)
+    try:
+        while len(res) < len(ps):
+            try:
+                res.append(q.get(timeout=2))
+                continue
+            except Exception:  # queue.Empty
+                pass
+            dead = [p.exitcode for p in ps if p.exitcode not in (None, 0)]
+            if dead or time.time() > deadline:
+                raise RuntimeError(f"torchrec ranks failed (exit codes {[p.exitcode for p in ps]})")
+        res.sort(key=lambda r: r["rank"])
+    finally:
+        for p in ps:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    el = max(r["elapsed_s"] for r in res)
+    B, steps = res[0]["batch"], res[0]["steps"]
+    out = {"workload": a["workload"], "pipeline": "TrainPipelineSparseDist", "world": 2, "steps": steps,
+           "batch_per_rank": B, "ms_per_step": 1e3 * el / steps, "samples_per_s_per_rank": B * steps / el,
+           "samples_per_s": 2 * B * steps / el, "sharding": res[0]["sharding"]}
+    print("RESULT " + json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -79,6 +79,20 @@ def runs(tmp_path_factory):
     for model in ("hstu", "dlrm"):
         add(plan3, 3, model, "off", "off")
         add(plan3, 3, model, "nested", "nested")
+    # the alternative FWP layout (one comm thread for both exchange groups, NESTPIPE_FWP_COMM_THREADS=1): its own launch
+    plan1t = []
+    for model in ("hstu", "dlrm"):
+        add(plan1t, 2, model, "nested-1t", "nested")
+    saved = os.environ.get("NESTPIPE_FWP_COMM_THREADS")
+    os.environ["NESTPIPE_FWP_COMM_THREADS"] = "1"
+    try:
+        p = run_plan(plan1t, 2, str(base / "plan1t.json"), timeout=400)
+    finally:
+        if saved is None:
+            os.environ.pop("NESTPIPE_FWP_COMM_THREADS")
+        else:
+            os.environ["NESTPIPE_FWP_COMM_THREADS"] = saved
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     for world, plan in ((2, plan2), (3, plan3)):
         p = run_plan(plan, world, str(base / f"plan{world}.json"), timeout=400)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
@@ -125,12 +139,25 @@ def test_nested_is_bitwise_equal_to_off_and_overlaps(runs, model, world):
         assert len(ret) >= (STEPS - 1) // 2, (rank, ret)
         assert len(a2a) >= STEPS * (MB - 1) // 4, (rank, a2a)
         threads = {s["thread"] for s in spans if s["rank"] == rank}
-        assert {"data", "h2d", "route", "retrieve", "compute", "comm"} <= threads
+        assert {"data", "h2d", "route", "retrieve", "compute", "embed-comm", "grad-comm"} <= threads
     # the same queries find nothing in the synchronous schedule (the overlap check can fail)
     off_spans = _spans(runs[(world, model, "off")])
     for rank in range(world):
         assert tl.retrieval_overlaps(off_spans, rank) == [] and tl.a2a_overlaps(off_spans, rank) == []
         assert {s["thread"] for s in off_spans if s["rank"] == rank} == {"compute"}
+
+
+@pytest.mark.parametrize("model", ["hstu", "dlrm"])
+def test_one_comm_thread_layout_is_bitwise_equal_to_off(runs, model):
+    """NESTPIPE_FWP_COMM_THREADS=1: one thread issues the embedding and gradient All2Alls on their two groups in one
+    fixed order; same arithmetic, same bits; the trace shows the one thread and the overlap."""
+    run = runs[(2, model, "nested-1t")]
+    assert _bitwise_diff(_export(runs[(2, model, "off")]), _export(run)) == []
+    spans = _spans(run)
+    for rank in range(2):
+        threads = {s["thread"] for s in spans if s["rank"] == rank}
+        assert "comm" in threads and not {"embed-comm", "grad-comm"} & threads
+        assert len(tl.a2a_overlaps(spans, rank)) >= STEPS * (MB - 1) // 4
 
 
 def test_dbp_alone_and_fwp_alone_are_bitwise_equal_to_off(runs):
@@ -219,12 +246,12 @@ def test_one_issuing_thread_per_group():
     for mode, issuers in ISSUERS.items():
         assert set(issuers) == set(STAGE_GROUPS), mode
     assert ISSUERS["nested"]["route"] != ISSUERS["nested"]["embed"] != ISSUERS["nested"]["dense"]
-    # FWP: one comm thread issues on both exchange groups in one fixed order, or one thread per group
+    # FWP: one thread per exchange group (default), or one comm thread issuing on both in one fixed order
     from nestpipe.trainer.pipeline.process_groups import issuers
 
-    assert issuers("nested")["embed"] == issuers("nested")["grad"] == "comm"
-    two = issuers("nested", 2)
+    two = issuers("nested")
     assert len({two["route"], two["embed"], two["grad"], two["dense"]}) == 4
+    assert issuers("nested", 1)["embed"] == issuers("nested", 1)["grad"] == "comm"
 
 
 def test_config_default_is_nested():

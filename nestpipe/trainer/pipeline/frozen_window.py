@@ -2,25 +2,28 @@
 
 Between a batch's retrieval and its update the owner's buffer is frozen (no update inside the window), so the
 embedding All2All of micro-batch i+1 does not depend on micro-batch i and may run while i computes. Per batch of N
-micro-batches, on two threads (default):
+micro-batches (``e i``: micro-batch i's owner send + embedding All2All on group ``embed``; ``g i``: its gradient
+All2All + the owner's ``index_add_`` on group ``grad``), default layout, one thread per exchange group:
 
-    compute:  wait(e0) dense(0)           | wait(e1) dense(1)           | wait(e2) dense(2)           | ... wait(gN-1)
-    comm:     e0 e1 (primed)   | e2 g0                   | e3 g1                   | e4 g2   ...            gN-1
+    embed-comm:  e0 e1 (primed) | e2                  | e3                  | e4 ...
+    compute:          wait(e0) dense(0)   | wait(e1) dense(1)   | wait(e2) dense(2)   | ...   wait(gN-1)
+    grad-comm:                            | g0                  | g1                  | ...   gN-1
 
-``e i`` is micro-batch i's owner send + embedding All2All (group ``embed``), ``g i`` its gradient All2All + the
-owner's ``index_add_`` (group ``grad``). After dense(i) the compute thread queues e(i+2) and then g(i), so while it
-computes dense(i+1) the comm thread moves the embeddings micro-batch i+2 needs first and then micro-batch i's
-gradients: the embedding All2All of i+1 was queued before dense(i) began and overlaps it, the gradient All2All of
-i-1 overlaps dense(i) too. One thread issues on both groups in this fixed order, the same on every rank (blocking
-collectives on two groups cannot deadlock), so it is still exactly one issuing thread per group; the two All2Alls
-never compete for the link or the cores (``NESTPIPE_FWP_COMM_THREADS=2`` runs them on one thread per group
-instead, concurrently). The first two embedding All2Alls of batch t+1 are started by the scheduler (:meth:`prime`)
-as soon as t+1's buffer is final, while batch t's dense all-reduce and AdamW finish.
+After dense(i) the compute thread queues e(i+2) and then g(i): the embedding All2All of micro-batch i+1 was queued
+before dense(i) began and overlaps it, and the gradient All2All of i-1 overlaps dense(i). The first two embedding
+All2Alls of batch t+1 are started by the scheduler (:meth:`prime`) as soon as t+1's buffer is final, while batch
+t's dense all-reduce and AdamW finish.
+
+Alternative layout (``NESTPIPE_FWP_COMM_THREADS=1``): one ``comm`` thread issues on both groups in the queue order
+above (e0 e1 | e2 g0 | e3 g1 | ...), the same on every rank, so blocking collectives on two groups cannot deadlock
+and it is still exactly one issuing thread per group; the embeddings micro-batch i+1 needs go before gradient i-1.
+Measured here it was not faster than two threads (docs/pipeline.md): on this CPU testbed an All2All's time is
+dominated by waiting (for the peer rank, for the GIL), which two threads overlap, not by the link's bytes.
 
 Jobs run in submission (= micro-batch) order per group, so the owner adds micro-batch gradients into each entry in
 index order, the order the synchronous step uses; dense gradients accumulate on the compute thread in the same
-order. Hence the batch's gradient and update are bitwise those of ``--pipeline off``. Only the first embedding
-All2All (when not primed) and the last gradient All2All are exposed.
+order. Hence the batch's gradient and update are bitwise those of ``--pipeline off`` in both layouts. Only the
+first embedding All2All (when not primed) and the last gradient All2All are exposed.
 
 ``pipe.debug_update_per_micro_batch`` (negative control) applies the full update after every micro-batch but the
 last (and stops prefetching the next micro-batch's rows so it sees the update): the window is no longer frozen.

@@ -27,20 +27,20 @@ STAGE_GROUPS = ("route", "embed", "grad", "dense")
 ISSUERS: Dict[str, Dict[str, str]] = {
     "off": {"route": "compute", "embed": "compute", "grad": "compute", "dense": "compute"},
     "dbp": {"route": "route", "embed": "compute", "grad": "compute", "dense": "compute"},
-    "fwp": {"route": "compute", "embed": "comm", "grad": "comm", "dense": "compute"},
-    "nested": {"route": "route", "embed": "comm", "grad": "comm", "dense": "compute"},
+    "fwp": {"route": "compute", "embed": "embed-comm", "grad": "grad-comm", "dense": "compute"},
+    "nested": {"route": "route", "embed": "embed-comm", "grad": "grad-comm", "dense": "compute"},
 }
-# the Frozen-Window Pipeline's alternative layout (one thread per exchange group; ``NESTPIPE_FWP_COMM_THREADS=2``)
-TWO_COMM_THREADS = {"embed": "embed-comm", "grad": "grad-comm"}
+# the Frozen-Window Pipeline's alternative layout: one thread for both exchange groups (``NESTPIPE_FWP_COMM_THREADS=1``)
+ONE_COMM_THREAD = {"embed": "comm", "grad": "comm"}
 
 
-def issuers(mode: str, comm_threads: int = 1) -> Dict[str, str]:
+def issuers(mode: str, comm_threads: int = 2) -> Dict[str, str]:
     """Stage group -> issuing thread name for ``mode``. With one communication thread it issues on both the
     ``embed`` and the ``grad`` group in one fixed order (the same on every rank, so blocking collectives on two
     groups cannot deadlock): still exactly one issuing thread per group."""
     out = dict(ISSUERS[mode])
-    if comm_threads == 2 and mode in ("fwp", "nested"):
-        out.update(TWO_COMM_THREADS)
+    if comm_threads == 1 and mode in ("fwp", "nested"):
+        out.update(ONE_COMM_THREAD)
     return out
 
 

@@ -4,7 +4,7 @@ Every mode runs the same stage functions of :mod:`nestpipe.trainer.step` on the 
 groups; only where (which thread) and when they run differs:
 
     off     prefetch, h2d, route, retrieve, [embed a2a, dense, grad a2a] x N, update   - all on the compute thread
-    fwp     as off, but the N micro-batches run in the Frozen-Window Pipeline (the ``comm`` thread)
+    fwp     as off, but the N micro-batches run in the Frozen-Window Pipeline (``embed-comm``/``grad-comm`` threads)
     dbp     the five-stage Dual-Buffer Pipeline; micro-batches as in off
     nested  DBP between batches and FWP inside each batch (the default)
 
@@ -86,9 +86,10 @@ class PipelineRunner:
         if pc.debug_update_per_micro_batch and not self.fwp:
             raise ValueError("pipe.debug_update_per_micro_batch needs --pipeline fwp or nested")
         self.rows_synced = 0
-        # FWP communication threads: 1 (default: embedding + gradient All2Alls in one fixed order) or 2 (one per
-        # exchange group, running concurrently); ``NESTPIPE_FWP_COMM_THREADS`` chooses (benchmark comparisons)
-        self.comm_threads = int(os.environ.get("NESTPIPE_FWP_COMM_THREADS", "1"))
+        # FWP communication threads: 2 (default: one per exchange group, embedding and gradient All2Alls run
+        # concurrently) or 1 (both groups from one thread in one fixed order); ``NESTPIPE_FWP_COMM_THREADS`` chooses.
+        # Measured in benchmarks/pipeline_bench.py (docs/pipeline.md): 2 was as fast or faster in every run here.
+        self.comm_threads = int(os.environ.get("NESTPIPE_FWP_COMM_THREADS", "2"))
         if self.comm_threads not in (1, 2):
             raise ValueError(f"NESTPIPE_FWP_COMM_THREADS={self.comm_threads}: expected 1 or 2")
 

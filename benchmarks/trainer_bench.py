@@ -315,12 +315,16 @@ def worker(rank, world, a, port, q):
     itr = iter(it())
     times = []
     for s in range(total):
+        if s == a["warmup"]:
+            cpu0 = time.process_time()
         dist.barrier()
         t0 = time.perf_counter()
         pipe.progress(itr)
         times.append(time.perf_counter() - t0)
+    cpu = time.process_time() - cpu0
     dist.barrier()
-    q.put({"rank": rank, "elapsed": sum(times[a["warmup"]:]), "plan": str(model.plan)[:2000] if rank == 0 else ""})
+    q.put({"rank": rank, "elapsed": sum(times[a["warmup"]:]), "cpu_s": cpu,
+           "plan": str(model.plan)[:2000] if rank == 0 else ""})
     dist.destroy_process_group()
 
 if __name__ == "__main__":
@@ -361,7 +365,7 @@ def bench_torchrec(a):
     res = json.loads(line[0][len("RESULT "):])
     el = max(r["elapsed"] for r in res)
     return {"samples_per_s_per_rank": a.batch * a.steps / el, "ms_per_step": 1000 * el / a.steps,
-            "plan": res[0]["plan"]}
+            "cpu_ms_per_step_per_rank": [round(1000 * r["cpu_s"] / a.steps, 1) for r in res], "plan": res[0]["plan"]}
 
 
 def main(argv=None):
@@ -406,11 +410,16 @@ def main(argv=None):
         if a.torchrec_python:
             out["torchrec"] = bench_torchrec(a)
             print(f"TorchRec TrainPipelineSparseDist: {out['torchrec']['samples_per_s_per_rank']:.0f} samples/s per "
-                  f"rank ({out['torchrec']['ms_per_step']:.1f} ms/step)", flush=True)
+                  f"rank ({out['torchrec']['ms_per_step']:.1f} ms/step; CPU ms/step per rank "
+                  f"{out['torchrec']['cpu_ms_per_step_per_rank']})", flush=True)
             if "nestpipe" in out:
                 out["ratio_nestpipe_over_torchrec"] = (out["nestpipe"]["samples_per_s_per_rank"]
                                                        / out["torchrec"]["samples_per_s_per_rank"])
-                print(f"ratio NestPipe / TorchRec (this run): {out['ratio_nestpipe_over_torchrec']:.2f}")
+                cpu_n = sum(out["nestpipe"]["cpu_ms_per_step_per_rank"])
+                cpu_t = sum(out["torchrec"]["cpu_ms_per_step_per_rank"])
+                out["cpu_ratio_torchrec_over_nestpipe"] = cpu_t / cpu_n
+                print(f"ratio NestPipe / TorchRec (this run): {out['ratio_nestpipe_over_torchrec']:.2f} in samples/s; "
+                      f"{out['cpu_ratio_torchrec_over_nestpipe']:.2f} in CPU time per step (TorchRec / NestPipe)")
         else:
             print("TorchRec side skipped: pass --torchrec-python PATH (a venv with torchrec 1.8, fbgemm-gpu-cpu 1.8)")
     if a.json:

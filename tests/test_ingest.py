@@ -348,3 +348,23 @@ def test_short_rows_are_caught_although_polars_accepts_them():
     spec = ColumnSpec(list(schema), schema, ["c0"])
     df, rejects = parse_chunk(data, spec, path="f.csv", first_line=2)
     assert df.height == 2 and [(r.line, r.raw) for r in rejects] == [(3, "1,2,3,4")]
+
+
+def test_user_features_with_quoted_ranges_parse_and_reject(raw, tmp_path):
+    """Range strings such as "(0,10]" are quoted anywhere in a user-features row: the quote-aware path keeps
+    them whole and still rejects malformed rows with their line."""
+    from nestpipe.ingest import ctr
+    from nestpipe.ingest.parse import iter_file
+
+    lines = open(os.path.join(raw, "user_features_27k.csv")).read().splitlines()
+    assert any('"(' in l or '"[' in l for l in lines[1:])
+    lines[3] = lines[3].replace(",", ";", 1)
+    lines[5] = "x" + lines[5]
+    lines[7] = ""
+    p = tmp_path / "user_features_27k.csv"
+    p.write_text("\n".join(lines) + "\n")
+    (_, df, rejects), = list(iter_file(str(p), ctr.USER_SPEC))
+    assert [(r.line, r.reason.split(":")[0]) for r in rejects] == [
+        (4, "wrong number of columns (expected 31)"), (6, "column user_id"), (8, "empty line")]
+    assert df.height == len(lines) - 1 - 3
+    assert df["follow_user_num_range"].str.contains(",").any()  # a quoted range kept whole

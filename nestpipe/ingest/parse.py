@@ -173,59 +173,36 @@ def _parse_csv_module(
     ncols = len(spec.columns)
     text = [data[offsets[i]:offsets[i + 1]].decode("utf-8", errors="replace").rstrip("\r\n")
             for i in range(len(offsets) - 1)]
-    good_rows: List[List[str]] = []
-    good_lines: List[int] = []
-    rejects: List[Reject] = []
-    for i, line in enumerate(text):
-        lineno = first_line + i
+    rows: List[List[Optional[str]]] = []
+    structural: List[Optional[str]] = []
+    for line in text:
+        fields: List[Optional[str]] = [None] * ncols
+        reason = None
         if not line:
-            rejects.append(Reject(path, lineno, "empty line", line))
-            continue
-        try:
-            fields = next(csv.reader([line], strict=True))
-        except csv.Error as e:
-            rejects.append(Reject(path, lineno, f"malformed quoting: {e}", line))
-            continue
-        if len(fields) != ncols:
-            rejects.append(Reject(path, lineno, f"wrong number of columns (expected {ncols})", line))
-            continue
-        good_rows.append(fields)
-        good_lines.append(lineno)
-    cols = {c: pl.Series(c, [r[i] for r in good_rows], dtype=pl.Utf8) for i, c in enumerate(spec.columns)}
-    reasons: List[Optional[str]] = [None] * len(good_rows)
-    converted = {}
-    for c, s in cols.items():
-        s = s.str.strip_chars(" ")
-        dtype = spec.dtypes[c]
-        if dtype == pl.Utf8:
-            val = s.replace("", None)
-        elif dtype in (pl.Float64, pl.Float32):
-            val = s.cast(pl.Float64, strict=False)
+            reason = "empty line"
         else:
-            val = s.str.to_integer(strict=False)
-        bad = ((s != "") & val.is_null()).to_numpy() if dtype != pl.Utf8 else np.zeros(len(s), bool)
-        missing = (s == "").to_numpy() if c in spec.required else np.zeros(len(s), bool)
-        for j in np.flatnonzero(bad | missing):
-            if reasons[j] is None:
-                reasons[j] = f"column {c}: {'not a number' if bad[j] else 'missing value'}"
-        converted[c] = val.cast(dtype, strict=False) if dtype != pl.Utf8 else val
-    ok = np.array([r is None for r in reasons], bool)
-    for j in np.flatnonzero(~ok):
-        idx = good_lines[j] - first_line
-        rejects.append(Reject(path, good_lines[j], reasons[j], text[idx]))
-    rejects.sort(key=lambda r: r.line)
-    df = pl.DataFrame({c: converted[c] for c in keep}).with_columns(
-        pl.Series("line", good_lines, dtype=pl.Int64)
-    ).filter(pl.Series(ok))
-    return df, rejects
+            try:
+                parsed = next(csv.reader([line], strict=True))
+            except csv.Error as e:
+                reason = f"malformed quoting: {e}"
+            else:
+                if len(parsed) != ncols:
+                    reason = f"wrong number of columns (expected {ncols})"
+                else:
+                    fields = list(parsed)
+        rows.append(fields)
+        structural.append(reason)
+    fields_df = pl.DataFrame({f"f{i}": pl.Series([r[i] for r in rows], dtype=pl.Utf8) for i in range(ncols)})
+    raw = pl.Series("raw", text, dtype=pl.Utf8)
+    return _convert(raw, fields_df, pl.Series("reason", structural, dtype=pl.Utf8), spec, keep, path, first_line)
 
 
 def _parse_validating(
     data: bytes, offsets: np.ndarray, spec: ColumnSpec, *, path: str, first_line: int, keep: List[str]
 ) -> Tuple[pl.DataFrame, List[Reject]]:
+    """Validating path for unquoted files and files whose only quoted column is the last one."""
     ncols = len(spec.columns)
     raw = _lines_series(data, offsets)
-    n = len(raw)
     if spec.quoted_last:
         # Split off the first ncols-1 fields; the remainder is the (possibly quoted) last column.
         parts = raw.str.splitn(",", ncols).struct.rename_fields([f"f{i}" for i in range(ncols)])
@@ -233,43 +210,50 @@ def _parse_validating(
         last = fields[f"f{ncols - 1}"]
         last_ok = last.is_null() | last.str.contains(r'^("[^"]*"|[^",]*)$')
         count_ok = fields[f"f{ncols - 1}"].is_not_null() & last_ok.fill_null(False)
-        unq = last.str.strip_chars('"')
-        fields = fields.with_columns(unq.alias(f"f{ncols - 1}"))
+        fields = fields.with_columns(last.str.strip_chars('"').alias(f"f{ncols - 1}"))
     else:
         parts = raw.str.split_exact(",", ncols).struct.rename_fields([f"f{i}" for i in range(ncols + 1)])
         fields = pl.DataFrame({"s": parts}).unnest("s")
         count_ok = fields[f"f{ncols - 1}"].is_not_null() & fields[f"f{ncols}"].is_null()
-    reasons = pl.select(
+    structural = pl.select(
         pl.when(raw.str.len_bytes() == 0).then(pl.lit("empty line"))
         .when(~count_ok).then(pl.lit(f"wrong number of columns (expected {ncols})"))
         .otherwise(pl.lit(None, dtype=pl.Utf8))
     ).to_series()
+    return _convert(raw, fields, structural, spec, keep, path, first_line)
+
+
+def _convert(raw: pl.Series, fields: pl.DataFrame, reasons: pl.Series, spec: ColumnSpec, keep: List[str],
+             path: str, first_line: int) -> Tuple[pl.DataFrame, List[Reject]]:
+    """Typed columns from the string fields ``f0..`` of every line; the first problem of a line is its reason
+    (structural reasons given in ``reasons`` come first). Returns the good rows and the rejects."""
+    n = len(raw)
+    no = pl.Series([False] * n)
     converted = {}
     for i, c in enumerate(spec.columns):
         s = fields[f"f{i}"].str.strip_chars(" ")
         dtype = spec.dtypes[c]
         if dtype == pl.Utf8:
             val = s.replace("", None) if c not in spec.required else s
-        elif dtype in (pl.Float64, pl.Float32):
-            val = s.cast(pl.Float64, strict=False)
+            bad = no
         else:
-            val = s.str.to_integer(strict=False)
-        bad = (s.is_not_null() & (s != "") & val.is_null()) if dtype != pl.Utf8 else pl.Series([False] * n)
-        missing = (s.is_null() | (s == "")) if c in spec.required else pl.Series([False] * n)
+            val = s.cast(pl.Float64, strict=False) if dtype in (pl.Float64, pl.Float32) else s.str.to_integer(
+                strict=False)
+            bad = s.is_not_null() & (s != "") & val.is_null()
+            val = val.cast(dtype, strict=False)
+        missing = (s.is_null() | (s == "")) if c in spec.required else no
         reasons = pl.select(
             pl.when(reasons.is_not_null()).then(reasons)
-            .when(bad).then(pl.lit(f"column {c}: not a {'number' if dtype != pl.Utf8 else 'string'}"))
+            .when(bad).then(pl.lit(f"column {c}: not a number"))
             .when(missing).then(pl.lit(f"column {c}: missing value"))
             .otherwise(pl.lit(None, dtype=pl.Utf8))
         ).to_series()
-        converted[c] = val.cast(dtype, strict=False) if dtype != pl.Utf8 else val
+        converted[c] = val
     lines = pl.int_range(first_line, first_line + n, dtype=pl.Int64, eager=True).alias("line")
     good_mask = reasons.is_null()
     df = pl.DataFrame({c: converted[c] for c in keep}).with_columns(lines).filter(good_mask)
     bad_idx = np.flatnonzero(~good_mask.to_numpy())
-    rejects = [
-        Reject(path, int(first_line + i), reasons[int(i)], raw[int(i)] or "") for i in bad_idx
-    ]
+    rejects = [Reject(path, int(first_line + i), reasons[int(i)], raw[int(i)] or "") for i in bad_idx]
     return df, rejects
 
 

@@ -185,6 +185,67 @@ def test_adagrad_matches_reference(dim, n, momentum):
         assert not torch.equal(w[rows], w0[rows])
 
 
+def _segments(n_rows, n_entries, seed):
+    """(inv, order, offsets): entries assigned to rows (some rows with none), grouped by row in entry order."""
+    g = torch.Generator().manual_seed(seed)
+    inv = torch.randint(0, max(n_rows, 1), (n_entries,), generator=g) if n_rows else torch.zeros(0, dtype=torch.int64)
+    order = torch.from_numpy(np.argsort(inv.numpy(), kind="stable"))
+    offsets = torch.zeros(n_rows + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.bincount(inv, minlength=n_rows), 0)
+    return inv, order, offsets
+
+
+@pytest.mark.parametrize("dim,n,m,momentum", [(64, 300, 700, 1.0), (3, 50, 50, 4.0), (67, 10, 400, 1.0),
+                                              (8, 1, 30, 1.0), (8, 0, 0, 1.0), (16, 40, 20, 1.0)])
+def test_adagrad_grad_segments(dim, n, m, momentum, monkeypatch):
+    # per-entry gradients summed per row inside the update == index_add_ into zeros, then the plain update
+    w, s = _store(1000, dim)
+    rows = torch.randperm(1000)[:n]
+    inv, order, offsets = _segments(n, m, seed=dim + n)
+    grads = torch.randn(m, dim) * 3
+    row_grads = torch.zeros(n, dim).index_add_(0, inv, grads)
+    w_plain, s_plain = w.clone(), s.clone()
+    K.adagrad_update(w_plain, s_plain, rows, row_grads, 0.05, 1e-8, momentum)
+    w_ref, s_ref = w.clone(), s.clone()
+    R.adagrad_update(w_ref, s_ref, rows, row_grads, 0.05, 1e-8, momentum)
+    K.adagrad_update(w, s, rows, grads, 0.05, 1e-8, momentum, grad_segments=(order, offsets))
+    # same sums in the same order, same update loop: bitwise equal to the numba path on summed gradients
+    assert torch.equal(w, w_plain) and torch.equal(s, s_plain)
+    torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(s, s_ref, atol=1e-6, rtol=1e-6)
+    # the reference path of the segmented form agrees too
+    monkeypatch.setenv("NESTPIPE_KERNELS", "reference")
+    w2, s2 = _store(1000, dim)
+    K.adagrad_update(w2, s2, rows, grads, 0.05, 1e-8, momentum, grad_segments=(order, offsets))
+    torch.testing.assert_close(w2, w_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(s2, s_ref, atol=1e-6, rtol=1e-6)
+
+
+def test_adagrad_grad_segments_order_matters():
+    # negative control: a different summation order of the same entries changes bits for some row
+    dim, n, m = 64, 5, 400
+    w, s = _store(100, dim)
+    rows = torch.arange(n)
+    inv, order, offsets = _segments(n, m, seed=1)
+    grads = torch.randn(m, dim) * torch.logspace(-4, 4, m).unsqueeze(1)
+    w2, s2 = w.clone(), s.clone()
+    K.adagrad_update(w, s, rows, grads, 0.05, grad_segments=(order, offsets))
+    rev = torch.cat([order[offsets[i]:offsets[i + 1]].flip(0) for i in range(n)])
+    K.adagrad_update(w2, s2, rows, grads, 0.05, grad_segments=(rev, offsets))
+    assert not torch.equal(w, w2)
+    torch.testing.assert_close(w, w2, atol=1e-5, rtol=1e-5)
+
+
+def test_adagrad_grad_segments_rejects_bad_input():
+    w, s = _store(10, 4)
+    grads = torch.randn(5, 4)
+    for order, offsets in ((torch.arange(5), torch.tensor([0, 2, 4])),   # offsets end before len(order)
+                           (torch.arange(5), torch.tensor([0, 3, 2, 5])),  # not ascending
+                           (torch.tensor([0, 1, 2, 3, 9]), torch.tensor([0, 2, 3, 5]))):  # order out of range
+        with pytest.raises(ValueError):
+            K.adagrad_update(w, s, torch.arange(3), grads, 0.1, grad_segments=(order, offsets))
+
+
 def test_adagrad_formula_is_discriminating():
     # negative control: eps inside the square root (the other common placement) must fail the comparison
     w, s = _store(100, 16)

@@ -18,7 +18,7 @@ Paths are chosen per op from the device of the tensors (see :mod:`nestpipe.kerne
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -106,24 +106,46 @@ def adagrad_update(
     lr: float,
     eps: float = 1e-8,
     momentum_scale: float = 1.0,
+    grad_segments: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> None:
     """Fused row-wise AdaGrad into the store, in place (formula in :mod:`nestpipe.kernels.reference`).
 
     ``weights`` [R, D] and ``state`` [R] float32 contiguous; ``rows`` [n] distinct local row ids; ``grads`` [n, D]
     the summed gradient of each row (moved to the store's device when elsewhere). ``momentum_scale`` = M > 1
     divides the accumulator by M before the square root (2D sparse parallelism with M replica groups).
+
+    ``grad_segments = (order, offsets)`` (int64, ``offsets`` [n + 1] from 0 to ``len(order)``): ``grads`` [m, D]
+    holds per-entry gradients and row ``i``'s gradient is the sum of ``grads[order[j]]`` for
+    ``offsets[i] <= j < offsets[i + 1]``, added in ascending ``j`` from zero (what a serial ``index_add_`` into
+    zeros computes). The CPU path sums inside the update loop, so the row gradients are never materialised.
     """
     if weights.dtype != torch.float32 or state.dtype != torch.float32:
         raise ValueError("the store's weights and AdaGrad state must be float32")
     if state.dim() != 1 or state.shape[0] != weights.shape[0]:
         raise ValueError(f"state must be [{weights.shape[0]}], got {tuple(state.shape)}")
-    if grads.dim() != 2 or grads.shape != (rows.numel(), weights.shape[1]):
-        raise ValueError(f"grads must be [{rows.numel()}, {weights.shape[1]}], got {tuple(grads.shape)}")
     if momentum_scale <= 0:
         raise ValueError(f"momentum_scale must be positive, got {momentum_scale}")
+    path = select_path("adagrad_update", weights.device)
+    if grad_segments is not None:
+        order, offsets = (x.to(torch.int64).cpu() for x in grad_segments)
+        m = grads.shape[0] if grads.dim() == 2 else -1
+        if (grads.dim() != 2 or grads.shape[1] != weights.shape[1] or offsets.numel() != rows.numel() + 1
+                or order.numel() != int(offsets[-1]) or int(offsets[0]) != 0 or bool((offsets.diff() < 0).any())
+                or (order.numel() and (int(order.min()) < 0 or int(order.max()) >= m))):
+            raise ValueError("grad_segments must be (order, offsets) over the rows of a [m, D] gradient: "
+                             "offsets [n + 1] ascending from 0 to len(order), order in [0, m)")
+        if path == "numba":
+            backend(path).adagrad_update(weights, state, rows.to(weights.device), grads.to(weights.device), lr, eps,
+                                         momentum_scale, order=order, offsets=offsets)
+            return
+        segment = torch.repeat_interleave(torch.arange(rows.numel()), offsets.diff())
+        row_grads = torch.zeros(rows.numel(), grads.shape[1], dtype=grads.dtype)
+        row_grads.index_add_(0, segment, grads.cpu().index_select(0, order))
+        grads = row_grads
+    if grads.dim() != 2 or grads.shape != (rows.numel(), weights.shape[1]):
+        raise ValueError(f"grads must be [{rows.numel()}, {weights.shape[1]}], got {tuple(grads.shape)}")
     grads = grads.to(weights.device)
     rows = rows.to(weights.device)
-    path = select_path("adagrad_update", weights.device)
     if path == "reference":
         reference.adagrad_update(weights, state, rows, grads.float(), lr, eps, momentum_scale)
     else:

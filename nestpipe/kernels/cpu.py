@@ -95,6 +95,38 @@ def _adagrad(weights, state, rows, grads, lr, eps, momentum_scale, scale_state, 
             weights[r, d] -= multiplier * grads[i, d]
 
 
+@numba.jit(parallel=True, **_JIT)
+def _adagrad_segments(weights, state, rows, grads, order, offsets, lr, eps, momentum_scale, scale_state, distance):
+    """:func:`_adagrad` whose gradient of row ``i`` is the sum of ``grads[order[j]]`` for
+    ``offsets[i] <= j < offsets[i + 1]``, added in ascending ``j`` from zero (the arithmetic of a serial
+    ``index_add_`` into zeros), so the per-row gradient is never materialised."""
+    n = rows.shape[0]
+    dim = grads.shape[1]
+    inv_dim = np.float32(dim)
+    flat = weights.reshape(-1)
+    for i in numba.prange(n):
+        if distance > 0 and i + distance < n:
+            ahead = rows[i + distance]
+            _prefetch(state, ahead)
+            _prefetch_row(flat, ahead, dim)
+        g = np.zeros(dim, dtype=np.float32)
+        for j in range(offsets[i], offsets[i + 1]):
+            e = order[j]
+            for d in range(dim):
+                g[d] += grads[e, d]
+        r = rows[i]
+        acc = np.float32(0.0)
+        for d in range(dim):
+            acc += g[d] * g[d]
+        s = state[r] + acc / inv_dim
+        state[r] = s
+        if scale_state:
+            s = s / momentum_scale
+        multiplier = lr / (np.sqrt(s) + eps)
+        for d in range(dim):
+            weights[r, d] -= multiplier * g[d]
+
+
 _SYNC_CHUNK = 4096
 
 
@@ -187,9 +219,16 @@ def gather_rows(weights: torch.Tensor, rows: torch.Tensor, out: torch.Tensor = N
     return torch.index_select(weights, 0, rows.to(torch.int64), out=out)
 
 
-def adagrad_update(weights, state, rows, grads, lr: float, eps: float, momentum_scale: float = 1.0) -> None:
+def adagrad_update(weights, state, rows, grads, lr: float, eps: float, momentum_scale: float = 1.0,
+                   order=None, offsets=None) -> None:
     if not (weights.is_contiguous() and state.is_contiguous()):
         raise ValueError("the store's weights and state must be contiguous (they are updated in place)")
+    if order is not None:
+        _adagrad_segments(
+            _np(weights), _np(state), _rows64(rows), _np(grads.to(torch.float32)), _rows64(order), _rows64(offsets),
+            np.float32(lr), np.float32(eps), np.float32(momentum_scale), momentum_scale != 1.0, PREFETCH_DISTANCE,
+        )
+        return
     _adagrad(
         _np(weights), _np(state), _rows64(rows), _np(grads.to(torch.float32)),
         np.float32(lr), np.float32(eps), np.float32(momentum_scale), momentum_scale != 1.0, PREFETCH_DISTANCE,

@@ -221,6 +221,9 @@ def run_network_repeated(args, shards, tag, prefix=None):
     if len(rounds) == 1:
         return rounds[0]
     out = {"rounds": rounds}
+    # speedup over off within each round (the most robust figure on a shared machine)
+    out["speedup_rounds"] = {w: {m: [r[w]["off"]["step_s"] / r[w][m]["step_s"] for r in rounds] for m in rounds[0][w]}
+                             for w in rounds[0] if w != "torchrec"}
     for key in rounds[0]:
         if key == "torchrec":
             tr = {}
@@ -231,6 +234,8 @@ def run_network_repeated(args, shards, tag, prefix=None):
                     tr[w]["samples_per_s_rounds"] = [v["samples_per_s"] for v in vals]
             out[key] = tr
             continue
+        if key == "speedup_rounds":
+            continue
         out[key] = {}
         for m in rounds[0][key]:
             vals = sorted((r[key][m] for r in rounds), key=lambda v: v["samples_per_s"])
@@ -238,6 +243,19 @@ def run_network_repeated(args, shards, tag, prefix=None):
             med["samples_per_s_rounds"] = [r[key][m]["samples_per_s"] for r in rounds]
             out[key][m] = med
     return out
+
+
+def round_lines(res, title):
+    if "speedup_rounds" not in res:
+        return
+    for w, modes in res["speedup_rounds"].items():
+        print(f"{title}, {w}: speedup over off within each round: " + "; ".join(
+            f"{m} {', '.join(f'{x:.2f}' for x in v)}" for m, v in modes.items() if m != "off"))
+    tr = res.get("torchrec", {})
+    for w in ("gr", "pooled"):
+        if w in tr and "rounds" in res and all(isinstance(r.get("torchrec", {}).get(w), dict) for r in res["rounds"]):
+            v = [r[w]["nested"]["samples_per_s"] / r["torchrec"][w]["samples_per_s"] for r in res["rounds"]]
+            print(f"{title}, {w}: nested / TorchRec within each round: {', '.join(f'{x:.2f}' for x in v)}")
 
 
 def torchrec_lines(res, title):
@@ -400,6 +418,7 @@ def main(argv=None):
     if "pooled" in lo:
         table("(a) plain loopback, world 2, pooled", lo["pooled"])
     results["loopback_torchrec"] = torchrec_lines(lo, "(a) loopback")
+    round_lines(lo, "(a) loopback")
     if args.no_cap:
         pass
     elif os.geteuid() != 0 or shutil.which("tc") is None:
@@ -436,6 +455,7 @@ def main(argv=None):
         if "pooled" in cap:
             table(f"(b) capped loopback ({rate / 1e6:.0f} Mbit/s), world 2, pooled", cap["pooled"])
         results["capped_torchrec"] = torchrec_lines(cap, "(b) capped")
+        round_lines(cap, "(b) capped")
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     print(f"\nresults: {os.path.join(args.out, 'results.json')}; traces and timeline.png in {args.out}/*-nested")

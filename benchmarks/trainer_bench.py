@@ -164,7 +164,11 @@ def run_ranks(target, a, world=2):
 def bench_nestpipe(a):
     res = run_ranks(nestpipe_worker, a)
     el = max(r["elapsed"] for r in res)
-    return {"samples_per_s_per_rank": a.batch * a.steps / el, "ms_per_step": 1000 * el / a.steps,
+    import torch
+
+    from nestpipe.kernels import kernel_paths
+
+    return {"samples_per_s_per_rank": a.batch * a.steps / el, "kernel_paths": kernel_paths(torch.device("cpu")), "ms_per_step": 1000 * el / a.steps,
             # process CPU time (all threads) per step: less sensitive than wall time to other load on shared cores
             "cpu_ms_per_step_per_rank": [round(1000 * r["cpu_s"] / a.steps, 1) for r in res],
             "final_loss": res[0]["loss"], "stages_ms_per_step_rank0": {k: round(1000 * v, 2) for k, v in
@@ -364,7 +368,11 @@ def bench_torchrec(a):
         raise RuntimeError(f"TorchRec side failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
     res = json.loads(line[0][len("RESULT "):])
     el = max(r["elapsed"] for r in res)
-    return {"samples_per_s_per_rank": a.batch * a.steps / el, "ms_per_step": 1000 * el / a.steps,
+    import torch
+
+    from nestpipe.kernels import kernel_paths
+
+    return {"samples_per_s_per_rank": a.batch * a.steps / el, "kernel_paths": kernel_paths(torch.device("cpu")), "ms_per_step": 1000 * el / a.steps,
             "cpu_ms_per_step_per_rank": [round(1000 * r["cpu_s"] / a.steps, 1) for r in res], "plan": res[0]["plan"]}
 
 
@@ -395,6 +403,8 @@ def main(argv=None):
                    help="initialise every row of the store before the steps (the whole 8.3 GB resident)")
     p.add_argument("--json", help="also write the results here")
     a = p.parse_args(argv)
+    # as `nestpipe train` does (launch.py): Numba's parallel kernels get the rank's one thread, not an all-core pool
+    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
     out = {"workload": {k: getattr(a, k) for k in ("tables", "rows", "dim", "batch", "dense", "min_len", "max_len",
                                                    "micro_batches", "steps", "warmup")}}
     if a.big:

@@ -178,6 +178,14 @@ def test_sigkill_mid_checkpoint_and_mid_step_then_resume_is_bitwise(gr, tmp_path
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    # resuming the finished run says so and changes nothing (no NaN loss logged, metrics.json kept)
+    metrics_before = open(os.path.join(out, "metrics.json")).read()
+    scalars_before = open(os.path.join(out, "scalars.jsonl")).read()
+    p = run("train", "--resume", out, "--nproc-per-node", "2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "already finished" in p.stdout, p.stdout[-2000:]
+    assert open(os.path.join(out, "metrics.json")).read() == metrics_before
+    assert "NaN" not in open(os.path.join(out, "scalars.jsonl")).read()[len(scalars_before):]
     # and the comparison is sensitive: a shorter run differs
     short = str(tmp_path / "short")
     short_args = [("8" if a == "9" and args[i - 1] == "--steps" else a) for i, a in enumerate(args)]

@@ -96,7 +96,8 @@ def reference(run: str):
             for t in names:  # row-wise AdaGrad, all rows (untouched rows have a zero gradient)
                 g = tables[t].grad
                 states[t] += g.square().mean(1)
-                tables[t] -= (ec.lr / (states[t].sqrt() + ec.eps))[:, None] * g
+                # eps outside the square root; M = momentum_scale_groups (1: plain row-wise AdaGrad)
+                tables[t] -= (ec.lr / ((states[t] / ec.momentum_scale_groups).sqrt() + ec.eps))[:, None] * g
                 tables[t].grad = None
             k = step + 1
             for n, p in params.items():  # AdamW, written out

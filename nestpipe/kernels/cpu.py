@@ -127,6 +127,39 @@ def _adagrad_segments(weights, state, rows, grads, order, offsets, lr, eps, mome
             weights[r, d] -= multiplier * g[d]
 
 
+@numba.jit(**_JIT)
+def _adagrad_segments_serial(weights, state, rows, grads, order, offsets, lr, eps, momentum_scale, scale_state, distance):
+    """Serial twin of :func:`_adagrad_segments` for one intra-op thread: a parallel Numba region entered from
+    several Python threads at once (the pipeline's stage threads) is not safe. :func:`_adagrad` whose gradient of row ``i`` is the sum of ``grads[order[j]]`` for
+    ``offsets[i] <= j < offsets[i + 1]``, added in ascending ``j`` from zero (the arithmetic of a serial
+    ``index_add_`` into zeros), so the per-row gradient is never materialised."""
+    n = rows.shape[0]
+    dim = grads.shape[1]
+    inv_dim = np.float32(dim)
+    flat = weights.reshape(-1)
+    for i in range(n):
+        if distance > 0 and i + distance < n:
+            ahead = rows[i + distance]
+            _prefetch(state, ahead)
+            _prefetch_row(flat, ahead, dim)
+        g = np.zeros(dim, dtype=np.float32)
+        for j in range(offsets[i], offsets[i + 1]):
+            e = order[j]
+            for d in range(dim):
+                g[d] += grads[e, d]
+        r = rows[i]
+        acc = np.float32(0.0)
+        for d in range(dim):
+            acc += g[d] * g[d]
+        s = state[r] + acc / inv_dim
+        state[r] = s
+        if scale_state:
+            s = s / momentum_scale
+        multiplier = lr / (np.sqrt(s) + eps)
+        for d in range(dim):
+            weights[r, d] -= multiplier * g[d]
+
+
 _SYNC_CHUNK = 4096
 
 
@@ -224,7 +257,8 @@ def adagrad_update(weights, state, rows, grads, lr: float, eps: float, momentum_
     if not (weights.is_contiguous() and state.is_contiguous()):
         raise ValueError("the store's weights and state must be contiguous (they are updated in place)")
     if order is not None:
-        _adagrad_segments(
+        fn = _adagrad_segments_serial if torch.get_num_threads() == 1 else _adagrad_segments
+        fn(
             _np(weights), _np(state), _rows64(rows), _np(grads.to(torch.float32)), _rows64(order), _rows64(offsets),
             np.float32(lr), np.float32(eps), np.float32(momentum_scale), momentum_scale != 1.0, PREFETCH_DISTANCE,
         )

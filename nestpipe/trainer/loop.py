@@ -27,6 +27,7 @@ from nestpipe.trainer.data import ShardStream
 from nestpipe.trainer.device import Device
 from nestpipe.trainer.metrics import ScalarLog, write_json_atomic
 from nestpipe.trainer.pipeline import process_groups, timeline as tlmod
+from nestpipe.kernels import kernel_paths
 from nestpipe.trainer.pipeline.scheduler import PipelineRunner
 from nestpipe.trainer.step import build_state
 
@@ -60,12 +61,18 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
             checkpoint.clean_partial(cfg.out)
         if ck is not None:
             start = checkpoint.load(ck, state)
+    if resume and start >= steps:
+        # a finished run: nothing to train, and its metrics.json and final checkpoint stay as they are
+        if rank == 0:
+            print(f"{cfg.out}: run already finished (checkpoint at step {start}, {steps} steps configured); nothing "
+                  "to resume. Train further with a larger --steps or --epochs.", flush=True)
+        return {"final_loss": None, "steps": steps, "resumed_from_step": start, "already_finished": True}
     state.timeline = tlmod.Timeline(rank, start, cfg.pipe.trace_steps)
     runner = PipelineRunner(state, cfg.pipeline)
     log = ScalarLog(os.path.join(cfg.out, "scalars.jsonl") if rank == 0 else None)
     if rank == 0:
         log.write(start, event="start", resumed_from_step=start, world=world, steps=steps, pipeline=cfg.pipeline,
-                  dropped_batches=stream.dropped, kinds=state.emb.kinds)
+                  dropped_batches=stream.dropped, kinds=state.emb.kinds, kernel_paths=kernel_paths(device.torch))
     bar = None
     if rank == 0 and cfg.progress:
         from tqdm import tqdm
@@ -134,6 +141,7 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
                    "steps_run": done, "resumed_from_step": start, "final_loss": loss,
                    "samples_per_s": total_sps, "samples_per_s_per_rank": [g["samples_per_s"] for g in gathered],
                    "per_rank": gathered, "exchange_kinds": state.emb.kinds,
+                   "kernel_paths": kernel_paths(device.torch),
                    **exposure_summary(gathered, cfg.pipe.baseline_metrics)}
         write_json_atomic(os.path.join(cfg.out, "metrics.json"), metrics)
         log.write(steps, event="end", final_loss=loss, samples_per_s=total_sps)

@@ -44,7 +44,7 @@ from nestpipe.trainer.config import EmbeddingConfig
 from nestpipe.trainer.data import NEG_SLOT, PreparedBatch
 from nestpipe.trainer.embedding.reduction_based import ReductionBased, ShardedReductionBased
 from nestpipe.trainer.embedding.replicated import ReplicatedTable
-from nestpipe.trainer.embedding.store import RowStore, rowwise_adagrad
+from nestpipe.trainer.embedding.store import RowStore, apply_adagrad
 from nestpipe.trainer.embedding.unique_based import ShardedUniqueBased, UniqueBased
 from nestpipe.trainer.placement import make_placement
 from nestpipe.trainer.metrics import StageTimer
@@ -86,6 +86,10 @@ class _OwnStore:
     rows: torch.Tensor  # unique local rows touched by the batch (sorted)
     inv: torch.Tensor  # [entries] position of every entry in ``rows``
     base: Dict[Tuple[int, str], int]  # (requester, slot) -> first entry
+    # entries grouped by row, ascending entry order within a row: row i's entries are
+    # seg_order[seg_offsets[i]:seg_offsets[i + 1]] (host tensors; the update sums them in this order)
+    seg_order: Optional[torch.Tensor] = None
+    seg_offsets: Optional[torch.Tensor] = None
     buf_w: Optional[torch.Tensor] = None
     buf_s: Optional[torch.Tensor] = None
     grad_entries: Optional[torch.Tensor] = None
@@ -231,11 +235,21 @@ class ShardedEmbeddingCollection:
                 own_b[i][r] = int(got_counts[r, S + N * S + i])
         own: Dict[str, _OwnStore] = {}
         for st in self.stores:
-            rows_all = torch.from_numpy(np.concatenate(entries[st]) if entries[st] else np.zeros(0, np.int64))
+            rows_all = np.concatenate(entries[st]) if entries[st] else np.zeros(0, np.int64)
             if len(rows_all) and (int(rows_all.min()) < 0 or int(rows_all.max()) >= self.stores[st].num_rows):
                 raise RuntimeError(f"table {st}: rank {self.rank} received a request for a row it does not own")
-            rows, inv = torch.unique(rows_all, sorted=True, return_inverse=True)
-            own[st] = _OwnStore(rows, inv.to(self.device), base[st])
+            # dedup by one stable argsort in numpy (faster than torch.unique here), which also gives each row's
+            # entries in ascending entry order (``seg_order``/``seg_offsets``): the update sums them in that order
+            order = np.argsort(rows_all, kind="stable")
+            srt = rows_all[order]
+            first = np.ones(len(srt), dtype=bool)
+            first[1:] = srt[1:] != srt[:-1]
+            starts = np.flatnonzero(first)
+            inv = np.empty(len(srt), dtype=np.int64)
+            inv[order] = np.cumsum(first) - 1
+            own[st] = _OwnStore(torch.from_numpy(srt[starts]), torch.from_numpy(inv).to(self.device), base[st],
+                                seg_order=torch.from_numpy(order.astype(np.int64, copy=False)),
+                                seg_offsets=torch.from_numpy(np.append(starts, len(srt)).astype(np.int64)))
         own_mb: List[List[Dict[str, Tuple[torch.Tensor, ...]]]] = []
         send_splits, recv_splits = [], []
         for i, mbd in enumerate(batch.micro):
@@ -389,15 +403,16 @@ class ShardedEmbeddingCollection:
         t0 = time.perf_counter()
         cfg = self.cfg
         for st, o in routing.own.items():
-            dim = self.dims[st]
-            row_grad = torch.zeros(len(o.rows), dim, dtype=self.dtype, device=self.device)
-            row_grad.index_add_(0, o.inv, o.grad_entries)
-            w, s = rowwise_adagrad(o.buf_w, o.buf_s, row_grad, cfg.lr, cfg.eps, cfg.momentum_scale_groups)
-            self.stores[st].write_back(o.rows, w.cpu(), s.cpu())
+            # In place into the batch's buffer (the fused kernel, which also sums each row's entries in entry
+            # order: the row gradient is never materialised), then written back to the store.
+            store = self.stores[st]
+            buf_rows = torch.arange(len(o.rows), dtype=torch.int64)
+            apply_adagrad(o.buf_w, o.buf_s, buf_rows, o.grad_entries, cfg.lr, cfg.eps, cfg.momentum_scale_groups,
+                          (o.seg_order, o.seg_offsets), o.inv)
+            store.write_back(o.rows, o.buf_w, o.buf_s)
             if release:
                 o.buf_w = o.buf_s = o.grad_entries = None
             else:
-                o.buf_w, o.buf_s = w, s
                 o.grad_entries = torch.zeros_like(o.grad_entries)
         self.timer.add("update.sparse", time.perf_counter() - t0)
 

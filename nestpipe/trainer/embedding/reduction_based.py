@@ -142,6 +142,15 @@ def scatter_add_rows(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
         return False
     gather_scatter, scatter = kernels
     src = src.detach().contiguous()
+    # indices checked here once (vectorised) instead of per access inside the loop (bounds checks there kept it
+    # from vectorising: about 1.6x slower)
+    if int(index.min()) < 0 or int(index.max()) >= out.shape[0]:
+        raise IndexError(f"scatter_add_rows: index outside [0, {out.shape[0]})")
+    if src_index is None:
+        if len(index) > src.shape[0]:
+            raise IndexError(f"scatter_add_rows: {len(index)} indices for {src.shape[0]} source rows")
+    elif len(src_index) != len(index) or int(src_index.min()) < 0 or int(src_index.max()) >= src.shape[0]:
+        raise IndexError(f"scatter_add_rows: src_index outside [0, {src.shape[0]}) or of another length")
     if src_index is None:
         scatter(out.numpy(), index.contiguous().numpy(), src.numpy())
     else:
@@ -160,7 +169,7 @@ def _scatter_kernels():
             _SCATTER.append(None)
             return None
 
-        @numba.njit(cache=True, nogil=True, boundscheck=True)
+        @numba.njit(cache=True, nogil=True)
         def gather_scatter_add(out, index, src, src_index):
             dim = out.shape[1]
             for j in range(index.shape[0]):
@@ -169,7 +178,7 @@ def _scatter_kernels():
                 for k in range(dim):
                     out[o, k] += src[s, k]
 
-        @numba.njit(cache=True, nogil=True, boundscheck=True)
+        @numba.njit(cache=True, nogil=True)
         def scatter_add(out, index, src):
             dim = out.shape[1]
             for j in range(index.shape[0]):

@@ -86,16 +86,41 @@ class RowStore:
 
 def rowwise_adagrad(weight: torch.Tensor, state: torch.Tensor, grad: torch.Tensor, lr: float, eps: float,
                     groups: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Row-wise AdaGrad (fbgemm's EXACT_ROWWISE_ADAGRAD): ``v += mean(g^2)``; ``w -= lr / (sqrt(v) + eps) * g``.
+    """Row-wise AdaGrad (fbgemm's EXACT_ROWWISE_ADAGRAD): ``v += mean(g^2)``; ``w -= lr / (sqrt(v / M) + eps) * g``.
 
-    ``groups = M > 1`` is 2D sparse parallelism's momentum-scaled variant: ``w -= lr * g / sqrt(v / M + eps)``.
+    ``groups = M > 1`` is 2D sparse parallelism's momentum-scaled variant; ``M = 1`` is plain row-wise AdaGrad.
+    ``eps`` is outside the square root in both, the formula of ``nestpipe.kernels.adagrad_update`` (one formula
+    for the whole project, see docs/kernels.md).
     """
     state = state + grad.square().mean(dim=1)
     if groups > 1:
-        mult = lr / torch.sqrt(state / groups + eps)
+        mult = lr / (torch.sqrt(state / groups) + eps)
     else:
         mult = lr / (torch.sqrt(state) + eps)
     return weight - mult.unsqueeze(1) * grad, state
+
+
+def apply_adagrad(weight: torch.Tensor, state: torch.Tensor, rows: torch.Tensor, grad_entries: torch.Tensor,
+                  lr: float, eps: float, groups: int, segments: Tuple[torch.Tensor, torch.Tensor],
+                  inv: torch.Tensor) -> None:
+    """Row-wise AdaGrad (:func:`rowwise_adagrad`'s formula) of ``weight[rows]`` / ``state[rows]`` in place. Row
+    ``i``'s gradient is the sum of its entries' gradients (``grad_entries[inv == i]``) in ascending entry order from
+    zero; ``segments`` = (order, offsets) lists them grouped by row. float32 on CPU: the fused
+    ``nestpipe.kernels.adagrad_update`` (one pass, no temporaries); otherwise (the float64 test runs)
+    ``index_add_`` and the same formula in plain torch."""
+    if weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous():
+        import nestpipe.kernels as K
+
+        K.adagrad_update(weight, state, rows, grad_entries.to(torch.float32), lr, eps, float(groups),
+                         grad_segments=segments)
+        return
+    grad = torch.zeros(int(segments[1].numel() - 1), grad_entries.shape[1],
+                       dtype=grad_entries.dtype, device=grad_entries.device)
+    grad.index_add_(0, inv, grad_entries)
+    w, s = rowwise_adagrad(weight.index_select(0, rows), state.index_select(0, rows), grad.to(weight.device), lr,
+                           eps, groups)
+    weight.index_copy_(0, rows, w)
+    state.index_copy_(0, rows, s)
 
 
 def numpy_int64(t) -> np.ndarray:

@@ -129,10 +129,11 @@ def _adagrad_segments(weights, state, rows, grads, order, offsets, lr, eps, mome
 
 @numba.jit(**_JIT)
 def _adagrad_segments_serial(weights, state, rows, grads, order, offsets, lr, eps, momentum_scale, scale_state, distance):
-    """Serial twin of :func:`_adagrad_segments` for one intra-op thread: a parallel Numba region entered from
-    several Python threads at once (the pipeline's stage threads) is not safe. :func:`_adagrad` whose gradient of row ``i`` is the sum of ``grads[order[j]]`` for
-    ``offsets[i] <= j < offsets[i + 1]``, added in ascending ``j`` from zero (the arithmetic of a serial
-    ``index_add_`` into zeros), so the per-row gradient is never materialised."""
+    """Serial twin of :func:`_adagrad_segments` (same arithmetic, bitwise equal results) for one intra-op thread:
+    a parallel Numba region entered from several Python threads at once (the pipeline's stage threads) is not
+    safe. It is a separate Python function, not a second ``numba.jit`` of the same one, because Numba's on-disk
+    cache keys do not include the ``parallel`` flag: two dispatchers of one function could load each other's
+    compiled code."""
     n = rows.shape[0]
     dim = grads.shape[1]
     inv_dim = np.float32(dim)

@@ -446,3 +446,26 @@ def test_kernels_info_cli(capsys):
     assert main(["kernels-info", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["paths"] == K.kernel_paths("cpu") and record["paths"]["adagrad_update"] == "numba"
+
+
+def test_serial_and_parallel_segment_adagrad_are_bitwise_equal():
+    """The serial twin (used at one intra-op thread, inside the pipeline's stage threads) computes exactly what
+    the parallel loop computes."""
+    from nestpipe.kernels import cpu
+
+    g = torch.Generator().manual_seed(5)
+    rows_n, dim, entries = 500, 12, 3000
+    inv = torch.randint(0, rows_n, (entries,), generator=g)
+    order = torch.argsort(inv, stable=True)
+    touched, counts = torch.unique(inv, return_counts=True)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
+    grads = torch.randn(entries, dim, generator=g)
+    outs = []
+    for fn in (cpu._adagrad_segments, cpu._adagrad_segments_serial):
+        w = torch.randn(rows_n, dim, generator=torch.Generator().manual_seed(1))
+        s = torch.rand(rows_n, generator=torch.Generator().manual_seed(2))
+        fn(w.numpy(), s.numpy(), touched.numpy(), grads.numpy(), order.numpy(), offsets.numpy(),
+           np.float32(0.05), np.float32(1e-8), np.float32(2.0), True, 16)
+        outs.append((w, s))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert not torch.equal(outs[0][0], torch.randn(rows_n, dim, generator=torch.Generator().manual_seed(1)))

@@ -19,18 +19,12 @@ except Exception as e:  # pragma: no cover - depends on the host
 from . import reference
 
 gather_rows = reference.gather_rows
+csr_by_segment = reference.csr_by_segment
 adagrad_update = reference.adagrad_update
 
 
 def dual_buffer_sync(active_keys, active_rows, prefetch_keys, prefetch_rows) -> None:
     reference.dual_buffer_sync(active_keys, active_rows, prefetch_keys, prefetch_rows)
-
-
-def csr_by_segment(segment_of: torch.Tensor, num_segments: int):
-    order = torch.sort(segment_of, stable=True).indices
-    offsets = torch.zeros(num_segments + 1, dtype=torch.int64, device=segment_of.device)
-    offsets[1:] = torch.cumsum(torch.bincount(segment_of, minlength=num_segments), 0)
-    return order, offsets
 
 
 def segment_sum_rows(src: torch.Tensor, src_index: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,15 @@ def dual_buffer_sync(
     return int(targets.numel())
 
 
+def csr_by_segment(segment_of: torch.Tensor, num_segments: int):
+    """Stable sort (deterministic on every device) + counts: ``(order, offsets)``, segment ``i`` owning
+    ``order[offsets[i]:offsets[i + 1]]`` in ascending element order."""
+    order = torch.sort(segment_of, stable=True).indices
+    offsets = torch.zeros(num_segments + 1, dtype=torch.int64, device=segment_of.device)
+    offsets[1:] = torch.cumsum(torch.bincount(segment_of, minlength=num_segments), 0)
+    return order, offsets
+
+
 def segment_sum_rows(src: torch.Tensor, src_index: torch.Tensor, num_segments: int, segment_of: torch.Tensor):
     """``out[s] = sum of src[src_index[i]] over i with segment_of[i] == s``, in ascending ``i`` (serial order)."""
     device = src.device

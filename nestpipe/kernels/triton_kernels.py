@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import csr_by_segment  # noqa: F401  (part of this path's op set)
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _BLOCK_R = 16
 
@@ -134,14 +136,6 @@ def dual_buffer_sync(active_keys, active_rows, prefetch_keys, prefetch_rows) -> 
         BLOCK_R=_BLOCK_R, BLOCK_D=_block_d(active_rows.shape[1]),
     )
     return None
-
-
-def csr_by_segment(segment_of: torch.Tensor, num_segments: int):
-    """Stable sort (deterministic on CUDA) + counts: ``(order, offsets)``."""
-    order = torch.sort(segment_of, stable=True).indices
-    offsets = torch.zeros(num_segments + 1, dtype=torch.int64, device=segment_of.device)
-    offsets[1:] = torch.cumsum(torch.bincount(segment_of, minlength=num_segments), 0)
-    return order, offsets
 
 
 def segment_sum_rows(src: torch.Tensor, src_index: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 TABLE_FIELDS = ("values", "lengths", "unique", "inverse", "mb_unique", "mb_offsets")
 FIELD_DTYPES = {
@@ -140,52 +140,96 @@ def sha256_file(path: str, chunk: int = 1 << 20) -> Tuple[str, int]:
     return h.hexdigest(), size
 
 
-def pack_tables(batch: Batch, group: str, tables: List[str]) -> Batch:
-    """Replace the per-table fields of ``tables`` by the six members of packed group ``group`` (in place)."""
-    if not tables:
-        return batch
-    def take(t: str, f: str) -> np.ndarray:
-        return np.asarray(batch.pop(f"{t}.{f}"))
-    cols = {f: [take(t, f) for t in tables] for f in TABLE_FIELDS}
-    batch[f"{group}.values"] = np.concatenate(cols["values"]).astype(np.int64)
-    batch[f"{group}.lengths"] = np.stack(cols["lengths"]).astype(np.int32)
-    batch[f"{group}.unique"] = np.concatenate(cols["unique"]).astype(np.int64)
-    batch[f"{group}.unique_counts"] = np.array([len(u) for u in cols["unique"]], np.int64)
-    batch[f"{group}.inverse"] = np.concatenate(cols["inverse"]).astype(np.int32)
-    batch[f"{group}.mb_unique"] = np.concatenate(cols["mb_unique"]).astype(np.int32)
-    batch[f"{group}.mb_offsets"] = np.stack(cols["mb_offsets"]).astype(np.int64)
+def _index_dtype(bound: int):
+    """Narrowest dtype of the stored position arrays for positions in ``0..bound-1``."""
+    return np.uint16 if bound <= (1 << 16) else np.int32
+
+
+def _id_dtype(arr: np.ndarray):
+    if arr.size == 0 or (int(arr.min()) >= -(1 << 31) and int(arr.max()) < (1 << 31)):
+        return np.int32
+    return np.int64
+
+
+def pack_group(batch: Batch, group: str, tables: List[str], unique: np.ndarray, unique_counts: np.ndarray,
+               inverse: np.ndarray, mb_unique: np.ndarray, mb_offsets: np.ndarray,
+               lengths: Optional[np.ndarray]) -> Batch:
+    """Store packed group ``group`` of ``tables`` from its concatenated (table after table) arrays, in place.
+
+    ``lengths`` is int [T, B], or None when every sample holds exactly one id of every table (then no lengths
+    member is written). Values are not stored: readers rebuild them as ``unique[inverse]`` per table.
+    """
+    counts = np.asarray(unique_counts, np.int64)
+    bound = int(counts.max()) if len(counts) else 0
+    idx = _index_dtype(bound)
+    unique = np.asarray(unique)
+    batch[f"{group}.unique"] = unique.astype(_id_dtype(unique))
+    batch[f"{group}.unique_counts"] = counts
+    batch[f"{group}.inverse"] = np.asarray(inverse).astype(idx)
+    batch[f"{group}.mb_unique"] = np.asarray(mb_unique).astype(idx)
+    batch[f"{group}.mb_offsets"] = np.asarray(mb_offsets, np.int64)
+    if lengths is not None and not (lengths.size and np.all(lengths == 1)):
+        lengths = np.asarray(lengths)
+        batch[f"{group}.lengths"] = lengths.astype(np.uint8 if lengths.size == 0 or lengths.max() < 256
+                                                   else np.int32)
     meta = batch.setdefault("meta", {})
     meta.setdefault("packed", {})[group] = list(tables)
     return batch
 
 
+def pack_tables(batch: Batch, group: str, tables: List[str]) -> Batch:
+    """Replace the per-table fields of ``tables`` by the members of packed group ``group`` (in place)."""
+    if not tables:
+        return batch
+    def take(t: str, f: str) -> np.ndarray:
+        return np.asarray(batch.pop(f"{t}.{f}"))
+    cols = {f: [take(t, f) for t in tables] for f in TABLE_FIELDS}
+    for t, u, inv, v in zip(tables, cols["unique"], cols["inverse"], cols["values"]):
+        if not np.array_equal(u[inv], v):
+            raise ValueError(f"table {t!r}: unique[inverse] != values; values are not stored in a packed group")
+    return pack_group(batch, group, tables, np.concatenate(cols["unique"]),
+                      np.array([len(u) for u in cols["unique"]], np.int64), np.concatenate(cols["inverse"]),
+                      np.concatenate(cols["mb_unique"]), np.stack(cols["mb_offsets"]),
+                      np.stack(cols["lengths"]))
+
+
 def unpack_tables(batch: Batch) -> Batch:
-    """Inverse of :func:`pack_tables` for every group listed in ``meta["packed"]`` (in place)."""
+    """Inverse of :func:`pack_tables` for every group listed in ``meta["packed"]`` (in place): per-table fields
+    with the dtypes of the per-table layout (values and unique int64, lengths/inverse/mb_unique int32)."""
     packed = batch.get("meta", {}).get("packed") or {}
+    b = len(batch["mb"]) if "mb" in batch else None
     for group, tables in packed.items():
         try:
-            values = batch.pop(f"{group}.values")
-            lengths = batch.pop(f"{group}.lengths")
-            unique = batch.pop(f"{group}.unique")
+            unique = batch.pop(f"{group}.unique").astype(np.int64)
             counts = batch.pop(f"{group}.unique_counts")
-            inverse = batch.pop(f"{group}.inverse")
-            mb_unique = batch.pop(f"{group}.mb_unique")
-            mb_offsets = batch.pop(f"{group}.mb_offsets")
+            inverse = batch.pop(f"{group}.inverse").astype(np.int32)
+            mb_unique = batch.pop(f"{group}.mb_unique").astype(np.int32)
+            mb_offsets = batch.pop(f"{group}.mb_offsets").astype(np.int64)
         except KeyError as e:
             raise ShardError(f"packed group {group!r} lacks member {e.args[0]!r}") from None
+        lengths = batch.pop(f"{group}.lengths", None)
+        if lengths is None:
+            if b is None:
+                raise ShardError(f"packed group {group!r} has no lengths and the record no mb member")
+            lengths = np.ones((len(tables), b), np.int32)
+        lengths = lengths.astype(np.int32)
         if lengths.shape[0] != len(tables) or mb_offsets.shape[0] != len(tables) or len(counts) != len(tables):
             raise ShardError(f"packed group {group!r}: shapes do not match its {len(tables)} tables")
         nnz = lengths.astype(np.int64).sum(axis=1)
         v_off = np.concatenate([[0], np.cumsum(nnz)])
         u_off = np.concatenate([[0], np.cumsum(counts)])
         m_off = np.concatenate([[0], np.cumsum(mb_offsets[:, -1])])
-        if v_off[-1] != len(values) or u_off[-1] != len(unique) or m_off[-1] != len(mb_unique):
+        if v_off[-1] != len(inverse) or u_off[-1] != len(unique) or m_off[-1] != len(mb_unique):
             raise ShardError(f"packed group {group!r}: member sizes do not add up")
         for i, t in enumerate(tables):
-            batch[f"{t}.values"] = values[v_off[i]:v_off[i + 1]]
+            u = unique[u_off[i]:u_off[i + 1]]
+            inv = inverse[v_off[i]:v_off[i + 1]]
+            if len(inv) and (inv.min() < 0 or inv.max() >= len(u)):
+                raise ShardError(f"packed group {group!r}: table {t!r} has inverse indices outside its unique keys")
+            batch[f"{t}.values"] = u[inv]
             batch[f"{t}.lengths"] = lengths[i]
-            batch[f"{t}.unique"] = unique[u_off[i]:u_off[i + 1]]
-            batch[f"{t}.inverse"] = inverse[v_off[i]:v_off[i + 1]]
+            batch[f"{t}.unique"] = u
+            batch[f"{t}.inverse"] = inv
             batch[f"{t}.mb_unique"] = mb_unique[m_off[i]:m_off[i + 1]]
             batch[f"{t}.mb_offsets"] = mb_offsets[i]
     return batch
@@ -202,6 +246,10 @@ def decode_sample(sample: Dict[str, Any]) -> Batch:
             out["meta"] = v if isinstance(v, dict) else json.loads(v)
         elif k.endswith(".npy"):
             out[k[: -len(".npy")]] = v
+    if "mb" in out:
+        out["mb"] = np.asarray(out["mb"]).astype(np.int32, copy=False)
+    if "labels" in out:
+        out["labels"] = np.asarray(out["labels"]).astype(np.float32, copy=False)
     return unpack_tables(out)
 
 

@@ -148,7 +148,7 @@ def unique_keys_packed(
         if len(sv):
             new[1:] = (sv[1:] != sv[:-1]) | (st[1:] != st[:-1])
         global_key = np.empty(len(values), np.int64)
-        global_key[order] = np.cumsum(new) - 1
+        global_key[order] = new.astype(np.int64).cumsum() - 1
         keys_all = sv[new]
         table_start = np.searchsorted(st[new], np.arange(len(tables) + 1))
     k_of = np.diff(table_start).astype(np.int64)

@@ -18,8 +18,8 @@ from typing import Tuple
 import numpy as np
 
 
-def _distinct_rank(codes: np.ndarray, bound: int) -> Tuple[np.ndarray, np.ndarray]:
-    """(sorted distinct codes, rank of each element among them) for int64 ``codes`` in ``0..bound-1``.
+def _distinct_rank(codes: np.ndarray, bound: int, need_rank: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct codes, rank of each element among them or None) for int64 ``codes`` in ``0..bound-1``.
 
     A presence map when ``bound`` is small next to the element count; otherwise one ``np.sort`` of the codes with
     the element index packed into the low bits (a plain sort is several times faster than an argsort); an argsort
@@ -27,10 +27,12 @@ def _distinct_rank(codes: np.ndarray, bound: int) -> Tuple[np.ndarray, np.ndarra
     n = len(codes)
     if n == 0:
         return codes[:0].copy(), np.zeros(0, np.int64)
-    if bound <= 16 * n + (1 << 16):
+    if bound <= (16 if not need_rank else 2) * n + (1 << 16):
         present = np.zeros(bound, bool)
         present[codes] = True
         distinct = np.flatnonzero(present)
+        if not need_rank:
+            return distinct, None
         rank = np.empty(bound, np.int64)
         rank[distinct] = np.arange(len(distinct))
         return distinct, rank[codes]
@@ -45,8 +47,10 @@ def _distinct_rank(codes: np.ndarray, bound: int) -> Tuple[np.ndarray, np.ndarra
     new = np.empty(n, bool)
     new[0] = True
     np.not_equal(sorted_codes[1:], sorted_codes[:-1], out=new[1:])
+    if not need_rank:
+        return sorted_codes[new], None
     rank = np.empty(n, np.int64)
-    rank[order] = np.cumsum(new) - 1
+    rank[order] = new.astype(np.int64).cumsum() - 1  # a bool cumsum is several times slower
     return sorted_codes[new], rank
 
 
@@ -115,7 +119,7 @@ def group_keys(values: np.ndarray, batch: np.ndarray, table: np.ndarray, mb: np.
         if len(sv):
             new[1:] = (sv[1:] != sv[:-1]) | (sb[1:] != sb[:-1])
         rank = np.empty(len(values), np.int64)
-        rank[order] = np.cumsum(new) - 1
+        rank[order] = new.astype(np.int64).cumsum() - 1  # a bool cumsum is several times slower
         unique, d_bt = sv[new], sb[new]
     ut = np.searchsorted(d_bt, np.arange(nb * T + 1)).astype(np.int64)
     inverse = rank - ut[bt]
@@ -123,7 +127,7 @@ def group_keys(values: np.ndarray, batch: np.ndarray, table: np.ndarray, mb: np.
     kmax = int(counts.max()) if len(counts) and len(values) else 1
     kmax = max(kmax, 1)
     mcodes = (bt * n + mb) * kmax + inverse
-    mdistinct, _ = _distinct_rank(mcodes, nb * T * n * kmax)
+    mdistinct, _ = _distinct_rank(mcodes, nb * T * n * kmax, need_rank=False)
     group, pos = np.divmod(mdistinct, kmax)
     mb_counts = np.bincount(group, minlength=nb * T * n).reshape(nb, T, n)
     mt = np.searchsorted(group, np.arange(nb + 1) * (T * n)).astype(np.int64)

@@ -301,15 +301,15 @@ def _unit_shard(args: Tuple[str, str, str, int, int, int, Dict[str, Any]]) -> Di
     work, out_dir, split, k, first_batch, n_batches, opts = args
     name = f"{split}-{k:06d}.tar"
     path = os.path.join(out_dir, name)
-    order_path = os.path.join(work, f"order-{split}.npz")
     B = opts["batch_size"]
     if os.path.exists(path):
         digest, size = S.sha256_file(path)
         return {"path": name, "batches": n_batches, "samples": n_batches * B, "sha256": digest, "bytes": size,
                 "resumed": True}
-    with np.load(order_path, allow_pickle=False) as z:
-        parts = z["parts"][first_batch * B:(first_batch + n_batches) * B]
-        idxs = z["idxs"][first_batch * B:(first_batch + n_batches) * B]
+    rng = slice(first_batch * B, (first_batch + n_batches) * B)
+    # memory-mapped: a shard reads only its own slice of the split's sample order
+    parts = np.array(np.load(os.path.join(work, f"order-{split}-parts.npy"), mmap_mode="r")[rng])
+    idxs = np.array(np.load(os.path.join(work, f"order-{split}-idxs.npy"), mmap_mode="r")[rng])
     cache = _PartitionCache(work)
     _crash_point("shard", k)
     digest, size = S.write_shard(path, _shard_records(cache, parts, idxs, split, k, first_batch, n_batches, opts))
@@ -638,8 +638,10 @@ def _ingest_stages(cfg: IngestConfig, ex: "_Executor", found, inputs, fps, num_p
     for split in ("train", "eval"):
         counts = [s[f"{split}_samples"] for s in s3]
         parts, idxs = _batch_order(counts, cfg.seed, split)
-        np.savez(os.path.join(work, f"order-{split}.tmp.npz"), parts=parts, idxs=idxs)
-        os.replace(os.path.join(work, f"order-{split}.tmp.npz"), os.path.join(work, f"order-{split}.npz"))
+        for name, arr in (("parts", parts), ("idxs", idxs)):
+            np.save(os.path.join(work, f"order-{split}-{name}.tmp.npy"), arr, allow_pickle=False)
+            os.replace(os.path.join(work, f"order-{split}-{name}.tmp.npy"),
+                       os.path.join(work, f"order-{split}-{name}.npy"))
         n_batches = len(parts) // B
         dropped[split] = int(len(parts) - n_batches * B)
         per_shard = cfg.batches_per_shard or _auto_batches_per_shard(cfg, s3)

@@ -1,10 +1,11 @@
-"""The training-shard format: WebDataset tar files of batch records, and the manifest beside them.
+"""The training-shard format (version 2): WebDataset tar files of batch records, and the manifest beside them.
 
 One tar record = one batch of exactly B samples for one worker. Its members (basename = the record key, a
-zero-padded batch index with no dots) are ``.npy`` arrays and one ``.json`` header; never pickle. Field names:
+zero-padded batch index with no dots) are ``.npy`` arrays and one ``.json`` header; never pickle. Field names as
+consumers see them after :func:`decode_sample` (stored dtypes may be narrower, see below):
 
 common to every task
-    ``meta.json``            {"index", "split", "task", "samples", "micro_batches"}
+    ``meta.json``            {"index", "split", "task", "samples", "micro_batches"[, "packed"]}
     ``mb.npy``               int32 [B]   micro-batch id of each sample (the key-centric clustering's partition)
 per sparse table ``t`` listed in the manifest (jagged: sample s owns values[off[s]:off[s+1]], off = cumsum(lengths))
     ``t.values.npy``         int64 [nnz] raw ids as read (the trainer maps out-of-vocabulary ids by its own rule)
@@ -20,15 +21,29 @@ task ``gr`` (generative recommendation; one sample = a chronological window of o
     ``play.npy``             int64 [nnz] play_time_ms
     ``duration.npy``         int64 [nnz] duration_ms
     In the ``eval`` split the last token of every sample is the held-out next interaction (leave-one-out).
+    GR records store every field above as is (per-table members, no packing).
 task ``ctr`` (one sample = one interaction)
     ``dense.npy``            float32 [B, D] (names in manifest ``dense_features``)
-    ``labels.npy``           float32 [B, K] (names in manifest ``labels``)
+    ``labels.npy``           float32 [B, K] (names in manifest ``labels``); stored as uint8 0/1
+    ``mb.npy`` is stored as uint8 when N <= 256. The sparse tables travel in two packed groups: ``single`` (every
+    single-id table) and ``bags`` (``tag`` and ``history``).
 
-Packed table groups: many small tables (e.g. CTR's single-id features) would cost six tar members each, so a
-record may store a group ``g`` of tables in six members instead (``meta.json`` lists them under ``packed``):
-``g.values`` and ``g.unique``, ``g.inverse``, ``g.mb_unique`` concatenated table after table; ``g.lengths`` int32
-[T, B]; ``g.unique_counts`` int64 [T]; ``g.mb_offsets`` int64 [T, N+1] (per table, relative). Readers
-(:func:`decode_sample`, :func:`iter_shard`) unpack groups, so consumers always see per-table fields.
+Packed table groups: many small tables would cost six tar members each, so a record may store a group ``g`` of
+T tables in at most six members (``meta.json`` lists the tables of each group under ``packed``):
+
+    ``g.unique``             int32 (when every id fits, else int64) [sum_t U_t] each table's sorted unique ids,
+                             table after table
+    ``g.unique_counts``      int64 [T]   U_t
+    ``g.inverse``            uint16 (when every U_t <= 65536, else int32) [sum_t nnz_t], table after table
+    ``g.mb_unique``          same dtype as ``g.inverse``, [sum_t sum_i U_ti], table after table
+    ``g.mb_offsets``         int64 [T, N+1] per table, relative to the table's run of ``g.mb_unique``
+    ``g.lengths``            uint8 (when every length < 256, else int32) [T, B]; ABSENT when every sample holds
+                             exactly one id of every table (single-id tables), which readers then assume
+
+Values are not stored in a group: readers rebuild ``values = unique[inverse]`` per table (exact, since ``inverse``
+indexes the sorted unique ids). :func:`decode_sample` and :func:`iter_shard` unpack groups and widen the stored
+dtypes, so consumers always see the per-table fields and dtypes listed above. Version 1 shards (values stored,
+wide dtypes, bags unpacked) are refused with a message asking to re-run the ingest.
 
 Tar members carry a pinned mtime, uid, gid and mode so the bytes depend only on the content.
 """

@@ -1,6 +1,7 @@
 """Ingest throughput and peak memory against bare Polars and the pandas way, each tool in its own subprocess.
 
-    python benchmarks/ingest_bench.py --sizes 5000000 30000000 --workdir /tmp/ingest-bench
+    python benchmarks/ingest_bench.py --sizes 5000000 --repeats 3 --workdir /tmp/ingest-bench
+    python benchmarks/ingest_bench.py --sizes 30000000 --tools "ingest gr" "ingest ctr" "bare polars"
 
 For each size: synthetic KuaiRand logs (scale `medium` vocabulary, N interactions), then rows/s and peak RSS of
 `ingest --task gr`, `ingest --task ctr`, a bare Polars `scan_csv(...).sink_parquet(...)` of the same logs, and
@@ -73,6 +74,11 @@ def main():
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--pandas-max", type=int, default=5_000_000)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every tool this many times per size (interleaved); ratios are per repeat, then the "
+                         "median and range are printed")
+    ap.add_argument("--tools", nargs="+", default=None,
+                    help="subset of tools to run (names as printed, e.g. 'ingest gr' 'bare polars')")
     args = ap.parse_args()
     py = sys.executable
     results = []
@@ -93,26 +99,45 @@ def main():
         }
         if n <= args.pandas_max:
             tools["pandas groupby"] = [py, "-c", PANDAS, raw]
-        row = {"rows": rows}
-        for name, cmd in tools.items():
-            secs, peak, rc = measure(cmd)
-            row[name] = {"seconds": round(secs, 2), "rows_per_s": round(rows / secs), "peak_rss_gib":
-                         round(peak / 2**30, 3), "ok": rc == 0}
-            print(f"{n:>11,} rows  {name:<15} {secs:8.1f} s  {rows / secs:>12,.0f} rows/s  "
-                  f"peak RSS {peak / 2**30:6.2f} GiB  {'ok' if rc == 0 else 'FAILED'}", flush=True)
-        bare = row["bare polars"]["rows_per_s"]
-        row["ratios"] = {
-            "gr_vs_bare_polars": round(row["ingest gr"]["rows_per_s"] / bare, 3),
-            "ctr_vs_bare_polars": round(row["ingest ctr"]["rows_per_s"] / bare, 3),
-        }
-        if "pandas groupby" in row:
-            row["ratios"]["gr_vs_pandas"] = round(row["ingest gr"]["rows_per_s"] / row["pandas groupby"]["rows_per_s"], 3)
-        print("  ratios:", row["ratios"], flush=True)
-        results.append(row)
-        if not args.keep:
-            for d in ("gr", "ctr", "bare.parquet"):
-                p = os.path.join(args.workdir, d)
-                shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else (os.path.exists(p) and os.remove(p))
+        if args.tools:
+            tools = {k: v for k, v in tools.items() if k in args.tools}
+        reps = []
+        for rep in range(args.repeats):
+            row = {"rows": rows, "repeat": rep, "loadavg_before": round(os.getloadavg()[0], 2)}
+            for name, cmd in tools.items():
+                secs, peak, rc = measure(cmd)
+                row[name] = {"seconds": round(secs, 2), "rows_per_s": round(rows / secs), "peak_rss_gib":
+                             round(peak / 2**30, 3), "ok": rc == 0}
+                print(f"{n:>11,} rows  {name:<15} {secs:8.1f} s  {rows / secs:>12,.0f} rows/s  "
+                      f"peak RSS {peak / 2**30:6.2f} GiB  {'ok' if rc == 0 else 'FAILED'}", flush=True)
+            row["loadavg_after"] = round(os.getloadavg()[0], 2)
+            ratios = {}
+            bare = row.get("bare polars", {}).get("rows_per_s")
+            for task in ("gr", "ctr"):
+                if bare and f"ingest {task}" in row:
+                    ratios[f"{task}_vs_bare_polars"] = round(row[f"ingest {task}"]["rows_per_s"] / bare, 3)
+            if "pandas groupby" in row and "ingest gr" in row:
+                ratios["gr_vs_pandas"] = round(row["ingest gr"]["rows_per_s"] / row["pandas groupby"]["rows_per_s"], 3)
+            row["ratios"] = ratios
+            print(f"  repeat {rep}: ratios {ratios}  load average {row['loadavg_before']} -> {row['loadavg_after']}",
+                  flush=True)
+            reps.append(row)
+            if not args.keep:
+                for d in ("gr", "ctr", "bare.parquet"):
+                    p = os.path.join(args.workdir, d)
+                    shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else (os.path.exists(p) and os.remove(p))
+        summary = {}
+        for key in reps[0]["ratios"]:
+            vals = sorted(r["ratios"][key] for r in reps)
+            summary[key] = {"median": vals[len(vals) // 2] if len(vals) % 2 else
+                            round((vals[len(vals) // 2 - 1] + vals[len(vals) // 2]) / 2, 3),
+                            "min": vals[0], "max": vals[-1]}
+        for name in tools:
+            secs = sorted(r[name]["seconds"] for r in reps)
+            summary[name] = {"median_s": secs[len(secs) // 2], "min_s": secs[0], "max_s": secs[-1],
+                             "peak_rss_gib_max": max(r[name]["peak_rss_gib"] for r in reps)}
+        print(f"  {n:,} rows, {len(reps)} repeat(s): {json.dumps(summary)}", flush=True)
+        results.append({"rows": rows, "repeats": reps, "summary": summary})
     print(json.dumps(results, indent=1))
 
 

@@ -334,14 +334,19 @@ def test_weights_steer_the_partition(method):
         assign(values, offsets, 4, method=method, weights=[1.0])
 
 
-def test_unique_keys_multi_equals_per_table_unique_keys():
+@pytest.mark.parametrize("vocabs", [
+    ((5, 1), (1000, 3), (2**62, 6), (3, 0)),  # ranges overflow one shared id space: (table, key) lexsort
+    ((5, 1), (1000, 3), (10**9, 6), (3, 0)),  # one shared id space, too wide for a presence map: argsort
+    ((5, 1), (300, 3), (20, 6), (3, 0)),  # small ranges: presence map, no sort
+])
+def test_unique_keys_multi_equals_per_table_unique_keys(vocabs):
     from nestpipe.clustering import unique_keys, unique_keys_multi
 
     rng = np.random.default_rng(7)
     b, n = 64, 4
     assignment = rng.permutation(np.arange(b) % n)
     tables = []
-    for vocab, max_len in ((5, 1), (1000, 3), (2**62, 6), (3, 0)):
+    for vocab, max_len in vocabs:
         lengths = rng.integers(0, max_len + 1, b)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         values = rng.integers(-vocab, vocab, offsets[-1], dtype=np.int64)

@@ -99,15 +99,61 @@ def test_batch_fields_partition_and_unique_keys(raw, tmp_path):
             assert np.array_equal(got, np.unique(vals))
 
 
+def test_ctr_records_keys_partition_and_history(raw, tmp_path):
+    """CTR records (keyed a whole shard at once): per batch, the unique keys equal unique_keys_packed of the
+    decoded values, the partition equals clustering.assign on the batch alone, and each sample's history is the
+    user's previous ids in chronological order."""
+    from nestpipe import clustering
+    from nestpipe.ingest import ctr
+    from nestpipe.ingest.pipeline import _batch_seed
+
+    out = str(tmp_path / "o")
+    H = 5
+    m = ingest(_cfg(raw, out, task="ctr", batch_size=64, history_len=H, batches_per_shard=4))
+    logs = pl.concat([pl.read_csv(p, schema_overrides=K.LOG_DTYPES).with_columns(pl.lit(i).alias("src"),
+                                                                                 pl.int_range(pl.len()).alias("line"))
+                      for i, p in enumerate(sorted(glob.glob(os.path.join(raw, "log_*.csv"))))])
+    logs = logs.sort(["user_id", "time_ms", "video_id", "src", "line"])
+    seqs = {int(u): g["video_id"].to_list() for (u,), g in logs.group_by(["user_id"], maintain_order=True)}
+    tables = list(m.tables)
+    seen = 0
+    for split in ("train", "eval"):
+        for entry in m.sets[split]:
+            for b in S.iter_shard(os.path.join(out, entry.path)):
+                mb = b["mb"]
+                ref = clustering.unique_keys_packed([(b[f"{t}.values"], S.table_offsets(b, t)) for t in tables], mb,
+                                                    num_micro_batches=m.micro_batches)
+                for t, (u, inv, mu, mo) in zip(tables, ref):
+                    assert np.array_equal(b[f"{t}.unique"], u) and np.array_equal(b[f"{t}.inverse"], inv), t
+                    assert np.array_equal(b[f"{t}.mb_unique"], mu) and np.array_equal(b[f"{t}.mb_offsets"], mo), t
+                keys = np.stack([clustering.combine_keys(i, b[f"{t}.values"]) for i, t in
+                                 enumerate(ctr.CLUSTER_TABLES)], axis=1).ravel()
+                seed = _batch_seed({"seed": 0}, split, b["meta"]["index"])
+                expect = clustering.assign(keys, np.arange(0, keys.size + 1, len(ctr.CLUSTER_TABLES)),
+                                           m.micro_batches, seed=seed)
+                assert np.array_equal(mb, expect)
+                hoff = S.table_offsets(b, "history")
+                for s_ in range(m.batch_size):
+                    u, v = int(b["user_id.values"][s_]), int(b["video_id.values"][s_])
+                    hist = b["history.values"][hoff[s_]:hoff[s_ + 1]].tolist()
+                    seq = seqs[u]
+                    assert any(seq[p] == v and seq[max(0, p - H):p] == hist for p in range(len(seq))), (u, v, hist)
+                assert b["labels"].dtype == np.float32 and set(np.unique(b["labels"])) <= {0.0, 1.0}
+                seen += 1
+    assert seen == sum(t["batches"] for t in m.totals().values()) > 4  # more than one shard's worth
+
+
 def test_stock_webdataset_reads_every_member(raw, tmp_path):
     import webdataset as wds
 
     out = str(tmp_path / "o")
     m = ingest(_cfg(raw, out, task="ctr", batch_size=128))
     packed = [t for t in m.tables if m.tables[t].kind == "single"]
-    expected = {"meta.json", "mb.npy", "dense.npy", "labels.npy"} | {
-        f"{t}.{f}.npy" for t in m.tables if t not in packed for f in S.TABLE_FIELDS} | {
-        f"single.{f}.npy" for f in S.TABLE_FIELDS + ("unique_counts",)}
+    bags = [t for t in m.tables if m.tables[t].kind == "pooled"]
+    group_fields = ("unique", "unique_counts", "inverse", "mb_unique", "mb_offsets")
+    # values are not stored (readers rebuild unique[inverse]); single-id tables need no lengths either
+    expected = {"meta.json", "mb.npy", "dense.npy", "labels.npy"} | {f"single.{f}.npy" for f in group_fields} | {
+        f"bags.{f}.npy" for f in group_fields + ("lengths",)}
     n = 0
     for split in ("train", "eval"):
         urls = S.shard_paths(out, m, split)
@@ -115,6 +161,7 @@ def test_stock_webdataset_reads_every_member(raw, tmp_path):
             keys = {k for k in sample if not k.startswith("__")}
             assert keys == expected
             assert sorted(sample["meta.json"]["packed"]["single"]) == sorted(packed)
+            assert sorted(sample["meta.json"]["packed"]["bags"]) == sorted(bags)
             batch = S.decode_sample(sample)  # consumers see per-table fields again
             for t in m.tables:
                 assert np.array_equal(batch[f"{t}.unique"][batch[f"{t}.inverse"]], batch[f"{t}.values"])
@@ -368,3 +415,42 @@ def test_user_features_with_quoted_ranges_parse_and_reject(raw, tmp_path):
         (4, "wrong number of columns (expected 31)"), (6, "column user_id"), (8, "empty line")]
     assert df.height == len(lines) - 1 - 3
     assert df["follow_user_num_range"].str.contains(",").any()  # a quoted range kept whole
+
+
+@pytest.mark.parametrize("spans,max_len,negative", [
+    ([5, 1000, 30], 1, False),  # one id per sample: presence map
+    ([10**6, 40], 5, False),  # wide ids: packed sort
+    ([2**61, 3, 1, 7], 3, True),  # ids too far apart for one code space: lexsort
+    ([10**12, 5], 4, True),
+])
+def test_shard_group_keys_equal_per_batch_unique_keys(spans, max_len, negative):
+    from nestpipe.clustering import unique_keys_packed
+    from nestpipe.ingest.shardkeys import group_keys
+
+    rng = np.random.default_rng(3)
+    nb, b, n, T = 6, 24, 4, len(spans)
+    mb = rng.integers(0, n, (nb, b))
+    per_batch, occ = [], {"v": [], "b": [], "t": [], "m": []}
+    for j in range(nb):
+        tabs = []
+        for t in range(T):
+            lens = rng.integers(0, max_len + 1, b) if max_len > 1 else np.ones(b, np.int64)
+            v = rng.integers(-spans[t] if negative else 0, spans[t], lens.sum())
+            tabs.append((v, np.concatenate([[0], np.cumsum(lens)])))
+            for k_, x in (("v", v), ("b", np.full(len(v), j)), ("t", np.full(len(v), t)),
+                          ("m", np.repeat(mb[j], lens))):
+                occ[k_].append(x)
+        per_batch.append(tabs)
+    g = group_keys(*(np.concatenate(occ[k_]).astype(np.int64) for k_ in "vbtm"), nb, T, n)
+    cur = 0
+    for j in range(nb):
+        ref = unique_keys_packed(per_batch[j], mb[j], num_micro_batches=n)
+        u, counts, mu, mo = g.batch(j, T)
+        nnz = sum(len(r[1]) for r in ref)
+        assert np.array_equal(u, np.concatenate([r[0] for r in ref]))
+        assert np.array_equal(counts, [len(r[0]) for r in ref])
+        assert np.array_equal(g.inverse[cur:cur + nnz], np.concatenate([r[1] for r in ref]))
+        assert np.array_equal(mu, np.concatenate([r[2] for r in ref]))
+        assert np.array_equal(mo, np.stack([r[3] for r in ref]))
+        cur += nnz
+    assert cur == len(g.inverse)

@@ -83,50 +83,87 @@ def unique_keys_multi(
     return [(keys, inverse, np.split(mb_unique, mb_offsets[1:-1])) for keys, inverse, mb_unique, mb_offsets in packed]
 
 
+def _dense_or_sorted_unique(g: np.ndarray, span: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct values, int64 rank of every element) of non-negative int64 ``g`` < ``span``.
+
+    A presence map over ``0..span-1`` when that range is small next to ``len(g)`` (no sort at all), one argsort
+    otherwise. Both give the same result."""
+    n = len(g)
+    if n == 0:
+        return g[:0].copy(), np.zeros(0, np.int64)
+    if span <= 16 * n + (1 << 16):
+        present = np.zeros(span, bool)
+        present[g] = True
+        distinct = np.flatnonzero(present)
+        rank = np.empty(span, np.int64)
+        rank[distinct] = np.arange(len(distinct))
+        return distinct, rank[g]
+    return unique_inverse(g)
+
+
 def unique_keys_packed(
     tables: List[Tuple[np.ndarray, np.ndarray]], assignment, *, num_micro_batches: Optional[int] = None
 ) -> List[Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """Like :func:`unique_keys_multi`, with the per-micro-batch positions of each table concatenated in
-    micro-batch order (int32) plus their int64 offsets [N+1]: the layout the shard format stores."""
+    micro-batch order (int32) plus their int64 offsets [N+1]: the layout the shard format stores.
+
+    Each table's keys are shifted into a disjoint range (``key - min + base``) of one id space, so one argsort (or,
+    for a small id range, a presence map) finds every table's unique keys at once; when the ranges would overflow
+    int64 a (table, key) lexsort is used instead. The distinct (table, micro-batch, key) triples come from a
+    presence map over table-major (micro-batch, key) codes."""
     if not tables:
         return []
     b = len(np.asarray(tables[0][1])) - 1
     a, n = check_assignment(assignment, b, num_micro_batches)
-    vals, tids, mbs = [], [], []
+    n = max(n, 1)
+    vals, mbs, los, spans = [], [], [], []
     for t, (values, offsets) in enumerate(tables):
         values, offsets = check_batch(values, offsets)
         if len(offsets) - 1 != b:
             raise ValueError(f"table {t} has {len(offsets) - 1} samples, expected {b}")
         vals.append(values)
-        tids.append(np.full(len(values), t, np.int64))
-        mbs.append(a[sample_of_occurrence(offsets)].astype(np.int64))
-    values = np.concatenate(vals)
-    tid = np.concatenate(tids)
-    mb = np.concatenate(mbs)
-    order = np.lexsort((values, tid))
-    sv, st = values[order], tid[order]
-    new = np.ones(len(sv), bool)
-    if len(sv):
-        new[1:] = (sv[1:] != sv[:-1]) | (st[1:] != st[:-1])
-    global_key = np.empty(len(values), np.int64)
-    global_key[order] = np.cumsum(new) - 1
-    keys_all = sv[new]
-    table_start = np.searchsorted(st[new], np.arange(len(tables) + 1))
-    k = max(len(keys_all), 1)
-    # distinct (table, micro-batch, key) triples, sorted by table, then micro-batch, then key
-    codes = np.sort((tid * n + mb) * k + global_key)
-    if len(codes):
-        codes = codes[np.concatenate([[True], codes[1:] != codes[:-1]])]
-    group, gkey = np.divmod(codes, k)
-    bounds = np.searchsorted(group, np.arange(len(tables) * n + 1))
+        mbs.append(a[np.repeat(np.arange(b), np.diff(offsets))] if len(values) != b or not np.array_equal(
+            offsets, np.arange(b + 1)) else a)
+        lo = int(values.min()) if len(values) else 0
+        los.append(lo)
+        spans.append(int(values.max()) - lo + 1 if len(values) else 0)
+    nnz = np.array([len(v) for v in vals], np.int64)
+    v_off = np.concatenate([[0], np.cumsum(nnz)])
+    base = np.concatenate([[0], np.cumsum(spans, dtype=object)]).tolist()  # Python ints: no overflow
+    mb = np.concatenate(mbs).astype(np.int64, copy=False)
+    if base[-1] < (1 << 62):
+        g = np.concatenate([v - np.int64(lo) + np.int64(bs) for v, lo, bs in zip(vals, los, base[:-1])])
+        distinct, global_key = _dense_or_sorted_unique(g, int(base[-1]))
+        keys_all = np.empty(len(distinct), np.int64)
+        table_start = np.searchsorted(distinct, np.array(base, np.int64))
+        for t in range(len(tables)):
+            lo_k, hi_k = table_start[t], table_start[t + 1]
+            keys_all[lo_k:hi_k] = distinct[lo_k:hi_k] - np.int64(base[t]) + np.int64(los[t])
+    else:
+        values = np.concatenate(vals)
+        tid = np.repeat(np.arange(len(tables), dtype=np.int64), nnz)
+        order = np.lexsort((values, tid))
+        sv, st = values[order], tid[order]
+        new = np.ones(len(sv), bool)
+        if len(sv):
+            new[1:] = (sv[1:] != sv[:-1]) | (st[1:] != st[:-1])
+        global_key = np.empty(len(values), np.int64)
+        global_key[order] = new.astype(np.int64).cumsum() - 1
+        keys_all = sv[new]
+        table_start = np.searchsorted(st[new], np.arange(len(tables) + 1))
+    k_of = np.diff(table_start).astype(np.int64)
+    # table-major codes: table t owns [N * table_start[t], N * table_start[t + 1]), ordered by (micro-batch, key)
+    tid = np.repeat(np.arange(len(tables), dtype=np.int64), nnz)
+    ts = table_start[:-1].astype(np.int64)
+    codes = ts[tid] * n + mb * k_of[tid] + (global_key - ts[tid])
+    distinct_codes_, _ = _dense_or_sorted_unique(codes, int(table_start[-1]) * n) if len(codes) else (codes, None)
     out = []
-    cursor = 0
     for t in range(len(tables)):
-        lo, hi = table_start[t], table_start[t + 1]
-        nnz = len(vals[t])
-        inverse = (global_key[cursor:cursor + nnz] - lo).astype(np.int32)
-        cursor += nnz
-        gb = bounds[t * n:(t + 1) * n + 1]
-        mb_unique = (gkey[gb[0]:gb[-1]] - lo).astype(np.int32)
-        out.append((keys_all[lo:hi].copy(), inverse, mb_unique, (gb - gb[0]).astype(np.int64)))
+        lo_k, hi_k = int(table_start[t]), int(table_start[t + 1])
+        k = max(hi_k - lo_k, 1)
+        sl = distinct_codes_[np.searchsorted(distinct_codes_, lo_k * n):np.searchsorted(distinct_codes_, hi_k * n)]
+        mb_t, pos_t = np.divmod(sl - lo_k * n, k)
+        mb_offsets = np.searchsorted(mb_t, np.arange(n + 1)).astype(np.int64)
+        inverse = (global_key[v_off[t]:v_off[t + 1]] - lo_k).astype(np.int32)
+        out.append((keys_all[lo_k:hi_k].copy(), inverse, pos_t.astype(np.int32), mb_offsets))
     return out

@@ -37,7 +37,7 @@ class Problem:
         lo = -(-df // int(caps.max()))
         hi = np.minimum(df, self.num_groups)
         informative = (lo < hi) & (inc.key_weight > 0)
-        new_index = np.cumsum(informative) - 1
+        new_index = informative.astype(np.int64).cumsum() - 1
         keep = informative[inc.pair_key]
         self.pair_sample = inc.pair_sample[keep]
         self.pair_key = new_index[inc.pair_key[keep]]

@@ -1,10 +1,11 @@
-"""The training-shard format: WebDataset tar files of batch records, and the manifest beside them.
+"""The training-shard format (version 2): WebDataset tar files of batch records, and the manifest beside them.
 
 One tar record = one batch of exactly B samples for one worker. Its members (basename = the record key, a
-zero-padded batch index with no dots) are ``.npy`` arrays and one ``.json`` header; never pickle. Field names:
+zero-padded batch index with no dots) are ``.npy`` arrays and one ``.json`` header; never pickle. Field names as
+consumers see them after :func:`decode_sample` (stored dtypes may be narrower, see below):
 
 common to every task
-    ``meta.json``            {"index", "split", "task", "samples", "micro_batches"}
+    ``meta.json``            {"index", "split", "task", "samples", "micro_batches"[, "packed"]}
     ``mb.npy``               int32 [B]   micro-batch id of each sample (the key-centric clustering's partition)
 per sparse table ``t`` listed in the manifest (jagged: sample s owns values[off[s]:off[s+1]], off = cumsum(lengths))
     ``t.values.npy``         int64 [nnz] raw ids as read (the trainer maps out-of-vocabulary ids by its own rule)
@@ -20,15 +21,29 @@ task ``gr`` (generative recommendation; one sample = a chronological window of o
     ``play.npy``             int64 [nnz] play_time_ms
     ``duration.npy``         int64 [nnz] duration_ms
     In the ``eval`` split the last token of every sample is the held-out next interaction (leave-one-out).
+    GR records store every field above as is (per-table members, no packing).
 task ``ctr`` (one sample = one interaction)
     ``dense.npy``            float32 [B, D] (names in manifest ``dense_features``)
-    ``labels.npy``           float32 [B, K] (names in manifest ``labels``)
+    ``labels.npy``           float32 [B, K] (names in manifest ``labels``); stored as uint8 0/1
+    ``mb.npy`` is stored as uint8 when N <= 256. The sparse tables travel in two packed groups: ``single`` (every
+    single-id table) and ``bags`` (``tag`` and ``history``).
 
-Packed table groups: many small tables (e.g. CTR's single-id features) would cost six tar members each, so a
-record may store a group ``g`` of tables in six members instead (``meta.json`` lists them under ``packed``):
-``g.values`` and ``g.unique``, ``g.inverse``, ``g.mb_unique`` concatenated table after table; ``g.lengths`` int32
-[T, B]; ``g.unique_counts`` int64 [T]; ``g.mb_offsets`` int64 [T, N+1] (per table, relative). Readers
-(:func:`decode_sample`, :func:`iter_shard`) unpack groups, so consumers always see per-table fields.
+Packed table groups: many small tables would cost six tar members each, so a record may store a group ``g`` of
+T tables in at most six members (``meta.json`` lists the tables of each group under ``packed``):
+
+    ``g.unique``             int32 (when every id fits, else int64) [sum_t U_t] each table's sorted unique ids,
+                             table after table
+    ``g.unique_counts``      int64 [T]   U_t
+    ``g.inverse``            uint16 (when every U_t <= 65536, else int32) [sum_t nnz_t], table after table
+    ``g.mb_unique``          same dtype as ``g.inverse``, [sum_t sum_i U_ti], table after table
+    ``g.mb_offsets``         int64 [T, N+1] per table, relative to the table's run of ``g.mb_unique``
+    ``g.lengths``            uint8 (when every length < 256, else int32) [T, B]; ABSENT when every sample holds
+                             exactly one id of every table (single-id tables), which readers then assume
+
+Values are not stored in a group: readers rebuild ``values = unique[inverse]`` per table (exact, since ``inverse``
+indexes the sorted unique ids). :func:`decode_sample` and :func:`iter_shard` unpack groups and widen the stored
+dtypes, so consumers always see the per-table fields and dtypes listed above. Version 1 shards (values stored,
+wide dtypes, bags unpacked) are refused with a message asking to re-run the ingest.
 
 Tar members carry a pinned mtime, uid, gid and mode so the bytes depend only on the content.
 """
@@ -45,7 +60,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 TABLE_FIELDS = ("values", "lengths", "unique", "inverse", "mb_unique", "mb_offsets")
 FIELD_DTYPES = {
@@ -140,52 +155,96 @@ def sha256_file(path: str, chunk: int = 1 << 20) -> Tuple[str, int]:
     return h.hexdigest(), size
 
 
-def pack_tables(batch: Batch, group: str, tables: List[str]) -> Batch:
-    """Replace the per-table fields of ``tables`` by the six members of packed group ``group`` (in place)."""
-    if not tables:
-        return batch
-    def take(t: str, f: str) -> np.ndarray:
-        return np.asarray(batch.pop(f"{t}.{f}"))
-    cols = {f: [take(t, f) for t in tables] for f in TABLE_FIELDS}
-    batch[f"{group}.values"] = np.concatenate(cols["values"]).astype(np.int64)
-    batch[f"{group}.lengths"] = np.stack(cols["lengths"]).astype(np.int32)
-    batch[f"{group}.unique"] = np.concatenate(cols["unique"]).astype(np.int64)
-    batch[f"{group}.unique_counts"] = np.array([len(u) for u in cols["unique"]], np.int64)
-    batch[f"{group}.inverse"] = np.concatenate(cols["inverse"]).astype(np.int32)
-    batch[f"{group}.mb_unique"] = np.concatenate(cols["mb_unique"]).astype(np.int32)
-    batch[f"{group}.mb_offsets"] = np.stack(cols["mb_offsets"]).astype(np.int64)
+def _index_dtype(bound: int):
+    """Narrowest dtype of the stored position arrays for positions in ``0..bound-1``."""
+    return np.uint16 if bound <= (1 << 16) else np.int32
+
+
+def _id_dtype(arr: np.ndarray):
+    if arr.size == 0 or (int(arr.min()) >= -(1 << 31) and int(arr.max()) < (1 << 31)):
+        return np.int32
+    return np.int64
+
+
+def pack_group(batch: Batch, group: str, tables: List[str], unique: np.ndarray, unique_counts: np.ndarray,
+               inverse: np.ndarray, mb_unique: np.ndarray, mb_offsets: np.ndarray,
+               lengths: Optional[np.ndarray]) -> Batch:
+    """Store packed group ``group`` of ``tables`` from its concatenated (table after table) arrays, in place.
+
+    ``lengths`` is int [T, B], or None when every sample holds exactly one id of every table (then no lengths
+    member is written). Values are not stored: readers rebuild them as ``unique[inverse]`` per table.
+    """
+    counts = np.asarray(unique_counts, np.int64)
+    bound = int(counts.max()) if len(counts) else 0
+    idx = _index_dtype(bound)
+    unique = np.asarray(unique)
+    batch[f"{group}.unique"] = unique.astype(_id_dtype(unique))
+    batch[f"{group}.unique_counts"] = counts
+    batch[f"{group}.inverse"] = np.asarray(inverse).astype(idx)
+    batch[f"{group}.mb_unique"] = np.asarray(mb_unique).astype(idx)
+    batch[f"{group}.mb_offsets"] = np.asarray(mb_offsets, np.int64)
+    if lengths is not None and not (lengths.size and np.all(lengths == 1)):
+        lengths = np.asarray(lengths)
+        batch[f"{group}.lengths"] = lengths.astype(np.uint8 if lengths.size == 0 or lengths.max() < 256
+                                                   else np.int32)
     meta = batch.setdefault("meta", {})
     meta.setdefault("packed", {})[group] = list(tables)
     return batch
 
 
+def pack_tables(batch: Batch, group: str, tables: List[str]) -> Batch:
+    """Replace the per-table fields of ``tables`` by the members of packed group ``group`` (in place)."""
+    if not tables:
+        return batch
+    def take(t: str, f: str) -> np.ndarray:
+        return np.asarray(batch.pop(f"{t}.{f}"))
+    cols = {f: [take(t, f) for t in tables] for f in TABLE_FIELDS}
+    for t, u, inv, v in zip(tables, cols["unique"], cols["inverse"], cols["values"]):
+        if not np.array_equal(u[inv], v):
+            raise ValueError(f"table {t!r}: unique[inverse] != values; values are not stored in a packed group")
+    return pack_group(batch, group, tables, np.concatenate(cols["unique"]),
+                      np.array([len(u) for u in cols["unique"]], np.int64), np.concatenate(cols["inverse"]),
+                      np.concatenate(cols["mb_unique"]), np.stack(cols["mb_offsets"]),
+                      np.stack(cols["lengths"]))
+
+
 def unpack_tables(batch: Batch) -> Batch:
-    """Inverse of :func:`pack_tables` for every group listed in ``meta["packed"]`` (in place)."""
+    """Inverse of :func:`pack_tables` for every group listed in ``meta["packed"]`` (in place): per-table fields
+    with the dtypes of the per-table layout (values and unique int64, lengths/inverse/mb_unique int32)."""
     packed = batch.get("meta", {}).get("packed") or {}
+    b = len(batch["mb"]) if "mb" in batch else None
     for group, tables in packed.items():
         try:
-            values = batch.pop(f"{group}.values")
-            lengths = batch.pop(f"{group}.lengths")
-            unique = batch.pop(f"{group}.unique")
+            unique = batch.pop(f"{group}.unique").astype(np.int64)
             counts = batch.pop(f"{group}.unique_counts")
-            inverse = batch.pop(f"{group}.inverse")
-            mb_unique = batch.pop(f"{group}.mb_unique")
-            mb_offsets = batch.pop(f"{group}.mb_offsets")
+            inverse = batch.pop(f"{group}.inverse").astype(np.int32)
+            mb_unique = batch.pop(f"{group}.mb_unique").astype(np.int32)
+            mb_offsets = batch.pop(f"{group}.mb_offsets").astype(np.int64)
         except KeyError as e:
             raise ShardError(f"packed group {group!r} lacks member {e.args[0]!r}") from None
+        lengths = batch.pop(f"{group}.lengths", None)
+        if lengths is None:
+            if b is None:
+                raise ShardError(f"packed group {group!r} has no lengths and the record no mb member")
+            lengths = np.ones((len(tables), b), np.int32)
+        lengths = lengths.astype(np.int32)
         if lengths.shape[0] != len(tables) or mb_offsets.shape[0] != len(tables) or len(counts) != len(tables):
             raise ShardError(f"packed group {group!r}: shapes do not match its {len(tables)} tables")
         nnz = lengths.astype(np.int64).sum(axis=1)
         v_off = np.concatenate([[0], np.cumsum(nnz)])
         u_off = np.concatenate([[0], np.cumsum(counts)])
         m_off = np.concatenate([[0], np.cumsum(mb_offsets[:, -1])])
-        if v_off[-1] != len(values) or u_off[-1] != len(unique) or m_off[-1] != len(mb_unique):
+        if v_off[-1] != len(inverse) or u_off[-1] != len(unique) or m_off[-1] != len(mb_unique):
             raise ShardError(f"packed group {group!r}: member sizes do not add up")
         for i, t in enumerate(tables):
-            batch[f"{t}.values"] = values[v_off[i]:v_off[i + 1]]
+            u = unique[u_off[i]:u_off[i + 1]]
+            inv = inverse[v_off[i]:v_off[i + 1]]
+            if len(inv) and (inv.min() < 0 or inv.max() >= len(u)):
+                raise ShardError(f"packed group {group!r}: table {t!r} has inverse indices outside its unique keys")
+            batch[f"{t}.values"] = u[inv]
             batch[f"{t}.lengths"] = lengths[i]
-            batch[f"{t}.unique"] = unique[u_off[i]:u_off[i + 1]]
-            batch[f"{t}.inverse"] = inverse[v_off[i]:v_off[i + 1]]
+            batch[f"{t}.unique"] = u
+            batch[f"{t}.inverse"] = inv
             batch[f"{t}.mb_unique"] = mb_unique[m_off[i]:m_off[i + 1]]
             batch[f"{t}.mb_offsets"] = mb_offsets[i]
     return batch
@@ -202,6 +261,10 @@ def decode_sample(sample: Dict[str, Any]) -> Batch:
             out["meta"] = v if isinstance(v, dict) else json.loads(v)
         elif k.endswith(".npy"):
             out[k[: -len(".npy")]] = v
+    if "mb" in out:
+        out["mb"] = np.asarray(out["mb"]).astype(np.int32, copy=False)
+    if "labels" in out:
+        out["labels"] = np.asarray(out["labels"]).astype(np.float32, copy=False)
     return unpack_tables(out)
 
 

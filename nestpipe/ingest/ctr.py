@@ -103,7 +103,7 @@ def build_partition(rows: pl.DataFrame, users: pl.DataFrame, opts: Dict[str, Any
           for c in STAT_FEATURES[:-1]],
         pl.col("play_progress").fill_null(0).cast(f32),
     )
-    labels = df.select([pl.col(c).fill_null(0).clip(0, 1).cast(f32) for c in LABELS])
+    labels = df.select([pl.col(c).fill_null(0).clip(0, 1).cast(pl.UInt8) for c in LABELS])
     tags = df["tag"].fill_null("").str.split(",")
     tag_lens = tags.list.len().to_numpy().astype(np.int64)
     tag_vals = tags.explode().str.to_integer(strict=False)
@@ -121,10 +121,12 @@ def build_partition(rows: pl.DataFrame, users: pl.DataFrame, opts: Dict[str, Any
     else:
         ustart = np.zeros(0, np.int64)
     is_eval = (df["date"].fill_null(0).to_numpy() >= cutoff)
-    arrays = {c: cat[c].to_numpy().astype(np.int64) for c in cat.columns}
+    # single-id features as one row-major matrix: the shard stage gathers whole rows
+    arrays = {"single": cat.select(SINGLE_TABLES).to_numpy().astype(np.int64).reshape(len(df), len(SINGLE_TABLES)),
+              "video_id": cat["video_id"].to_numpy().astype(np.int64)}
     arrays.update({
         "dense": dense.to_numpy().astype(np.float32).reshape(len(df), len(DENSE_FEATURES)),
-        "labels": labels.to_numpy().astype(np.float32).reshape(len(df), len(LABELS)),
+        "labels": labels.to_numpy().astype(np.uint8).reshape(len(df), len(LABELS)),
         "tag_values": tag_values, "tag_offsets": tag_off, "ustart": ustart.astype(np.int64),
         "train_rows": np.flatnonzero(~is_eval).astype(np.int64), "eval_rows": np.flatnonzero(is_eval).astype(np.int64),
     })
@@ -141,31 +143,25 @@ def _gather_jagged(values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> 
     return values[idx].astype(np.int64), lens.astype(np.int32)
 
 
-def assemble(pieces: List[Tuple[Dict[str, np.ndarray], np.ndarray]], split: str, opts: Dict[str, Any]) -> Dict[str, Any]:
-    H = int(opts["history_len"])
+def gather(pieces: List[Tuple[Dict[str, np.ndarray], np.ndarray]], split: str, history_len: int) -> Dict[str, np.ndarray]:
+    """Every sample of a shard at once from (partition arrays, sample indices) pieces, in order: ``single``
+    [M, T] int64, ``tag``/``history`` jagged (``*.values`` int64, ``*.lengths`` int64 [M]), ``dense``, ``labels``."""
+    H = int(history_len)
     out: Dict[str, List[np.ndarray]] = {}
 
     def add(k: str, v: np.ndarray) -> None:
         out.setdefault(k, []).append(v)
 
     for arrays, ix in pieces:
-        rows = arrays[f"{split}_rows"][ix]
-        for t in SINGLE_TABLES:
-            add(f"{t}.values", arrays[t][rows])
-            add(f"{t}.lengths", np.ones(len(rows), np.int32))
+        rows = np.asarray(arrays[f"{split}_rows"][ix])
+        add("single", np.asarray(arrays["single"][rows]))
         tv, tl = _gather_jagged(arrays["tag_values"], arrays["tag_offsets"][rows], arrays["tag_offsets"][rows + 1])
         add("tag.values", tv)
-        add("tag.lengths", tl)
+        add("tag.lengths", tl.astype(np.int64))
         hs = np.maximum(arrays["ustart"][rows], rows - H)
         hv, hl = _gather_jagged(arrays["video_id"], hs, rows)
         add("history.values", hv)
-        add("history.lengths", hl)
-        add("dense", arrays["dense"][rows])
-        add("labels", arrays["labels"][rows])
-    batch: Dict[str, Any] = {k: np.concatenate(v) for k, v in out.items()}
-    for k in list(batch):
-        if k.endswith(".values"):
-            batch[k] = batch[k].astype(np.int64)
-        elif k.endswith(".lengths"):
-            batch[k] = batch[k].astype(np.int32)
-    return batch
+        add("history.lengths", hl.astype(np.int64))
+        add("dense", np.asarray(arrays["dense"][rows]))
+        add("labels", np.asarray(arrays["labels"][rows]))
+    return {k: np.concatenate(v) for k, v in out.items()}

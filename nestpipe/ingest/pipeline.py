@@ -207,9 +207,11 @@ def _unit_join(args: Tuple[str, str, int, int]) -> Dict[str, Any]:
 
 def _unit_samples(args: Tuple[str, str, int, Dict[str, Any]]) -> Dict[str, Any]:
     work, task, q, opts = args
-    out = os.path.join(work, "s3", f"samples-{q:05d}.npz")
+    # One directory of .npy files per partition (renamed into place when whole), so the shard stage memory-maps
+    # the arrays and reads only the rows it gathers instead of loading the whole partition for every shard.
+    out = os.path.join(work, "s3", f"samples-{q:05d}")
     if os.path.exists(out):
-        with open(out + ".stats.json") as f:
+        with open(os.path.join(out, "stats.json")) as f:
             return json.load(f)
     rows = read_partition(sorted(glob.glob(os.path.join(work, "s2", "joined-*.arrow"))), q)
     if task == "gr":
@@ -217,17 +219,20 @@ def _unit_samples(args: Tuple[str, str, int, Dict[str, Any]]) -> Dict[str, Any]:
     else:
         users = read_partition(sorted(glob.glob(os.path.join(work, "s1", "user_features-*.arrow"))), q)
         arrays, stats = ctr.build_partition(rows, users, opts)
-    tmp = out + ".tmp.npz"
-    np.savez(tmp, **arrays)
-    os.replace(tmp, out)
-    with open(out + ".stats.json.tmp", "w") as f:
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for name, arr in arrays.items():
+        np.save(os.path.join(tmp, f"{name}.npy"), arr, allow_pickle=False)
+    with open(os.path.join(tmp, "stats.json"), "w") as f:
         json.dump(stats, f)
-    os.replace(out + ".stats.json.tmp", out + ".stats.json")
+    os.replace(tmp, out)
     return stats
 
 
 class _PartitionCache:
-    """Loads per-partition sample arrays on demand, keeping the most recent few (bounded memory)."""
+    """Memory-maps per-partition sample arrays on demand, keeping the most recent few open (bounded memory: only
+    the pages of gathered rows are touched)."""
 
     def __init__(self, work: str, keep: int = 3):
         self.work = work
@@ -238,8 +243,9 @@ class _PartitionCache:
         if q not in self.items:
             if len(self.items) >= self.keep:
                 self.items.pop(next(iter(self.items)))
-            with np.load(os.path.join(self.work, "s3", f"samples-{q:05d}.npz"), allow_pickle=False) as z:
-                self.items[q] = {k: z[k] for k in z.files}
+            d = os.path.join(self.work, "s3", f"samples-{q:05d}")
+            self.items[q] = {f[:-4]: np.load(os.path.join(d, f), mmap_mode="r", allow_pickle=False)
+                             for f in sorted(os.listdir(d)) if f.endswith(".npy")}
         return self.items[q]
 
 
@@ -295,15 +301,15 @@ def _unit_shard(args: Tuple[str, str, str, int, int, int, Dict[str, Any]]) -> Di
     work, out_dir, split, k, first_batch, n_batches, opts = args
     name = f"{split}-{k:06d}.tar"
     path = os.path.join(out_dir, name)
-    order_path = os.path.join(work, f"order-{split}.npz")
     B = opts["batch_size"]
     if os.path.exists(path):
         digest, size = S.sha256_file(path)
         return {"path": name, "batches": n_batches, "samples": n_batches * B, "sha256": digest, "bytes": size,
                 "resumed": True}
-    with np.load(order_path, allow_pickle=False) as z:
-        parts = z["parts"][first_batch * B:(first_batch + n_batches) * B]
-        idxs = z["idxs"][first_batch * B:(first_batch + n_batches) * B]
+    rng = slice(first_batch * B, (first_batch + n_batches) * B)
+    # memory-mapped: a shard reads only its own slice of the split's sample order
+    parts = np.array(np.load(os.path.join(work, f"order-{split}-parts.npy"), mmap_mode="r")[rng])
+    idxs = np.array(np.load(os.path.join(work, f"order-{split}-idxs.npy"), mmap_mode="r")[rng])
     cache = _PartitionCache(work)
     _crash_point("shard", k)
     digest, size = S.write_shard(path, _shard_records(cache, parts, idxs, split, k, first_batch, n_batches, opts))
@@ -311,39 +317,113 @@ def _unit_shard(args: Tuple[str, str, str, int, int, int, Dict[str, Any]]) -> Di
             "resumed": False}
 
 
+def _runs(cache: "_PartitionCache", bp: np.ndarray, bx: np.ndarray) -> List[Tuple[Dict[str, np.ndarray], np.ndarray]]:
+    """(partition arrays, indices) per consecutive run of one partition, in sample order."""
+    cut = np.flatnonzero(np.diff(bp)) + 1
+    starts = np.concatenate([[0], cut]).astype(np.int64)
+    ends = np.concatenate([cut, [len(bp)]]).astype(np.int64)
+    return [(cache.get(int(bp[s])), bx[s:e]) for s, e in zip(starts, ends)]
+
+
+def _batch_seed(opts: Dict[str, Any], split: str, bi: int) -> int:
+    return (opts["seed"] * 1_000_003 + bi * 2 + (0 if split == "train" else 1)) % (2**63)
+
+
 def _shard_records(cache: "_PartitionCache", parts: np.ndarray, idxs: np.ndarray, split: str, k: int,
                    first_batch: int, n_batches: int, opts: Dict[str, Any]):
-    """Yield (key, batch) records of one shard, built lazily so only one batch is in memory at a time."""
+    """Yield (key, batch) records of one shard, built lazily so only one batch is in memory at a time (CTR: the
+    shard's samples are gathered and keyed at once, then cut into records)."""
+    if opts["task"] == "ctr":
+        yield from _ctr_shard_records(cache, parts, idxs, split, k, first_batch, n_batches, opts)
+        return
     B = opts["batch_size"]
-    task = opts["task"]
     tables = opts["tables"]
+    key = "train_start" if split == "train" else "eval_start"
+    kend = "train_end" if split == "train" else "eval_end"
     for j in range(n_batches):
         if j == 1:
             _crash_point("shard", k, "mid")
         bi = first_batch + j
         sl = slice(j * B, (j + 1) * B)
-        bp, bx = parts[sl], idxs[sl]
-        pieces = []
-        # keep the batch's own sample order: consecutive runs of one partition
-        cut = np.flatnonzero(np.diff(bp)) + 1
-        for run in np.split(np.arange(B), cut):
-            q = int(bp[run[0]])
-            arrays = cache.get(q)
-            pieces.append((arrays, bx[run]))
-        if task == "gr":
-            key = "train_start" if split == "train" else "eval_start"
-            kend = "train_end" if split == "train" else "eval_end"
-            batch = gr.assemble([(a, a[key][ix], a[kend][ix]) for a, ix in pieces])
-            cluster_tables = ["item"]
-        else:
-            batch = ctr.assemble(pieces, split, opts)
-            cluster_tables = opts["cluster_tables"]
-        seed = (opts["seed"] * 1_000_003 + bi * 2 + (0 if split == "train" else 1)) % (2**63)
-        batch = cluster_fields(batch, tables, cluster_tables, opts["micro_batches"], opts["clustering"], seed)
-        batch["meta"] = {"index": bi, "split": split, "task": task, "samples": B,
+        pieces = _runs(cache, parts[sl], idxs[sl])
+        batch = gr.assemble([(a, a[key][ix], a[kend][ix]) for a, ix in pieces])
+        batch = cluster_fields(batch, tables, ["item"], opts["micro_batches"], opts["clustering"],
+                               _batch_seed(opts, split, bi))
+        batch["meta"] = {"index": bi, "split": split, "task": "gr", "samples": B,
                          "micro_batches": opts["micro_batches"]}
-        if task == "ctr":
-            S.pack_tables(batch, "single", list(ctr.SINGLE_TABLES))
+        yield f"{bi:09d}", batch
+
+
+def _ctr_shard_records(cache: "_PartitionCache", parts: np.ndarray, idxs: np.ndarray, split: str, k: int,
+                       first_batch: int, n_batches: int, opts: Dict[str, Any]):
+    """CTR records of one shard (format: ``nestpipe.datasets.shards``): single-id tables as packed group
+    ``single`` (no lengths: one id per sample and table), the ``tag`` and ``history`` bags as packed group
+    ``bags``. Every batch is clustered on its own, exactly as :func:`cluster_fields` would; the unique keys of all
+    batches come from one pass per group (:mod:`nestpipe.ingest.shardkeys`)."""
+    from nestpipe.ingest.shardkeys import group_keys
+
+    B, n, nb = opts["batch_size"], opts["micro_batches"], n_batches
+    M = nb * B
+    g = ctr.gather(_runs(cache, parts[:M], idxs[:M]), split, opts["history_len"])
+    single = g["single"]
+    T = single.shape[1]
+    col = {t: i for i, t in enumerate(ctr.SINGLE_TABLES)}
+    ckeys = np.stack([clustering.combine_keys(tid, single[:, col[t]])
+                      for tid, t in enumerate(opts["cluster_tables"])], axis=1)
+    c = ckeys.shape[1]
+    coffs = np.arange(0, B * c + 1, c, dtype=np.int64)
+    mb = np.empty(M, np.int64)
+    for j in range(nb):
+        sl = slice(j * B, (j + 1) * B)
+        mb[sl] = clustering.assign(ckeys[sl].ravel(), coffs, n, method=opts["clustering"],
+                                   seed=_batch_seed(opts, split, first_batch + j))
+    # single: occurrences in (batch, table, sample) order
+    s_vals = single.reshape(nb, B, T).transpose(0, 2, 1).ravel()
+    s_batch = np.repeat(np.arange(nb, dtype=np.int64), B * T)
+    s_table = np.tile(np.repeat(np.arange(T, dtype=np.int64), B), nb)
+    s_mb = np.broadcast_to(mb.reshape(nb, 1, B), (nb, T, B)).ravel()
+    sk = group_keys(s_vals, s_batch, s_table, s_mb, nb, T, n)
+    del s_vals, s_batch, s_table, s_mb
+    # bags: occurrences in (batch, table, value) order
+    bag_vals, bag_batch, bag_table, bag_mb, bag_counts = [], [], [], [], []
+    for t, name in enumerate(ctr.POOLED_TABLES):
+        lens = g[f"{name}.lengths"]
+        sample = np.repeat(np.arange(M, dtype=np.int64), lens)
+        bag_vals.append(g[f"{name}.values"])
+        bag_batch.append(sample // B)
+        bag_table.append(np.full(len(sample), t, np.int64))
+        bag_mb.append(mb[sample])
+        bag_counts.append(lens.reshape(nb, B).sum(axis=1))
+    per_bt = np.stack(bag_counts, axis=1).ravel()  # [nb * 2]
+    bt_start = np.concatenate([[0], np.cumsum(per_bt)]).astype(np.int64)
+    dest = []
+    for t, (bb, cnt) in enumerate(zip(bag_batch, bag_counts)):
+        first = np.concatenate([[0], np.cumsum(cnt)[:-1]]).astype(np.int64)
+        dest.append(bt_start[bb * 2 + t] + (np.arange(len(bb), dtype=np.int64) - first[bb]))
+    dest = np.concatenate(dest)
+    P = len(ctr.POOLED_TABLES)
+
+    def place(parts_):
+        out = np.empty(len(dest), np.int64)
+        out[dest] = np.concatenate(parts_)
+        return out
+
+    bk = group_keys(place(bag_vals), place(bag_batch), place(bag_table), place(bag_mb), nb, P, n)
+    bag_lengths = np.stack([g[f"{name}.lengths"] for name in ctr.POOLED_TABLES])  # [P, M]
+    mb_dtype = np.uint8 if n <= 256 else np.int32
+    for j in range(nb):
+        if j == 1:
+            _crash_point("shard", k, "mid")
+        bi = first_batch + j
+        sl = slice(j * B, (j + 1) * B)
+        batch: Dict[str, Any] = {"mb": mb[sl].astype(mb_dtype), "dense": g["dense"][sl], "labels": g["labels"][sl]}
+        batch["meta"] = {"index": bi, "split": split, "task": "ctr", "samples": B, "micro_batches": n}
+        u, cnt, mu, mo = sk.batch(j, T)
+        S.pack_group(batch, "single", list(ctr.SINGLE_TABLES), u, cnt, sk.inverse[j * B * T:(j + 1) * B * T],
+                     mu, mo, None)
+        u, cnt, mu, mo = bk.batch(j, P)
+        S.pack_group(batch, "bags", list(ctr.POOLED_TABLES), u, cnt,
+                     bk.inverse[bt_start[j * P]:bt_start[(j + 1) * P]], mu, mo, bag_lengths[:, sl])
         yield f"{bi:09d}", batch
 
 
@@ -558,8 +638,10 @@ def _ingest_stages(cfg: IngestConfig, ex: "_Executor", found, inputs, fps, num_p
     for split in ("train", "eval"):
         counts = [s[f"{split}_samples"] for s in s3]
         parts, idxs = _batch_order(counts, cfg.seed, split)
-        np.savez(os.path.join(work, f"order-{split}.tmp.npz"), parts=parts, idxs=idxs)
-        os.replace(os.path.join(work, f"order-{split}.tmp.npz"), os.path.join(work, f"order-{split}.npz"))
+        for name, arr in (("parts", parts), ("idxs", idxs)):
+            np.save(os.path.join(work, f"order-{split}-{name}.tmp.npy"), arr, allow_pickle=False)
+            os.replace(os.path.join(work, f"order-{split}-{name}.tmp.npy"),
+                       os.path.join(work, f"order-{split}-{name}.npy"))
         n_batches = len(parts) // B
         dropped[split] = int(len(parts) - n_batches * B)
         per_shard = cfg.batches_per_shard or _auto_batches_per_shard(cfg, s3)

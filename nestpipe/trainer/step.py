@@ -105,7 +105,11 @@ def _group(state: StepState, stage: str):
 
 # -- stage 4: embedding retrieval ----------------------------------------------------------------------------------
 def stage_retrieve(state: StepState, routing: Routing) -> None:
-    state.emb.retrieve(routing)
+    """Retrieval in the synchronous schedules (``off``, ``fwp``): nothing else touches the store while the batch
+    trains, so the owner reads its rows from the store and updates them there in place (``direct``: no buffer, no
+    write-back). DBP retrieves into a buffer instead (:mod:`nestpipe.trainer.pipeline.dual_buffer`); both read the
+    same values and do the same arithmetic, hence bitwise the same results."""
+    state.emb.retrieve(routing, direct=True)
 
 
 # -- stage 5: forward / backward, micro-batch by micro-batch ------------------------------------------------------

@@ -43,7 +43,7 @@ from nestpipe.datasets.shards import Manifest
 from nestpipe.trainer.config import EmbeddingConfig
 from nestpipe.trainer.data import NEG_SLOT, PreparedBatch
 from nestpipe.trainer.embedding.reduction_based import ReductionBased, ShardedReductionBased
-from nestpipe.trainer.embedding.replicated import ReplicatedTable
+from nestpipe.trainer.embedding.replicated import ReplicatedTable, owner_bounds, owner_order
 from nestpipe.trainer.embedding.store import RowStore, apply_adagrad
 from nestpipe.trainer.embedding.unique_based import ShardedUniqueBased, UniqueBased
 from nestpipe.trainer.placement import make_placement
@@ -163,6 +163,12 @@ class ShardedEmbeddingCollection:
                 self.req_placement[t] = make_placement(self.table_ids[t], v, world, salt=cfg.debug_requester_salt)
         self.slots = [t for t in names if t in self.stores]
         self.negatives = negatives
+        # The routing payload carries local rows (< a store's rows), key positions (< a table's vocabulary: keys
+        # are unique in-vocabulary ids) and sample indices (< the batch size): int32 when all of these fit (the
+        # same static rule on every rank, so both sides of the All2All agree), which halves its bytes.
+        self.manifest_batch_size = manifest.batch_size
+        bound = max([manifest.batch_size] + [manifest.tables[t].vocab for t in self.stores])
+        self.route_dtype = np.int32 if bound < 2 ** 31 else np.int64
         if negatives and "item" in self.stores:
             self.slots.append(NEG_SLOT)
 
@@ -201,8 +207,8 @@ class ShardedEmbeddingCollection:
         for slot in self.slots:
             keys = self._slot_keys(batch, slot)
             dest, local = self.req_placement[self.store_of(slot)].owner_and_row(keys)
-            order = np.argsort(dest, kind="stable")
-            bounds = np.searchsorted(dest[order], np.arange(W + 1))
+            order = owner_order(dest, W)
+            bounds = owner_bounds(dest, W)
             pos_in_dest = np.empty(len(keys), dtype=np.int64)
             pos_in_dest[order] = np.arange(len(keys)) - np.repeat(bounds[:-1], np.diff(bounds))
             send_rows = [local[order[bounds[r]:bounds[r + 1]]] for r in range(W)]
@@ -236,7 +242,11 @@ class ShardedEmbeddingCollection:
         t0 = time.perf_counter()
         got_counts = self._a2a(torch.from_numpy(counts.reshape(-1)).to(self.device), [C] * W, [C] * W, "route", group)
         got_counts = got_counts.view(W, C).cpu().numpy()
-        send_payload = torch.from_numpy(np.concatenate(payload).astype(np.int64)).to(self.device)
+        flat = np.concatenate(payload)
+        if self.route_dtype == np.int32 and len(flat) and int(flat.max()) >= 2 ** 31:
+            raise RuntimeError(f"step {batch.step}: a routing value ({int(flat.max())}) exceeds int32 although the "
+                               f"manifest bounds it (batch size {self.manifest_batch_size})")
+        send_payload = torch.from_numpy(flat.astype(self.route_dtype, copy=False)).to(self.device)
         got = self._a2a(send_payload, [len(p) for p in payload], [int(x) for x in got_counts[:, :S + N * S].sum(1)], "route",
                         group)
         got = got.cpu().numpy()
@@ -299,15 +309,28 @@ class ShardedEmbeddingCollection:
         rows_all = np.concatenate(entries).astype(np.int64, copy=False) if entries else np.zeros(0, np.int64)
         if len(rows_all) and (int(rows_all.min()) < 0 or int(rows_all.max()) >= self.stores[st].num_rows):
             raise RuntimeError(f"table {st}: rank {self.rank} received a request for a row it does not own")
-        # dedup by one stable argsort in numpy (faster than torch.unique here), which also gives each row's
-        # entries in ascending entry order (``seg_order``/``seg_offsets``): the update sums them in that order
-        order = np.argsort(rows_all, kind="stable")
-        srt = rows_all[order]
-        first = np.ones(len(srt), dtype=bool)
-        first[1:] = srt[1:] != srt[:-1]
-        starts = np.flatnonzero(first)
-        inv = np.empty(len(srt), dtype=np.int64)
-        inv[order] = np.cumsum(first) - 1
+        # dedup by one stable sort, which also gives each row's entries in ascending entry order: the update sums
+        # them in that order. A counting sort over the store's rows when they are few against the entries (linear;
+        # numpy's stable argsort of int64 is a merge sort), else numpy's argsort (faster than torch.unique here).
+        numba_ok = K.select_path("adagrad_update", "cpu") == "numba"
+        n_rows = self.stores[st].num_rows
+        if numba_ok and n_rows <= 8 * len(rows_all):
+            o_t, offs_t = K.backend("numba").csr_by_segment(torch.from_numpy(rows_all), n_rows)
+            order, offs = o_t.numpy(), offs_t.numpy()
+            counts = np.diff(offs)
+            touched = np.flatnonzero(counts)
+            uniq, starts = touched, offs[touched]
+        else:
+            order = np.argsort(rows_all, kind="stable")
+            srt = rows_all[order]
+            first = np.ones(len(srt), dtype=bool)
+            first[1:] = srt[1:] != srt[:-1]
+            starts = np.flatnonzero(first)
+            uniq = srt[starts]
+        # row of every entry (position in ``uniq``), in sorted-entry order and in entry order
+        inv_sorted = np.repeat(np.arange(len(uniq), dtype=np.int64), np.diff(np.append(starts, len(rows_all))))
+        inv = np.empty(len(rows_all), dtype=np.int64)
+        inv[order] = inv_sorted
         slots = [s for s in self.slots if self.store_of(s) == st]
         pooled = self.slot_exchange(slots[0]) == "reduction" if slots else False
         fwd_pos, fwd_offsets, fwd_out = [], [], []
@@ -358,9 +381,9 @@ class ShardedEmbeddingCollection:
         key = torch.from_numpy(renum[pe])
         p_order, entry_offsets = K.backend("numba").csr_by_segment(key, len(rows_all)) \
             if K.select_path("adagrad_update", "cpu") == "numba" else _csr_numpy(key.numpy(), len(rows_all))
-        return _OwnStore(torch.from_numpy(srt[starts]), torch.from_numpy(inv[order]).to(self.device), base,
-                         seg_order=torch.arange(len(order), dtype=torch.int64),
-                         seg_offsets=torch.from_numpy(np.append(starts, len(srt)).astype(np.int64)),
+        return _OwnStore(torch.from_numpy(uniq.astype(np.int64, copy=False)), torch.from_numpy(inv_sorted).to(self.device),
+                         base, seg_order=torch.arange(len(order), dtype=torch.int64),
+                         seg_offsets=torch.from_numpy(np.append(starts, len(rows_all)).astype(np.int64)),
                          pooled=pooled, fwd_pos=fwd_pos, fwd_offsets=fwd_offsets, fwd_out=fwd_out,
                          entry_offsets=entry_offsets, pair_src=torch.from_numpy(ps[p_order.numpy()]))
 

@@ -24,7 +24,7 @@ rows x dim 64, batch 1024 per rank, 15-25 ids per feature, 13 dense features, DL
 576-256-1, row-wise AdaGrad + AdamW.
 
 Per network: the GR workload in every mode (and ``nested-1t``: nested with one communication thread for both
-exchange groups, ``NESTPIPE_FWP_COMM_THREADS=1``, for comparison in the same run), the pooled workload
+exchange groups, ``pipe.comm_threads = 1``, for comparison in the same run), the pooled workload
 in ``off`` and ``nested``, and, with ``--torchrec-python`` (a python with torchrec 1.8 + fbgemm-gpu-cpu 1.8, e.g.
 a separate venv), TorchRec's ``TrainPipelineSparseDist`` on both workloads (``benchmarks/torchrec_runner.py``; on
 the GR workload it reads the very sequences NestPipe trains on and runs NestPipe's HSTU module as its dense model).
@@ -171,7 +171,10 @@ def run_modes(args, shards, tag, prefix=None, modes=MODES, workload="gr", env=No
     for m in modes:
         run = os.path.join(args.out, f"{tag}-{m}")
         shutil.rmtree(run, ignore_errors=True)
-        write_run(run, shards, "hstu" if workload == "gr" else "dlrm", m.split("-")[0], args.steps, sets(args, workload))
+        cfg = sets(args, workload)
+        if m.endswith("-1t"):
+            cfg["pipe"]["comm_threads"] = 1  # the one-comm-thread FWP layout
+        write_run(run, shards, "hstu" if workload == "gr" else "dlrm", m.split("-")[0], args.steps, cfg)
         plan.append({"run": run})
         runs[m] = run
     saved = dict(os.environ)
@@ -189,9 +192,7 @@ def run_modes(args, shards, tag, prefix=None, modes=MODES, workload="gr", env=No
 def run_network(args, shards, tag, prefix=None):
     """Everything measured on one network: the GR workload in every mode (+ nested-1t), the pooled workload in off
     and nested, TorchRec on both."""
-    out = {"gr": run_modes(args, shards["gr"], f"{tag}-gr", prefix)}
-    out["gr"].update(run_modes(args, shards["gr"], f"{tag}-gr", prefix, modes=("nested-1t",),
-                               env={"NESTPIPE_FWP_COMM_THREADS": "1"}))
+    out = {"gr": run_modes(args, shards["gr"], f"{tag}-gr", prefix, modes=tuple(MODES) + ("nested-1t",))}
     if shards.get("pooled"):
         out["pooled"] = run_modes(args, shards["pooled"], f"{tag}-pooled", prefix, modes=("off", "nested"),
                                   workload="pooled")

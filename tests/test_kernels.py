@@ -469,3 +469,100 @@ def test_serial_and_parallel_segment_adagrad_are_bitwise_equal():
         outs.append((w, s))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert not torch.equal(outs[0][0], torch.randn(rows_n, dim, generator=torch.Generator().manual_seed(1)))
+
+
+def _pairs_case(seed, n_rows=40, n_entries=120, n_pairs=400, dim=64, src_rows=50):
+    """A flat gradient source, per-entry pairs (entries with 0, 1 and many pairs) and entries grouped by row."""
+    g = torch.Generator().manual_seed(seed)
+    src = (torch.randn(src_rows * dim, generator=g) * torch.logspace(-3, 3, src_rows * dim)[torch.randperm(
+        src_rows * dim, generator=g)]).float()
+    pair_entry = torch.randint(0, n_entries, (n_pairs,), generator=g)
+    pair_src = torch.randint(0, src_rows, (n_pairs,), generator=g) * dim
+    inv, order, offsets = _segments(n_rows, n_entries, seed)
+    return src, pair_entry, pair_src, inv, order, offsets
+
+
+@pytest.mark.parametrize("seed,momentum", [(0, 1.0), (1, 4.0)])
+def test_adagrad_grad_pairs_bitwise_equals_two_level_index_add(seed, momentum):
+    """grad_pairs: per-entry sums (pairs in order) then per-row sums (entries in order), both from zero, inside
+    the update == index_add_ into zeroed per-entry gradients, then the grad_segments update (bitwise); the serial
+    and parallel twins agree; another pair order gives other bits (negative control)."""
+    from nestpipe.kernels import cpu
+
+    dim = 64
+    src, pair_entry, pair_src, inv, order, offsets = _pairs_case(seed, dim=dim)
+    n_rows, n_entries = offsets.numel() - 1, inv.numel()
+    p_order, entry_offsets = cpu.csr_by_segment(pair_entry, n_entries)
+    ps = pair_src[p_order]
+    windows = src.as_strided((src.numel() - dim + 1, dim), (1, 1))
+    grad_entries = torch.zeros(n_entries, dim).index_add_(0, pair_entry, windows[pair_src])
+    rows = torch.randperm(1000)[:n_rows]
+    w0, s0 = _store(1000, dim)
+    w_ref, s_ref = w0.clone(), s0.clone()
+    K.adagrad_update(w_ref, s_ref, rows, grad_entries, 0.05, 1e-8, momentum, grad_segments=(order, offsets))
+    w, s = w0.clone(), s0.clone()
+    K.adagrad_update(w, s, rows, src, 0.05, 1e-8, momentum, grad_segments=(order, offsets),
+                     grad_pairs=(entry_offsets, ps))
+    assert torch.equal(w, w_ref) and torch.equal(s, s_ref) and not torch.equal(w, w0)
+    old = torch.get_num_threads()
+    for threads in (1, 2):  # the serial twin at 1 thread, the parallel loop at 2
+        torch.set_num_threads(threads)
+        try:
+            w2, s2 = w0.clone(), s0.clone()
+            K.adagrad_update(w2, s2, rows, src, 0.05, 1e-8, momentum, grad_segments=(order, offsets),
+                             grad_pairs=(entry_offsets, ps))
+        finally:
+            torch.set_num_threads(old)
+        assert torch.equal(w2, w_ref) and torch.equal(s2, s_ref)
+    # negative control: every entry's pairs reversed -> other bits for some row
+    rev = torch.cat([ps[entry_offsets[e]:entry_offsets[e + 1]].flip(0) for e in range(n_entries)])
+    w3, s3 = w0.clone(), s0.clone()
+    K.adagrad_update(w3, s3, rows, src, 0.05, 1e-8, momentum, grad_segments=(order, offsets),
+                     grad_pairs=(entry_offsets, rev))
+    assert not torch.equal(w3, w_ref)
+
+
+def test_adagrad_grad_pairs_rejects_bad_input():
+    w, s = _store(10, 4)
+    order, offsets = torch.arange(3), torch.tensor([0, 1, 3])
+    for eo, ps in ((torch.tensor([0, 1, 2, 4]), torch.tensor([0, 4, 8])),       # offsets end past len(pair_src)
+                   (torch.tensor([0, 1, 2, 3]), torch.tensor([0, 4, 18]))):     # a pair row past the source
+        with pytest.raises(ValueError):
+            K.adagrad_update(w, s, torch.arange(2), torch.randn(20), 0.1, grad_segments=(order, offsets),
+                             grad_pairs=(eo, ps))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_pool_segments_bitwise_equals_index_add(threads, monkeypatch):
+    """pool_segments: ordered segment sums into a flat payload at given offsets == zeros.index_add_ per segment
+    (bitwise), copies == index_select; the reference path agrees; reversed pair order differs (negative control)."""
+    g = torch.Generator().manual_seed(7)
+    dim, n_seg, n_pairs = 64, 30, 600
+    src = torch.randn(200, dim, generator=g) * torch.logspace(-3, 4, 200).unsqueeze(1)
+    seg = torch.sort(torch.randint(0, n_seg, (n_pairs,), generator=g)).values
+    index = torch.randint(0, 200, (n_pairs,), generator=g)
+    offsets = torch.zeros(n_seg + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.bincount(seg, minlength=n_seg), 0)
+    out_offsets = torch.randperm(n_seg + 5, generator=g)[:n_seg] * dim
+    expect = torch.zeros(n_seg, dim).index_add_(0, seg, src[index])
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.full(((n_seg + 5) * dim,), float("nan"))
+        K.pool_segments(src, index, offsets, out, out_offsets)
+        copy = torch.full(((n_seg + 5) * dim,), float("nan"))
+        K.pool_segments(src, index[:n_seg], None, copy, out_offsets)
+    finally:
+        torch.set_num_threads(old)
+    at = out_offsets[:, None] + torch.arange(dim)
+    assert torch.equal(out[at], expect)
+    assert torch.equal(copy[at], src[index[:n_seg]])
+    monkeypatch.setenv("NESTPIPE_KERNELS", "reference")
+    ref = torch.zeros((n_seg + 5) * dim)
+    K.pool_segments(src, index, offsets, ref, out_offsets)
+    assert torch.equal(ref[at], expect)
+    monkeypatch.delenv("NESTPIPE_KERNELS")
+    flipped = torch.cat([index[offsets[s]:offsets[s + 1]].flip(0) for s in range(n_seg)])
+    other = torch.zeros((n_seg + 5) * dim)
+    K.pool_segments(src, flipped, offsets, other, out_offsets)
+    assert not torch.equal(other[at], expect)

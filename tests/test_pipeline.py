@@ -83,20 +83,9 @@ def runs(tmp_path_factory):
     for model in ("hstu", "dlrm"):
         add(plan3, 3, model, "off", "off")
         add(plan3, 3, model, "nested", "nested")
-    # the alternative FWP layout (one comm thread for both exchange groups, NESTPIPE_FWP_COMM_THREADS=1): its own launch
-    plan1t = []
+    # the alternative FWP layout (one comm thread for both exchange groups, pipe.comm_threads = 1)
     for model in ("hstu", "dlrm"):
-        add(plan1t, 2, model, "nested-1t", "nested")
-    saved = os.environ.get("NESTPIPE_FWP_COMM_THREADS")
-    os.environ["NESTPIPE_FWP_COMM_THREADS"] = "1"
-    try:
-        p = run_plan(plan1t, 2, str(base / "plan1t.json"), timeout=400)
-    finally:
-        if saved is None:
-            os.environ.pop("NESTPIPE_FWP_COMM_THREADS")
-        else:
-            os.environ["NESTPIPE_FWP_COMM_THREADS"] = saved
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
+        add(plan2, 2, model, "nested-1t", "nested", comm_threads=1)
     for world, plan in ((2, plan2), (3, plan3)):
         p = run_plan(plan, world, str(base / f"plan{world}.json"), timeout=400)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
@@ -153,7 +142,7 @@ def test_nested_is_bitwise_equal_to_off_and_overlaps(runs, model, world):
 
 @pytest.mark.parametrize("model", ["hstu", "dlrm"])
 def test_one_comm_thread_layout_is_bitwise_equal_to_off(runs, model):
-    """NESTPIPE_FWP_COMM_THREADS=1: one thread issues the embedding and gradient All2Alls on their two groups in one
+    """pipe.comm_threads = 1: one thread issues the embedding and gradient All2Alls on their two groups in one
     fixed order; same arithmetic, same bits; the trace shows the one thread and the overlap."""
     run = runs[(2, model, "nested-1t")]
     assert _bitwise_diff(_export(runs[(2, model, "off")]), _export(run)) == []

@@ -39,7 +39,7 @@ from .select import OPS, kernel_paths, select_path
 __all__ = [
     "MAX_VOCAB", "OPS", "RoutedKeys", "adagrad_update", "affine_params", "block_size", "dual_buffer_sync",
     "gather_rows", "gather_to_device", "kernel_paths", "map_into_vocab", "owner_num_rows", "placement",
-    "placement_hash", "pooled_lookup", "route_keys", "select_path", "sequence_lookup", "splitmix64",
+    "placement_hash", "pool_segments", "pooled_lookup", "route_keys", "select_path", "sequence_lookup", "splitmix64",
 ]
 
 
@@ -107,6 +107,7 @@ def adagrad_update(
     eps: float = 1e-8,
     momentum_scale: float = 1.0,
     grad_segments: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    grad_pairs: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> None:
     """Fused row-wise AdaGrad into the store, in place (formula in :mod:`nestpipe.kernels.reference`).
 
@@ -118,6 +119,12 @@ def adagrad_update(
     holds per-entry gradients and row ``i``'s gradient is the sum of ``grads[order[j]]`` for
     ``offsets[i] <= j < offsets[i + 1]``, added in ascending ``j`` from zero (what a serial ``index_add_`` into
     zeros computes). The CPU path sums inside the update loop, so the row gradients are never materialised.
+
+    ``grad_pairs = (entry_offsets, pair_src)`` (with ``grad_segments``; int64): ``grads`` is a flat 1-D source and
+    entry ``e``'s gradient is the sum of ``grads[pair_src[p]:pair_src[p] + D]`` for
+    ``entry_offsets[e] <= p < entry_offsets[e + 1]``, added in ascending ``p`` from zero (what serial ``index_add_``
+    into zeroed per-entry gradients computes); entries then sum per row as above. The CPU path materialises
+    neither the per-entry nor the per-row gradients.
     """
     if weights.dtype != torch.float32 or state.dtype != torch.float32:
         raise ValueError("the store's weights and AdaGrad state must be float32")
@@ -126,6 +133,27 @@ def adagrad_update(
     if momentum_scale <= 0:
         raise ValueError(f"momentum_scale must be positive, got {momentum_scale}")
     path = select_path("adagrad_update", weights.device)
+    if grad_pairs is not None:
+        if grad_segments is None:
+            raise ValueError("grad_pairs needs grad_segments (the entries of every row)")
+        entry_offsets, pair_src = (x.to(torch.int64).cpu() for x in grad_pairs)
+        D = weights.shape[1]
+        m = entry_offsets.numel() - 1
+        if (grads.dim() != 1 or m < 0 or int(entry_offsets[0]) != 0 or int(entry_offsets[-1]) != pair_src.numel()
+                or bool((entry_offsets.diff() < 0).any())
+                or (pair_src.numel() and (int(pair_src.min()) < 0 or int(pair_src.max()) + D > grads.numel()))):
+            raise ValueError("grad_pairs must be (entry_offsets, pair_src) over a flat gradient source: "
+                             "entry_offsets [m + 1] ascending from 0 to len(pair_src), pair_src + D within the source")
+        order, offsets = (x.to(torch.int64).cpu() for x in grad_segments)
+        if (offsets.numel() != rows.numel() + 1 or order.numel() != int(offsets[-1]) or int(offsets[0]) != 0
+                or bool((offsets.diff() < 0).any()) or (order.numel() and (int(order.min()) < 0 or int(order.max()) >= m))):
+            raise ValueError("grad_segments must be (order, offsets): offsets [n + 1] ascending from 0 to len(order), "
+                             "order in [0, number of entries)")
+        if path == "numba" and grads.dtype == torch.float32 and grads.device.type == "cpu":
+            backend(path).adagrad_update_pairs(weights, state, rows, grads.contiguous(), order, offsets,
+                                               entry_offsets, pair_src, lr, eps, momentum_scale)
+            return
+        grads = entry_grads_from_pairs(grads.cpu(), entry_offsets, pair_src, D)
     if grad_segments is not None:
         order, offsets = (x.to(torch.int64).cpu() for x in grad_segments)
         m = grads.shape[0] if grads.dim() == 2 else -1
@@ -150,6 +178,42 @@ def adagrad_update(
         reference.adagrad_update(weights, state, rows, grads.float(), lr, eps, momentum_scale)
     else:
         backend(path).adagrad_update(weights, state, rows, grads, lr, eps, momentum_scale)
+
+
+def entry_grads_from_pairs(src: torch.Tensor, entry_offsets: torch.Tensor, pair_src: torch.Tensor, dim: int
+                           ) -> torch.Tensor:
+    """``[m, dim]`` per-entry gradients: entry ``e`` sums ``src[pair_src[p]:pair_src[p] + dim]`` over its pairs in
+    ascending ``p`` from zero (``index_add_`` into zeros, a serial loop in index order on CPU)."""
+    entry_offsets = entry_offsets.to(torch.int64).cpu()
+    m = entry_offsets.numel() - 1
+    out = torch.zeros(m, dim, dtype=src.dtype, device=src.device)
+    if pair_src.numel() == 0:
+        return out
+    windows = src.contiguous().as_strided((src.numel() - dim + 1, dim), (1, 1))
+    entry = torch.repeat_interleave(torch.arange(m), entry_offsets.diff()).to(src.device)
+    return out.index_add_(0, entry, windows.index_select(0, pair_src.to(torch.int64).to(src.device)))
+
+
+def pool_segments(src: torch.Tensor, index: torch.Tensor, offsets: Optional[torch.Tensor], out: torch.Tensor,
+                  out_offsets: torch.Tensor) -> None:
+    """Into the flat ``out``, at element offset ``out_offsets[s]``: with ``offsets`` (CSR, [S + 1]) the sum of
+    ``src[index[j]]`` over ``offsets[s] <= j < offsets[s + 1]`` in ascending ``j`` from zero (an ordered segment
+    sum, bitwise ``zeros.index_add_``); without, the row ``src[index[s]]`` (a copy). ``src`` [R, D]; index
+    tensors int64 on the CPU. The CPU float32 path is one Numba pass; others use ``index_add_`` / ``index_select``."""
+    D = src.shape[1]
+    if (src.device.type == "cpu" and out.device.type == "cpu" and src.dtype == torch.float32
+            and out.dtype == torch.float32 and select_path("lookup", src.device) == "numba"):
+        backend("numba").pool_segments(src.detach(), index, offsets, out, out_offsets)
+        return
+    index = index.to(src.device)
+    if offsets is None:
+        rows = src.index_select(0, index)
+    else:
+        seg = torch.repeat_interleave(torch.arange(offsets.numel() - 1), offsets.diff()).to(src.device)
+        rows = torch.zeros(offsets.numel() - 1, D, dtype=src.dtype, device=src.device)
+        rows.index_add_(0, seg, src.index_select(0, index))
+    at = (out_offsets.to(out.device)[:, None] + torch.arange(D, device=out.device)).reshape(-1)
+    out.view(-1)[at] = rows.reshape(-1).to(out.dtype)
 
 
 def dual_buffer_sync(

@@ -89,10 +89,13 @@ class PipelineConfig:
     shard's key-centric partition, ``random`` re-partitions every batch uniformly at random (same samples, same
     gradient sum up to summation order). ``trace_steps`` steps are recorded in the timeline (Chrome trace JSON and a
     PNG Gantt chart of ``gantt_steps`` steps). ``baseline_metrics``: a ``--pipeline off`` run's metrics.json; the
-    exposed-time ratios in metrics.json are then measured against it.
+    exposed-time ratios in metrics.json are then measured against it. ``comm_threads``: the Frozen-Window
+    Pipeline's communication threads, 2 (one per exchange group: embedding and gradient All2Alls run concurrently)
+    or 1 (both groups from one thread in one fixed order); see ``docs/pipeline.md``.
     """
 
     depth: int = 2
+    comm_threads: int = 2
     micro_batching: str = "clustered"  # clustered | random
     trace_steps: int = 64
     gantt_steps: int = 4

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -105,7 +105,11 @@ def _group(state: StepState, stage: str):
 
 # -- stage 4: embedding retrieval ----------------------------------------------------------------------------------
 def stage_retrieve(state: StepState, routing: Routing) -> None:
-    state.emb.retrieve(routing)
+    """Retrieval in the synchronous schedules (``off``, ``fwp``): nothing else touches the store while the batch
+    trains, so the owner reads its rows from the store and updates them there in place (``direct``: no buffer, no
+    write-back). DBP retrieves into a buffer instead (:mod:`nestpipe.trainer.pipeline.dual_buffer`); both read the
+    same values and do the same arithmetic, hence bitwise the same results."""
+    state.emb.retrieve(routing, direct=True)
 
 
 # -- stage 5: forward / backward, micro-batch by micro-batch ------------------------------------------------------
@@ -228,8 +232,12 @@ def stage_update(state: StepState, routing: Routing, loss: torch.Tensor, release
     return out
 
 
-def train_step(state: StepState, step: int, record: Dict, where: str = "") -> float:
-    """One synchronous step: the stages above, one after another."""
+def train_step(state: StepState, step: int, record: Dict, where: str = "",
+               forward_backward: Optional[Callable[[Routing, List[Dict[str, torch.Tensor]]], torch.Tensor]] = None
+               ) -> float:
+    """One synchronous step: the stages above, one after another. ``forward_backward`` replaces
+    :func:`stage_forward_backward` (same contract: every micro-batch in order, gradients accumulated on return):
+    the ``fwp`` schedule passes the Frozen-Window Pipeline's."""
     tl = state.timeline
     with _span(tl, "prefetch", step):
         batch = stage_prefetch(state, step, record, where)
@@ -241,7 +249,11 @@ def train_step(state: StepState, step: int, record: Dict, where: str = "") -> fl
         stage_retrieve(state, routing)
     if state.cfg.debug_step_sleep_s:
         time.sleep(state.cfg.debug_step_sleep_s)  # debug: a window to kill the run with a batch in flight
-    loss = stage_forward_backward(state, routing, feats)
+    with _span(tl, "fwd_bwd", step):
+        if forward_backward is None:
+            loss = stage_forward_backward(state, routing, feats)
+        else:
+            loss = forward_backward(routing, feats)
     with _span(tl, "update", step):
         return stage_update(state, routing, loss)
 

@@ -43,7 +43,7 @@ from nestpipe.datasets.shards import Manifest
 from nestpipe.trainer.config import EmbeddingConfig
 from nestpipe.trainer.data import NEG_SLOT, PreparedBatch
 from nestpipe.trainer.embedding.reduction_based import ReductionBased, ShardedReductionBased
-from nestpipe.trainer.embedding.replicated import ReplicatedTable
+from nestpipe.trainer.embedding.replicated import ReplicatedTable, owner_bounds, owner_order
 from nestpipe.trainer.embedding.store import RowStore, apply_adagrad
 from nestpipe.trainer.embedding.unique_based import ShardedUniqueBased, UniqueBased
 from nestpipe.trainer.placement import make_placement
@@ -65,6 +65,14 @@ def choose_kind(name: str, vocab: int, table_kind: str, cfg: EmbeddingConfig) ->
     return kind
 
 
+def _csr_numpy(segment_of: np.ndarray, num_segments: int):
+    """``(order, offsets)`` tensors: positions grouped by segment, ascending within one (stable)."""
+    order = np.argsort(segment_of, kind="stable")
+    offsets = np.zeros(num_segments + 1, dtype=np.int64)
+    np.cumsum(np.bincount(segment_of, minlength=num_segments), out=offsets[1:])
+    return torch.from_numpy(order.astype(np.int64)), torch.from_numpy(offsets)
+
+
 def table_dims(manifest: Manifest, cfg: EmbeddingConfig) -> Dict[str, int]:
     return {t: int(cfg.dim or spec.dim) for t, spec in manifest.tables.items()}
 
@@ -82,18 +90,35 @@ class _ReqSlot:
 
 @dataclasses.dataclass
 class _OwnStore:
-    """Owner-side state of one store for one batch."""
+    """Owner-side state of one store for one batch.
+
+    An *entry* is one (requester, slot, key) the owner serves; a *pair* is one use of an entry by one output
+    segment of one micro-batch (reduction-based: a (sample, entry) pair of a bag; unique-based: one requested row).
+    """
 
     rows: torch.Tensor  # unique local rows touched by the batch (sorted)
-    inv: torch.Tensor  # [entries] position of every entry in ``rows``
+    inv: torch.Tensor  # [entries] row (position in ``rows``) of every entry, in the update's numbering (by row)
     base: Dict[Tuple[int, str], int]  # (requester, slot) -> first entry
-    # entries grouped by row, ascending entry order within a row: row i's entries are
-    # seg_order[seg_offsets[i]:seg_offsets[i + 1]] (host tensors; the update sums them in this order)
+    # the update's entries grouped by row, ascending entry order within a row: row i's entries are
+    # seg_order[seg_offsets[i]:seg_offsets[i + 1]] (host tensors; the update sums them in this order). Entries are
+    # renumbered by row for the update, so seg_order is the identity here.
     seg_order: Optional[torch.Tensor] = None
     seg_offsets: Optional[torch.Tensor] = None
+    pooled: bool = False  # reduction-based (segments sum their pairs) or unique-based (one pair per segment)
+    # forward, per micro-batch i: pairs grouped by output segment, ascending pair order within a segment
+    fwd_pos: Optional[List[np.ndarray]] = None  # [i] buffer position (row in ``rows``) of every pair
+    fwd_offsets: Optional[List[Optional[torch.Tensor]]] = None  # [i] CSR over segments (pooled only)
+    fwd_out: Optional[List[torch.Tensor]] = None  # [i] element offset of every segment in i's payload
+    # backward: every entry's pairs over all micro-batches in (micro-batch, pair) order: the element offset of the
+    # pair's gradient row in the batch's gradient payload (:attr:`Routing.grad_payload`)
+    entry_offsets: Optional[torch.Tensor] = None
+    pair_src: Optional[torch.Tensor] = None
+    # set by retrieve: rows are read from ``src`` at ``fwd_idx[i]`` -- the store itself (direct) or the buffer
+    direct: bool = False
     buf_w: Optional[torch.Tensor] = None
     buf_s: Optional[torch.Tensor] = None
-    grad_entries: Optional[torch.Tensor] = None
+    src: Optional[torch.Tensor] = None
+    fwd_idx: Optional[List[torch.Tensor]] = None
 
 
 @dataclasses.dataclass
@@ -103,12 +128,14 @@ class Routing:
     batch: PreparedBatch
     req: Dict[str, _ReqSlot]
     own: Dict[str, _OwnStore]
-    # owner: [micro-batch][requester][slot] -> index tensors (unique: (entries,), reduction: (samples, entries))
-    own_mb: List[List[Dict[str, Tuple[torch.Tensor, ...]]]]
     own_b: List[List[int]]  # [micro-batch][requester] sample count
     send_splits: List[List[int]]  # per micro-batch, elements owner -> requester r
     recv_splits: List[List[int]]
     neg_inv: Optional[torch.Tensor] = None
+    # owner: the gradient All2All payloads of all micro-batches, concatenated (micro-batch i at grad_mb_off[i]);
+    # allocated by retrieve, written by grad_exchange, summed by the update
+    grad_mb_off: List[int] = dataclasses.field(default_factory=list)
+    grad_payload: Optional[torch.Tensor] = None
 
 
 class ShardedEmbeddingCollection:
@@ -140,6 +167,12 @@ class ShardedEmbeddingCollection:
                                                        owners=owners)
         self.slots = [t for t in names if t in self.stores]
         self.negatives = negatives
+        # The routing payload carries local rows (< a store's rows), key positions (< a table's vocabulary: keys
+        # are unique in-vocabulary ids) and sample indices (< the batch size): int32 when all of these fit (the
+        # same static rule on every rank, so both sides of the All2All agree), which halves its bytes.
+        self.manifest_batch_size = manifest.batch_size
+        bound = max([manifest.batch_size] + [manifest.tables[t].vocab for t in self.stores])
+        self.route_dtype = np.int32 if bound < 2 ** 31 else np.int64
         if negatives and "item" in self.stores:
             self.slots.append(NEG_SLOT)
 
@@ -151,8 +184,9 @@ class ShardedEmbeddingCollection:
         return "unique" if slot == NEG_SLOT else self.kinds[slot]
 
     def _a2a(self, send: torch.Tensor, send_splits: List[int], recv_splits: List[int], stage: str,
-             group=None) -> torch.Tensor:
-        out = send.new_empty(sum(recv_splits))
+             group=None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if out is None:
+            out = send.new_empty(sum(recv_splits))
         t0 = time.perf_counter()
         dist.all_to_all_single(out, send, recv_splits, send_splits, group=group if group is not None else self.group)
         self.timer.add_bytes(stage, (sum(send_splits) - send_splits[self.rank]) * send.element_size())
@@ -177,8 +211,8 @@ class ShardedEmbeddingCollection:
         for slot in self.slots:
             keys = self._slot_keys(batch, slot)
             dest, local = self.req_placement[self.store_of(slot)].owner_and_row(keys)
-            order = np.argsort(dest, kind="stable")
-            bounds = np.searchsorted(dest[order], np.arange(W + 1))
+            order = owner_order(dest, W)
+            bounds = owner_bounds(dest, W)
             pos_in_dest = np.empty(len(keys), dtype=np.int64)
             pos_in_dest[order] = np.arange(len(keys)) - np.repeat(bounds[:-1], np.diff(bounds))
             send_rows = [local[order[bounds[r]:bounds[r + 1]]] for r in range(W)]
@@ -212,7 +246,11 @@ class ShardedEmbeddingCollection:
         t0 = time.perf_counter()
         got_counts = self._a2a(torch.from_numpy(counts.reshape(-1)).to(self.device), [C] * W, [C] * W, "route", group)
         got_counts = got_counts.view(W, C).cpu().numpy()
-        send_payload = torch.from_numpy(np.concatenate(payload).astype(np.int64)).to(self.device)
+        flat = np.concatenate(payload)
+        if self.route_dtype == np.int32 and len(flat) and int(flat.max()) >= 2 ** 31:
+            raise RuntimeError(f"step {batch.step}: a routing value ({int(flat.max())}) exceeds int32 although the "
+                               f"manifest bounds it (batch size {self.manifest_batch_size})")
+        send_payload = torch.from_numpy(flat.astype(self.route_dtype, copy=False)).to(self.device)
         got = self._a2a(send_payload, [len(p) for p in payload], [int(x) for x in got_counts[:, :S + N * S].sum(1)], "route",
                         group)
         got = got.cpu().numpy()
@@ -237,64 +275,148 @@ class ShardedEmbeddingCollection:
                     raw_mb[i][r][slot] = got[cursor:cursor + k]
                     cursor += k
                 own_b[i][r] = int(got_counts[r, S + N * S + i])
+        send_splits = [[0] * W for _ in range(N)]
+        recv_splits = [[0] * W for _ in range(N)]
+        block_off: List[Dict[Tuple[int, str], int]] = []  # [i] (requester, slot) -> element offset in i's payload
+        for i, mbd in enumerate(batch.micro):
+            offs, at = {}, 0
+            for r in range(W):
+                for slot in self.slots:
+                    dim = self.dims[self.store_of(slot)]
+                    offs[(r, slot)] = at
+                    if self.slot_exchange(slot) == "unique":
+                        n_send = len(raw_mb[i][r][slot]) * dim
+                        recv_splits[i][r] += len(req[slot].mb_lists[i][r]) * dim
+                    else:
+                        n_send = own_b[i][r] * dim
+                        recv_splits[i][r] += len(mbd.samples) * dim
+                    send_splits[i][r] += n_send
+                    at += n_send
+            block_off.append(offs)
+        grad_mb_off = [0] * N
+        for i in range(1, N):
+            grad_mb_off[i] = grad_mb_off[i - 1] + sum(send_splits[i - 1])
         own: Dict[str, _OwnStore] = {}
         for st in self.stores:
-            rows_all = np.concatenate(entries[st]) if entries[st] else np.zeros(0, np.int64)
-            if len(rows_all) and (int(rows_all.min()) < 0 or int(rows_all.max()) >= self.stores[st].num_rows):
-                raise RuntimeError(f"table {st}: rank {self.rank} received a request for a row it does not own")
-            # dedup by one stable argsort in numpy (faster than torch.unique here), which also gives each row's
-            # entries in ascending entry order (``seg_order``/``seg_offsets``): the update sums them in that order
+            own[st] = self._owner_plan(st, entries[st], base[st], raw_mb, own_b, block_off, grad_mb_off)
+        self.timer.add("route.total", time.perf_counter() - t0)
+        return Routing(batch, req, own, own_b, send_splits, recv_splits, neg_inv, grad_mb_off)
+
+    def _owner_plan(self, st: str, entries: List[np.ndarray], base: Dict[Tuple[int, str], int],
+                    raw_mb, own_b, block_off, grad_mb_off) -> _OwnStore:
+        """The owner's plan of store ``st`` for one batch: dedup of the entries into rows, and the pair lists of the
+        forward (per micro-batch, grouped by output segment) and of the update (per entry, all micro-batches)."""
+        import nestpipe.kernels as K
+
+        W, N = self.world, len(raw_mb)
+        dim = self.dims[st]
+        rows_all = np.concatenate(entries).astype(np.int64, copy=False) if entries else np.zeros(0, np.int64)
+        if len(rows_all) and (int(rows_all.min()) < 0 or int(rows_all.max()) >= self.stores[st].num_rows):
+            raise RuntimeError(f"table {st}: rank {self.rank} received a request for a row it does not own")
+        # dedup by one stable sort, which also gives each row's entries in ascending entry order: the update sums
+        # them in that order. A counting sort over the store's rows when they are few against the entries (linear;
+        # numpy's stable argsort of int64 is a merge sort), else numpy's argsort (faster than torch.unique here).
+        numba_ok = K.select_path("adagrad_update", "cpu") == "numba"
+        n_rows = self.stores[st].num_rows
+        if numba_ok and n_rows <= 8 * len(rows_all):
+            o_t, offs_t = K.backend("numba").csr_by_segment(torch.from_numpy(rows_all), n_rows)
+            order, offs = o_t.numpy(), offs_t.numpy()
+            counts = np.diff(offs)
+            touched = np.flatnonzero(counts)
+            uniq, starts = touched, offs[touched]
+        else:
             order = np.argsort(rows_all, kind="stable")
             srt = rows_all[order]
             first = np.ones(len(srt), dtype=bool)
             first[1:] = srt[1:] != srt[:-1]
             starts = np.flatnonzero(first)
-            inv = np.empty(len(srt), dtype=np.int64)
-            inv[order] = np.cumsum(first) - 1
-            own[st] = _OwnStore(torch.from_numpy(srt[starts]), torch.from_numpy(inv).to(self.device), base[st],
-                                seg_order=torch.from_numpy(order.astype(np.int64, copy=False)),
-                                seg_offsets=torch.from_numpy(np.append(starts, len(srt)).astype(np.int64)))
-        own_mb: List[List[Dict[str, Tuple[torch.Tensor, ...]]]] = []
-        send_splits, recv_splits = [], []
-        for i, mbd in enumerate(batch.micro):
-            per_r, ss, rs = [], [], []
+            uniq = srt[starts]
+        # row of every entry (position in ``uniq``), in sorted-entry order and in entry order
+        inv_sorted = np.repeat(np.arange(len(uniq), dtype=np.int64), np.diff(np.append(starts, len(rows_all))))
+        inv = np.empty(len(rows_all), dtype=np.int64)
+        inv[order] = inv_sorted
+        slots = [s for s in self.slots if self.store_of(s) == st]
+        pooled = self.slot_exchange(slots[0]) == "reduction" if slots else False
+        fwd_pos, fwd_offsets, fwd_out = [], [], []
+        upd_entry, upd_src = [], []
+        for i in range(N):
+            p_entry, p_seg, seg_out, n_seg = [], [], [], 0
             for r in range(W):
-                d, n_send, n_recv = {}, 0, 0
-                for slot in self.slots:
-                    st, dim = self.store_of(slot), self.dims[self.store_of(slot)]
-                    b0 = base[st][(r, slot)]
+                for slot in slots:
                     lst = raw_mb[i][r][slot]
-                    if self.slot_exchange(slot) == "unique":
-                        e = torch.from_numpy(lst + b0).to(self.device)
-                        d[slot] = (e,)
-                        n_send += len(lst) * dim
-                        n_recv += len(req[slot].mb_lists[i][r]) * dim
-                    else:
+                    b0 = base[(r, slot)]
+                    at = block_off[i][(r, slot)]
+                    if pooled:
                         h = len(lst) // 2
-                        d[slot] = (torch.from_numpy(lst[:h].copy()).to(self.device),
-                                   torch.from_numpy(lst[h:] + b0).to(self.device))
-                        n_send += own_b[i][r] * dim
-                        n_recv += len(mbd.samples) * dim
-                per_r.append(d)
-                ss.append(n_send)
-                rs.append(n_recv)
-            own_mb.append(per_r)
-            send_splits.append(ss)
-            recv_splits.append(rs)
-        self.timer.add("route.total", time.perf_counter() - t0)
-        return Routing(batch, req, own, own_mb, own_b, send_splits, recv_splits, neg_inv)
+                        b = own_b[i][r]
+                        p_seg.append(lst[:h].astype(np.int64) + n_seg)
+                        p_entry.append(lst[h:].astype(np.int64) + b0)
+                        seg_out.append(at + dim * np.arange(b, dtype=np.int64))
+                        n_seg += b
+                    else:
+                        p_entry.append(lst.astype(np.int64) + b0)
+                        seg_out.append(at + dim * np.arange(len(lst), dtype=np.int64))
+            e = np.concatenate(p_entry) if p_entry else np.zeros(0, np.int64)
+            out_off = np.concatenate(seg_out) if seg_out else np.zeros(0, np.int64)
+            if pooled:
+                seg = np.concatenate(p_seg) if p_seg else np.zeros(0, np.int64)
+                if len(seg) > 1 and not bool((seg[1:] >= seg[:-1]).all()):
+                    # pairs grouped by segment, ascending pair order within one: the order index_add_ sums in
+                    perm = np.argsort(seg, kind="stable")
+                    seg, e = seg[perm], e[perm]
+                offs = np.zeros(n_seg + 1, dtype=np.int64)
+                np.cumsum(np.bincount(seg, minlength=n_seg), out=offs[1:])
+                fwd_offsets.append(torch.from_numpy(offs))
+                upd_src.append(grad_mb_off[i] + out_off[seg])
+            else:
+                fwd_offsets.append(None)
+                upd_src.append(grad_mb_off[i] + out_off)
+            fwd_pos.append(inv[e])
+            fwd_out.append(torch.from_numpy(out_off))
+            upd_entry.append(e)
+        pe = np.concatenate(upd_entry) if upd_entry else np.zeros(0, np.int64)
+        ps = np.concatenate(upd_src) if upd_src else np.zeros(0, np.int64)
+        # For the update, entries are renumbered in row order (entry ``order[k]`` becomes ``k``: each row's entries
+        # stay in ascending entry order) and every entry's pairs are grouped by a stable sort, so they stay in
+        # (micro-batch, pair) order. The update then reads its index arrays sequentially (the indirections of
+        # the original numbering measured 2x slower there); the sums and their order are unchanged.
+        renum = np.empty(len(order), dtype=np.int64)
+        renum[order] = np.arange(len(order), dtype=np.int64)
+        key = torch.from_numpy(renum[pe])
+        p_order, entry_offsets = K.backend("numba").csr_by_segment(key, len(rows_all)) \
+            if K.select_path("adagrad_update", "cpu") == "numba" else _csr_numpy(key.numpy(), len(rows_all))
+        return _OwnStore(torch.from_numpy(uniq.astype(np.int64, copy=False)), torch.from_numpy(inv_sorted).to(self.device),
+                         base, seg_order=torch.arange(len(order), dtype=torch.int64),
+                         seg_offsets=torch.from_numpy(np.append(starts, len(rows_all)).astype(np.int64)),
+                         pooled=pooled, fwd_pos=fwd_pos, fwd_offsets=fwd_offsets, fwd_out=fwd_out,
+                         entry_offsets=entry_offsets, pair_src=torch.from_numpy(ps[p_order.numpy()]))
 
     # -- stage: embedding retrieval -----------------------------------------------------------------------------
-    def retrieve(self, routing: Routing) -> None:
+    def retrieve(self, routing: Routing, direct: bool = False) -> None:
         """Gather the batch's owner rows (weights + AdaGrad state) from the DRAM store into a fresh buffer.
 
         Called by the retrieval stage, possibly while the previous batch trains: the rows it shares with that batch
-        may be stale here and are overwritten by :meth:`sync_dual_buffer` before this buffer serves any request."""
+        may be stale here and are overwritten by :meth:`sync_dual_buffer` before this buffer serves any request.
+
+        ``direct`` (the synchronous schedules, where nothing else touches the store during the batch): no buffer;
+        the batch reads its rows from the store and the update writes them there in place. The values read and the
+        arithmetic are those of the buffered path, so both give bitwise the same results."""
         t0 = time.perf_counter()
         for st, o in routing.own.items():
-            w, s = self.stores[st].gather(o.rows)
-            o.buf_w, o.buf_s = w.to(self.device), s.to(self.device)
-            o.grad_entries = torch.zeros(len(o.inv), self.dims[st], dtype=self.dtype, device=self.device)
+            store = self.stores[st]
+            o.direct = bool(direct and self.device.type == "cpu")
+            if o.direct:
+                store.ensure_materialized(o.rows)
+                o.src = store.weight
+                rows_np = o.rows.numpy()
+                o.fwd_idx = [torch.from_numpy(rows_np[p]) for p in o.fwd_pos]
+            else:
+                w, s_ = store.gather(o.rows)
+                o.buf_w, o.buf_s = w.to(self.device), s_.to(self.device)
+                o.src = o.buf_w
+                o.fwd_idx = [torch.from_numpy(p) for p in o.fwd_pos]
+        total = routing.grad_mb_off[-1] + sum(routing.send_splits[-1]) if routing.send_splits else 0
+        routing.grad_payload = torch.zeros(total, dtype=self.dtype, device=self.device)
         self.timer.add("retrieve", time.perf_counter() - t0)
 
     # -- per micro-batch: embedding All2All ---------------------------------------------------------------------
@@ -306,21 +428,15 @@ class ShardedEmbeddingCollection:
 
     def embed_send(self, routing: Routing, i: int) -> torch.Tensor:
         """Owner side of micro-batch ``i``: rows (unique-based) or partial pools (reduction-based) from the frozen
-        buffer, for every requester in rank order. Reads the buffer only."""
+        buffer (or the store, direct), for every requester in rank order, written straight into the payload (one
+        kernel call per store). Reads the rows only."""
+        import nestpipe.kernels as K
+
         t0 = time.perf_counter()
-        W = self.world
-        parts = []
-        for r in range(W):
-            for slot in self.slots:
-                o = routing.own[self.store_of(slot)]
-                idx = routing.own_mb[i][r][slot]
-                if self.slot_exchange(slot) == "unique":
-                    rows = ShardedUniqueBased.compute(o.buf_w, o.inv.index_select(0, idx[0]))
-                else:
-                    rows = ShardedReductionBased.compute(o.buf_w, idx[0], o.inv.index_select(0, idx[1]),
-                                                         routing.own_b[i][r])
-                parts.append(rows.reshape(-1))
-        send = torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype, device=self.device)
+        send = torch.empty(sum(routing.send_splits[i]), dtype=self.dtype, device=self.device)
+        for o in routing.own.values():
+            if len(o.fwd_out[i]):
+                K.pool_segments(o.src, o.fwd_idx[i], o.fwd_offsets[i] if o.pooled else None, send, o.fwd_out[i])
         self.timer.add("embed.owner", time.perf_counter() - t0)
         return send
 
@@ -374,26 +490,24 @@ class ShardedEmbeddingCollection:
         self.grad_accumulate(routing, i, self.grad_exchange(routing, i, g, group))
 
     def grad_exchange(self, routing: Routing, i: int, g: torch.Tensor, group=None) -> torch.Tensor:
-        """The gradient All2All of micro-batch ``i`` (requester -> owner) on ``group``."""
-        return self._a2a(g.contiguous(), routing.recv_splits[i], routing.send_splits[i], "grad", group)
+        """The gradient All2All of micro-batch ``i`` (requester -> owner) on ``group``, received straight into
+        micro-batch ``i``'s slice of the batch's gradient payload."""
+        out = None
+        if routing.grad_payload is not None:
+            off = routing.grad_mb_off[i]
+            out = routing.grad_payload[off:off + sum(routing.send_splits[i])]
+        return self._a2a(g.contiguous(), routing.recv_splits[i], routing.send_splits[i], "grad", group, out=out)
 
     def grad_accumulate(self, routing: Routing, i: int, got: torch.Tensor) -> None:
-        """Owner side: add micro-batch ``i``'s row gradients into the per-entry gradients (``index_add_``).
-        Must be called for micro-batches in index order (one thread does it) so every entry sums them in order."""
+        """Owner side of micro-batch ``i``'s gradient: keep it in the batch's gradient payload (a no-op when
+        :meth:`grad_exchange` received it there). The update sums every entry's pairs over micro-batches in index
+        order, then every row's entries in entry order: the arithmetic of ``index_add_`` into per-entry gradients
+        once per micro-batch, without materialising them."""
         t0 = time.perf_counter()
-        off = 0
-        for r in range(self.world):
-            for slot in self.slots:
-                st = self.store_of(slot)
-                o, dim = routing.own[st], self.dims[st]
-                idx = routing.own_mb[i][r][slot]
-                if self.slot_exchange(slot) == "unique":
-                    n = len(idx[0])
-                    ShardedUniqueBased.accumulate(o.grad_entries, idx[0], got[off:off + n * dim].view(n, dim))
-                else:
-                    n = routing.own_b[i][r]
-                    ShardedReductionBased.accumulate(o.grad_entries, idx[0], idx[1], got[off:off + n * dim].view(n, dim))
-                off += n * dim
+        off = routing.grad_mb_off[i]
+        dst = routing.grad_payload[off:off + sum(routing.send_splits[i])]
+        if dst.data_ptr() != got.data_ptr() or dst.numel() != got.numel():
+            dst.copy_(got)
         self.timer.add("grad.owner", time.perf_counter() - t0)
 
     # -- stage: owner update -------------------------------------------------------------------------------------
@@ -406,18 +520,26 @@ class ShardedEmbeddingCollection:
         and the per-entry gradients restart from zero."""
         t0 = time.perf_counter()
         cfg = self.cfg
+        g = routing.grad_payload
         for st, o in routing.own.items():
-            # In place into the batch's buffer (the fused kernel, which also sums each row's entries in entry
-            # order: the row gradient is never materialised), then written back to the store.
             store = self.stores[st]
-            buf_rows = torch.arange(len(o.rows), dtype=torch.int64)
-            apply_adagrad(o.buf_w, o.buf_s, buf_rows, o.grad_entries, cfg.lr, cfg.eps, cfg.momentum_scale_groups,
-                          (o.seg_order, o.seg_offsets), o.inv)
-            store.write_back(o.rows, o.buf_w, o.buf_s)
-            if release:
-                o.buf_w = o.buf_s = o.grad_entries = None
+            grad_pairs = (o.entry_offsets, o.pair_src)
+            if o.direct:
+                # in place in the store (the fused kernel sums each row's entries and pairs in order: no gradient
+                # is materialised); nothing to write back
+                with store.lock:
+                    apply_adagrad(store.weight, store.state, o.rows, g, cfg.lr, cfg.eps, cfg.momentum_scale_groups,
+                                  (o.seg_order, o.seg_offsets), o.inv, grad_pairs)
             else:
-                o.grad_entries = torch.zeros_like(o.grad_entries)
+                # in place into the batch's buffer, then written back to the store
+                buf_rows = torch.arange(len(o.rows), dtype=torch.int64)
+                apply_adagrad(o.buf_w, o.buf_s, buf_rows, g, cfg.lr, cfg.eps, cfg.momentum_scale_groups,
+                              (o.seg_order, o.seg_offsets), o.inv, grad_pairs)
+                store.write_back(o.rows, o.buf_w, o.buf_s)
+        if release:
+            self.release(routing)
+        elif g is not None:
+            g.zero_()  # the gradients restart from zero (only the per-micro-batch-update control updates again)
         self.timer.add("update.sparse", time.perf_counter() - t0)
 
     @torch.no_grad()
@@ -450,7 +572,8 @@ class ShardedEmbeddingCollection:
     def release(routing: Routing) -> None:
         """Free a batch's buffers (after its update and, in DBP, after the sync into the next batch)."""
         for o in routing.own.values():
-            o.buf_w = o.buf_s = o.grad_entries = None
+            o.buf_w = o.buf_s = o.src = o.fwd_idx = None
+        routing.grad_payload = None
 
     def replicated_grads(self) -> List[torch.Tensor]:
         out = []

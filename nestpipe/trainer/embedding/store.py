@@ -13,7 +13,7 @@ Invariants
 from __future__ import annotations
 
 import threading
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ class RowStore:
         self.weight = torch.empty(n, dim, dtype=dtype)
         self.state = torch.zeros(n, dtype=dtype)
         self.materialized = torch.zeros(n, dtype=torch.bool)
+        self.num_materialized = 0
         self.lock = threading.Lock()
 
     @property
@@ -48,12 +49,20 @@ class RowStore:
             vals = init_rows(self.seed, self.placement.table_id, ids, self.dim, self.init_scale)
             self.weight.index_copy_(0, new, torch.from_numpy(vals).to(self.weight.dtype))
             self.materialized[new] = True
+            self.num_materialized += len(new)
         return len(new)
+
+    def ensure_materialized(self, rows: torch.Tensor) -> None:
+        """Materialise the untouched rows among ``rows`` (under the lock); free once every row was touched."""
+        if self.num_materialized < self.num_rows:
+            with self.lock:
+                self.materialize(rows)
 
     def gather(self, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(weights [n, dim], state [n]) of ``rows`` (int64, unique), materialising untouched ones."""
         with self.lock:
-            self.materialize(rows)
+            if self.num_materialized < self.num_rows:
+                self.materialize(rows)
             return self.weight.index_select(0, rows), self.state.index_select(0, rows)
 
     def write_back(self, rows: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> None:
@@ -77,6 +86,7 @@ class RowStore:
         self.weight.index_copy_(0, rows, d["weight"].to(self.weight.dtype))
         self.state.index_copy_(0, rows, d["state"].to(self.state.dtype))
         self.materialized[rows] = True
+        self.num_materialized = int(self.materialized.sum())
 
     def full_rows(self, start: int, stop: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Local rows ``[start, stop)`` with untouched rows materialised on the fly (export)."""
@@ -102,21 +112,27 @@ def rowwise_adagrad(weight: torch.Tensor, state: torch.Tensor, grad: torch.Tenso
 
 def apply_adagrad(weight: torch.Tensor, state: torch.Tensor, rows: torch.Tensor, grad_entries: torch.Tensor,
                   lr: float, eps: float, groups: int, segments: Tuple[torch.Tensor, torch.Tensor],
-                  inv: torch.Tensor) -> None:
+                  inv: torch.Tensor, pairs: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> None:
     """Row-wise AdaGrad (:func:`rowwise_adagrad`'s formula) of ``weight[rows]`` / ``state[rows]`` in place. Row
     ``i``'s gradient is the sum of its entries' gradients (``grad_entries[inv == i]``) in ascending entry order from
-    zero; ``segments`` = (order, offsets) lists them grouped by row. float32 on CPU: the fused
-    ``nestpipe.kernels.adagrad_update`` (one pass, no temporaries); otherwise (the float64 test runs)
-    ``index_add_`` and the same formula in plain torch."""
+    zero; ``segments`` = (order, offsets) lists them grouped by row. With ``pairs = (entry_offsets, pair_src)``,
+    ``grad_entries`` is a flat source and entry ``e``'s gradient is the sum of its pairs' rows
+    (``grad_entries[pair_src[p]:pair_src[p] + D]``, ascending ``p`` from zero; see
+    ``nestpipe.kernels.adagrad_update``). float32 on CPU: the fused ``nestpipe.kernels.adagrad_update`` (one pass,
+    no temporaries); otherwise (the float64 test runs) ``index_add_`` and the same formula in plain torch."""
     if weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous():
         import nestpipe.kernels as K
 
         K.adagrad_update(weight, state, rows, grad_entries.to(torch.float32), lr, eps, float(groups),
-                         grad_segments=segments)
+                         grad_segments=segments, grad_pairs=pairs)
         return
+    if pairs is not None:
+        import nestpipe.kernels as K
+
+        grad_entries = K.entry_grads_from_pairs(grad_entries, pairs[0], pairs[1], weight.shape[1])
     grad = torch.zeros(int(segments[1].numel() - 1), grad_entries.shape[1],
                        dtype=grad_entries.dtype, device=grad_entries.device)
-    grad.index_add_(0, inv, grad_entries)
+    grad.index_add_(0, inv.to(grad.device), grad_entries)
     w, s = rowwise_adagrad(weight.index_select(0, rows), state.index_select(0, rows), grad.to(weight.device), lr,
                            eps, groups)
     weight.index_copy_(0, rows, w)

@@ -3,7 +3,7 @@
 Between a batch's retrieval and its update the owner's buffer is frozen (no update inside the window), so the
 embedding All2All of micro-batch i+1 does not depend on micro-batch i and may run while i computes. Per batch of N
 micro-batches (``e i``: micro-batch i's owner send + embedding All2All on group ``embed``; ``g i``: its gradient
-All2All + the owner's ``index_add_`` on group ``grad``), default layout, one thread per exchange group:
+All2All on group ``grad``, received into micro-batch i's slice of the batch's gradient payload), default layout, one thread per exchange group:
 
     embed-comm:  e0 e1 (primed) | e2                  | e3                  | e4 ...
     compute:          wait(e0) dense(0)   | wait(e1) dense(1)   | wait(e2) dense(2)   | ...   wait(gN-1)
@@ -14,14 +14,15 @@ before dense(i) began and overlaps it, and the gradient All2All of i-1 overlaps 
 All2Alls of batch t+1 are started by the scheduler (:meth:`prime`) as soon as t+1's buffer is final, while batch
 t's dense all-reduce and AdamW finish.
 
-Alternative layout (``NESTPIPE_FWP_COMM_THREADS=1``): one ``comm`` thread issues on both groups in the queue order
+Alternative layout (``pipe.comm_threads = 1``): one ``comm`` thread issues on both groups in the queue order
 above (e0 e1 | e2 g0 | e3 g1 | ...), the same on every rank, so blocking collectives on two groups cannot deadlock
 and it is still exactly one issuing thread per group; the embeddings micro-batch i+1 needs go before gradient i-1.
 Measured here it was not faster than two threads (docs/pipeline.md): on this CPU testbed an All2All's time is
 dominated by waiting (for the peer rank, for the GIL), which two threads overlap, not by the link's bytes.
 
-Jobs run in submission (= micro-batch) order per group, so the owner adds micro-batch gradients into each entry in
-index order, the order the synchronous step uses; dense gradients accumulate on the compute thread in the same
+Each micro-batch's gradient lands in its own slice of the batch's gradient payload and the update sums every entry's
+micro-batches in index order, the order the synchronous step uses, whatever order the All2Alls completed in; dense
+gradients accumulate on the compute thread in the same
 order. Hence the batch's gradient and update are bitwise those of ``--pipeline off`` in both layouts. Only the
 first embedding All2All (when not primed) and the last gradient All2All are exposed.
 

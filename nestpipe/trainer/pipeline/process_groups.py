@@ -30,7 +30,7 @@ ISSUERS: Dict[str, Dict[str, str]] = {
     "fwp": {"route": "compute", "embed": "embed-comm", "grad": "grad-comm", "dense": "compute"},
     "nested": {"route": "route", "embed": "embed-comm", "grad": "grad-comm", "dense": "compute"},
 }
-# the Frozen-Window Pipeline's alternative layout: one thread for both exchange groups (``NESTPIPE_FWP_COMM_THREADS=1``)
+# the Frozen-Window Pipeline's alternative layout: one thread for both exchange groups (``pipe.comm_threads = 1``)
 ONE_COMM_THREAD = {"embed": "comm", "grad": "comm"}
 
 

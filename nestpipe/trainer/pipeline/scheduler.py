@@ -30,7 +30,6 @@ Checkpoints (and so export and eval, which read them) are only taken there.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -43,7 +42,7 @@ from nestpipe.trainer.pipeline.frozen_window import CommWorker, FrozenWindow
 from nestpipe.trainer.pipeline.process_groups import issuers
 from nestpipe.trainer.pipeline.streams import StageStream, wait_handoff
 from nestpipe.trainer.step import (StepState, _span, stage_forward_backward, stage_h2d, stage_prefetch,
-                                   stage_retrieve, stage_route, stage_update, update_begin, update_dense)
+                                   stage_route, stage_update, train_step, update_begin, update_dense)
 
 MODES = ("off", "dbp", "fwp", "nested")
 
@@ -86,12 +85,12 @@ class PipelineRunner:
         if pc.debug_update_per_micro_batch and not self.fwp:
             raise ValueError("pipe.debug_update_per_micro_batch needs --pipeline fwp or nested")
         self.rows_synced = 0
-        # FWP communication threads: 2 (default: one per exchange group, embedding and gradient All2Alls run
-        # concurrently) or 1 (both groups from one thread in one fixed order); ``NESTPIPE_FWP_COMM_THREADS`` chooses.
-        # Measured in benchmarks/pipeline_bench.py (docs/pipeline.md): 2 was as fast or faster in every run here.
-        self.comm_threads = int(os.environ.get("NESTPIPE_FWP_COMM_THREADS", "2"))
+        # FWP communication threads (``pipe.comm_threads``): 2 (default: one per exchange group, embedding and
+        # gradient All2Alls run concurrently) or 1 (both groups from one thread in one fixed order). Measured in
+        # benchmarks/pipeline_bench.py (docs/pipeline.md): 2 was as fast or faster in every run here.
+        self.comm_threads = int(pc.comm_threads)
         if self.comm_threads not in (1, 2):
-            raise ValueError(f"NESTPIPE_FWP_COMM_THREADS={self.comm_threads}: expected 1 or 2")
+            raise ValueError(f"pipe.comm_threads = {pc.comm_threads}: expected 1 or 2")
 
     # -- public --------------------------------------------------------------------------------------------------
     def run(self, records: Iterator[Tuple[int, dict, str]], start: int, stop: int,
@@ -158,28 +157,16 @@ class PipelineRunner:
 
     # -- off / fwp: stages 1-4 on the compute thread -------------------------------------------------------------
     def _run_sequential(self, records, start, stop, before_step, fw):
+        """``off`` and ``fwp``: :func:`~nestpipe.trainer.step.train_step` itself, with FWP's forward/backward."""
         st = self.state
-        tl = st.timeline
         for step in range(start, stop):
             if before_step:
                 before_step(step)
             s, record, path = next(records)
             if s != step:
                 raise RuntimeError(f"data stream at step {s}, expected {step}")
-            with _span(tl, "prefetch", step):
-                batch = stage_prefetch(st, step, record, path)
-            with _span(tl, "h2d", step):
-                feats = stage_h2d(st, batch)
-            with _span(tl, "route", step):
-                routing = stage_route(st, batch)
-            with _span(tl, "retrieve", step):
-                stage_retrieve(st, routing)
-            self._debug_sleep()
-            with _span(tl, "fwd_bwd", step):
-                loss = self._forward_backward(fw, routing, feats)
-            with _span(tl, "update", step):
-                loss = stage_update(st, routing, loss)
-            yield step, loss
+            yield step, train_step(st, step, record, path,
+                                   forward_backward=lambda routing, feats: self._forward_backward(fw, routing, feats))
 
     # -- dbp / nested: the five-stage pipeline -------------------------------------------------------------------
     def _run_dbp(self, records, start, stop, before_step, fw, threads):

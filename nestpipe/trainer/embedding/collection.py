@@ -135,6 +135,10 @@ class ShardedEmbeddingCollection:
                 self.stores[t] = RowStore(t, pl, rank, self.dims[t], seed, cfg.init_scale, dtype)
                 self.req_placement[t] = make_placement(self.table_ids[t], v, world, salt=cfg.debug_requester_salt)
         self.slots = [t for t in names if t in self.stores]
+        # 2D sparse parallelism (nestpipe.trainer.sparse_groups): the sharded tables' accumulator scale and the
+        # cross-group replica synchronisation run by update(); None / the config's scale in plain training
+        self.sparse_momentum_scale = cfg.momentum_scale_groups
+        self.replica_sync = None
         self.negatives = negatives
         if negatives and "item" in self.stores:
             self.slots.append(NEG_SLOT)
@@ -402,18 +406,21 @@ class ShardedEmbeddingCollection:
         and the per-entry gradients restart from zero."""
         t0 = time.perf_counter()
         cfg = self.cfg
+        before = self.replica_sync.snapshot(routing) if self.replica_sync is not None else None
         for st, o in routing.own.items():
             # In place into the batch's buffer (the fused kernel, which also sums each row's entries in entry
             # order: the row gradient is never materialised), then written back to the store.
             store = self.stores[st]
             buf_rows = torch.arange(len(o.rows), dtype=torch.int64)
-            apply_adagrad(o.buf_w, o.buf_s, buf_rows, o.grad_entries, cfg.lr, cfg.eps, cfg.momentum_scale_groups,
+            apply_adagrad(o.buf_w, o.buf_s, buf_rows, o.grad_entries, cfg.lr, cfg.eps, self.sparse_momentum_scale,
                           (o.seg_order, o.seg_offsets), o.inv)
             store.write_back(o.rows, o.buf_w, o.buf_s)
-            if release:
-                o.buf_w = o.buf_s = o.grad_entries = None
-            else:
+            if not release:
                 o.grad_entries = torch.zeros_like(o.grad_entries)
+        if self.replica_sync is not None:  # 2D-SP: average the replicas of the touched rows (store and buffer)
+            self.replica_sync.sync(routing, before)
+        if release:
+            self.release(routing)
         self.timer.add("update.sparse", time.perf_counter() - t0)
 
     @torch.no_grad()

@@ -149,3 +149,27 @@ def metrics(emb) -> dict:
     return {"sparse_groups": {"group_size": layout.group_size, "num_groups": layout.num_groups,
                               "group": layout.group, "local_rank": layout.local_rank,
                               **(emb.replica_sync.stats if emb.replica_sync is not None else {})}}
+
+
+def replica_mismatches(ckpt: str, group_size: int) -> List[str]:
+    """Check a 2D-SP checkpoint: for every sharded table and shard ``j``, the rank files of ``j, j + M, ...`` must
+    hold the same materialised rows, weights and AdaGrad state, bitwise. Returns ``table/shard j/field: ranks``
+    for every difference (empty: all replicas equal)."""
+    from nestpipe.trainer import checkpoint
+
+    import torch
+
+    meta = checkpoint.read_meta(ckpt)
+    layout = resolve(group_size, meta["world"])
+    files = {r: checkpoint.load_rank_file(ckpt, r) for r in range(meta["world"])}
+    out = []
+    for j in range(layout.group_size):
+        ranks = layout.replica_ranks(j)
+        first = files[ranks[0]]["tables"]
+        for r in ranks[1:]:
+            for t in sorted(first):
+                for k in ("rows", "weight", "state"):
+                    a, b = first[t][k], files[r]["tables"][t][k]
+                    if a.shape != b.shape or not torch.equal(a, b):
+                        out.append(f"{t}/shard {j}/{k}: rank {ranks[0]} != rank {r}")
+    return out

@@ -137,9 +137,11 @@ class ReplicaSync:
         emb.timer.add("replica.average", time.perf_counter() - t1)
 
     def _all_gather(self, t: torch.Tensor, group) -> torch.Tensor:
+        """``all_gather`` on the collection's device (NCCL/HCCL need device tensors); the result on the host."""
+        t = t.contiguous().to(self.emb.device)
         out = [torch.empty_like(t) for _ in range(self.num_groups)]
-        dist.all_gather(out, t.contiguous(), group=group)
-        return torch.cat(out)
+        dist.all_gather(out, t, group=group)
+        return torch.cat(out).cpu()
 
     # -- called by DualBuffer.sync (the DBP hand-over) -------------------------------------------------------------
     @torch.no_grad()

@@ -70,6 +70,11 @@ def runs(tmp_path_factory):
         if not resume:
             sets = _sets(model, **pipe)
             sets.update(top or {})
+            if world == 3:
+                # world 3 keeps every sharded table row-wise over all ranks (400 rows: uneven ownership 134/133/133);
+                # world 2 runs the default planned layout (table-wise and row-wise tables mixed), world 4 (2D-SP)
+                # the planned layout inside each group of 2
+                sets["embedding"]["placement"] = "hashed"
             if name == "nested":
                 sets["pipe"]["gantt_steps"] = 3  # one run draws the Gantt chart
             write_run(run, (shards4 if world == 4 else shards)[model], model, pipeline, steps, sets, checkpoint_every)
@@ -314,3 +319,22 @@ def test_config_default_is_nested():
 
     assert TrainConfig().pipeline == "nested"
     assert TrainConfig.from_dict({"pipe": {"depth": 3}}).pipe.depth == 3
+
+
+def test_runs_use_their_saved_sharding_plan(runs):
+    """World 2 runs the planned layout: RUN/plan.json is what the checkpoint's owners say; world 3 runs hashed."""
+    from nestpipe.trainer import checkpoint
+    from nestpipe.trainer.sharding_plan import table_owners
+
+    for model in ("hstu", "dlrm"):
+        run = runs[(2, model, "nested")]
+        plan = json.load(open(os.path.join(run, "plan.json")))
+        meta = checkpoint.read_meta(checkpoint.latest(run))
+        assert meta["placement"], meta
+        for t, pm in meta["placement"].items():
+            own = table_owners(plan, t)
+            assert tuple(pm["owners"]) == (() if own == (0, 1) else own), (t, pm, plan["tables"][t])
+        assert not os.path.exists(os.path.join(runs[(3, model, "nested")], "plan.json"))
+    # the dlrm plan is not the hashed layout: some table sits on one rank only (table-wise)
+    meta = checkpoint.read_meta(checkpoint.latest(runs[(2, "dlrm", "nested")]))
+    assert any(len(pm["owners"]) == 1 for pm in meta["placement"].values()), meta["placement"]

@@ -24,6 +24,9 @@ def add_parser(sub) -> None:
     p.add_argument("--dram-cap", type=float, default=256e9, help="host bytes per worker for shards")
     p.add_argument("--unique-ratio", type=float, default=1.0,
                    help="distinct / keys in a worker's batch for manifest tables (from cluster-report)")
+    p.add_argument("--no-column-split", action="store_true",
+                   help="keep whole rows on one owner (what `nestpipe train` executes; its `embedding.placement` "
+                        "accepts such a plan file)")
     p.add_argument("--out", help="write the JSON plan here")
     p.add_argument("--json", action="store_true", help="print the JSON plan instead of the table")
     p.set_defaults(func=_plan)
@@ -66,7 +69,8 @@ def _plan(args) -> int:
     else:
         tables = planner.tables_from_mapping(read_mapping(args.tables, "table list"), args.tables)
     cfg = planner.PlannerConfig(workers=args.workers, batch_per_worker=batch or 512, group_size=args.group_size,
-                                hbm_cap=args.hbm_cap, dram_cap=args.dram_cap)
+                                hbm_cap=args.hbm_cap, dram_cap=args.dram_cap,
+                                column_split=not args.no_column_split)
     plan = planner.make_plan(tables, cfg, hw)
     if args.out:
         planner.save_plan(plan, args.out)

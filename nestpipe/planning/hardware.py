@@ -73,6 +73,12 @@ HARDWARE_PRESETS: Dict[str, HardwareConfig] = {
         name="a100", device_flops=312e12, mfu=0.4, hbm_bw=2.0e12, dram_bw=20e9, host_key_ns=60.0,
         pcie_bw=25e9, intra_bw=300e9, net_bw=25e9, latency_us=6.0, intra_latency_us=2.0,
         request_overhead_us=5.0, node_size=8, pod_size=512, oversubscription=1.0, all2all="hierarchical"),
+    # CPU training with gloo over loopback on one small host (the trainer's CPU path): no accelerator, rows are
+    # copied within DRAM (pcie_bw stands for that copy), TCP messages cost tens of microseconds.
+    "cpu-gloo": HardwareConfig(
+        name="cpu-gloo", device_flops=50e9, mfu=0.5, hbm_bw=10e9, dram_bw=10e9, host_key_ns=40.0,
+        pcie_bw=10e9, intra_bw=2e9, net_bw=2e9, latency_us=30.0, intra_latency_us=30.0,
+        request_overhead_us=10.0, node_size=1, pod_size=1024, oversubscription=1.0, all2all="direct"),
 }
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import network
@@ -70,6 +71,9 @@ class PlannerConfig:
     dram_cap: float = 256e9  # host bytes per worker for shards
     min_col_dim: int = 16
     max_iters: int = 2000
+    column_split: bool = True  # False: whole rows stay on one owner (what the trainer executes)
+    # table name -> replicated or not, decided by the caller (the trainer's exchange-kind rule); others: by cost
+    fixed_replicated: Optional[Dict[str, bool]] = None
 
     def validate(self) -> None:
         if self.workers < 1 or self.batch_per_worker < 1:
@@ -149,7 +153,7 @@ def _place(tables: List[TableInfo], lays: Dict[str, _Layout], group: int, worker
 
 def _split_options(t: TableInfo, lay: _Layout, group: int, cfg: PlannerConfig) -> List[_Layout]:
     opts = []
-    col_ok = t.dim % (lay.cols * 2) == 0 and t.dim // (lay.cols * 2) >= cfg.min_col_dim
+    col_ok = cfg.column_split and t.dim % (lay.cols * 2) == 0 and t.dim // (lay.cols * 2) >= cfg.min_col_dim
     row_ok = lay.rows * 2 <= t.vocab
     fits = lambda l: l.rows * l.cols <= group  # noqa: E731 - shards of a table sit on distinct workers
     col = _Layout(lay.rows, lay.cols * 2)
@@ -174,6 +178,8 @@ def plan_group(tables: List[TableInfo], group: int, cfg: PlannerConfig, hw: Hard
             lays[t.name] = rep
         if group == 1:
             lays[t.name] = tw
+        if cfg.fixed_replicated is not None and t.name in cfg.fixed_replicated:
+            lays[t.name] = rep if cfg.fixed_replicated[t.name] else tw
     placed = _place(tables, lays, group, W, B, hw, cfg)
     # tables too big for one worker's DRAM start split by rows
     while placed is None:
@@ -309,9 +315,12 @@ def format_plan(plan: Dict[str, Any]) -> str:
 
 
 def save_plan(plan: Dict[str, Any], path: str) -> None:
-    with open(path, "w") as f:
+    """Write ``plan`` as JSON atomically (temporary file, then rename)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
         json.dump(plan, f, indent=1, sort_keys=True)
         f.write("\n")
+    os.replace(tmp, path)
 
 
 def load_plan(path: str) -> Dict[str, Any]:

@@ -71,7 +71,7 @@ def save(run: str, state, step: int, sleep_s: float = 0.0) -> str:
                 "model": state.cfg.model,
                 "placement": {t: {"table_id": s.placement.table_id, "vocab": s.placement.vocab,
                                   "world": s.placement.world, "a": s.placement.a, "b": s.placement.b,
-                                  "dim": s.dim} for t, s in emb.stores.items()},
+                                  "owners": list(s.placement.owners), "dim": s.dim} for t, s in emb.stores.items()},
                 "replicated": sorted(emb.replicated), "kinds": emb.kinds}
         write_json_atomic(os.path.join(tmp, "meta.json"), meta)
         if os.path.exists(final):
@@ -117,6 +117,12 @@ def load(ckpt: str, state) -> int:
     if meta["world"] != state.world:
         raise ValueError(f"{ckpt}: written with world size {meta['world']}, this run has {state.world}; rows are "
                          "sharded by world size (export + retrain to change it)")
+    for t, s in state.emb.stores.items():
+        pm = meta["placement"].get(t)
+        if pm is None or list(pm.get("owners", [])) != list(s.placement.owners):
+            raise ValueError(f"{ckpt}: table {t!r} was sharded over ranks {pm and (pm.get('owners') or 'all')}, this "
+                             f"run places it on {list(s.placement.owners) or 'all'}; resume with the run's own "
+                             "configuration (embedding.placement), or export + retrain to change it")
     mine = load_rank_file(ckpt, state.rank)
     for t, s in state.emb.stores.items():
         s.load_state_dict(mine["tables"][t], where=ckpt)

@@ -25,6 +25,9 @@ class EmbeddingConfig:
     """
 
     kinds: Dict[str, str] = dataclasses.field(default_factory=dict)
+    # which ranks hold each sharded table's rows: planned (cost-driven planner, default) | hashed (row-wise over
+    # every rank) | path to a `nestpipe plan --no-column-split --out FILE` document (nestpipe.trainer.sharding_plan)
+    placement: str = "planned"
     replicate_max_rows: int = 1024
     dim: Optional[int] = None  # None: each table's manifest dim
     init_scale: float = 0.05

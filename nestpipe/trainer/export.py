@@ -25,7 +25,8 @@ from nestpipe.trainer.placement import TablePlacement, init_rows
 
 def _table_blocks(ckpt: str, name: str, pmeta: Dict, seed: int, rank_files: Dict[int, Dict],
                   block: int) -> Iterator[Tuple[int, torch.Tensor, torch.Tensor]]:
-    pl = TablePlacement(pmeta["table_id"], pmeta["vocab"], pmeta["world"], pmeta["a"], pmeta["b"])
+    pl = TablePlacement(pmeta["table_id"], pmeta["vocab"], pmeta["world"], pmeta["a"], pmeta["b"],
+                        tuple(pmeta.get("owners", ())))
     dim, R = pmeta["dim"], pl.rows_per_rank
     # dense local->value maps per rank (materialised rows only)
     per_rank = {}

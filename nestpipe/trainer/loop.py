@@ -71,6 +71,12 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
     state.timeline = tlmod.Timeline(rank, start, cfg.pipe.trace_steps)
     runner = PipelineRunner(state, cfg.pipeline)
     log = ScalarLog(os.path.join(cfg.out, "scalars.jsonl") if rank == 0 else None)
+    if rank == 0 and state.emb.plan is not None:
+        from nestpipe.planning.planner import format_plan, save_plan
+
+        save_plan(state.emb.plan, os.path.join(cfg.out, "plan.json"))
+        if cfg.progress:
+            print(format_plan(state.emb.plan), flush=True)
     if rank == 0:
         log.write(start, event="start", resumed_from_step=start, world=world, steps=steps, pipeline=cfg.pipeline,
                   dropped_batches=stream.dropped, kinds=state.emb.kinds, kernel_paths=kernel_paths(device.torch))

@@ -8,11 +8,14 @@ The rule (shared with ``nestpipe.kernels``), for table ``t`` (its index in the s
    pattern. Two raw ids may so share one row; the trainer treats that row like any other.
 2. **Permute.** ``p = (a_t * id + b_t) mod V``, a bijection of ``[0, V)`` because ``gcd(a_t, V) == 1``;
    ``a_t`` and ``b_t`` are derived from ``mix64`` of the table id (and a salt, 0 by default).
-3. **Own.** With ``R = ceil(V / W)`` rows per rank, rank ``p // R`` owns the row at local index ``p % R``
-   (fbgemm ``block_bucketize_sparse_features`` semantics with uniform block sizes ``R``).
+3. **Own.** The table is cut into ``k`` row shards held by the ranks ``owners = (o_0, ..., o_{k-1})`` (distinct;
+   by default every rank, ``o_j = j``; the sharding plan of :mod:`nestpipe.trainer.sharding_plan` may give a
+   table one owner, *table-wise*, or a subset, *row-wise over k ranks*). With ``R = ceil(V / k)`` rows per shard,
+   rank ``o_(p // R)`` owns the row at local index ``p % R`` (fbgemm ``block_bucketize_sparse_features``
+   semantics with uniform block sizes ``R``, followed by the shard -> rank map).
 
-Invariants: every in-vocabulary id has exactly one owner and one local row; ranks ``0..W-2`` own ``R`` rows, the
-last rank may own fewer. A row's initial value depends only on ``(seed, table, id, column)`` (counter-based hash),
+Invariants: every in-vocabulary id has exactly one owner and one local row; shards ``0..k-2`` hold ``R`` rows, the
+last may hold fewer; a rank outside ``owners`` holds no row of the table. A row's initial value depends only on ``(seed, table, id, column)`` (counter-based hash),
 never on the world size, so a run at any world size starts from the same full tables and rows can be
 materialised lazily on first touch.
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Tuple
+from typing import Sequence, Tuple
 
 import numpy as np
 
@@ -59,22 +62,46 @@ def to_vocab(ids: np.ndarray, vocab: int) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class TablePlacement:
-    """Placement of one table over ``world`` ranks (see the module docstring)."""
+    """Placement of one table over ``world`` ranks (see the module docstring). ``owners``: the ranks holding the
+    table's row shards in shard order; empty means every rank (``owners == range(world)``)."""
 
     table_id: int
     vocab: int
     world: int
     a: int
     b: int
+    owners: Tuple[int, ...] = ()
+
+    def __post_init__(self):
+        own = self.owner_ranks
+        if len(set(own)) != len(own) or any(not 0 <= o < self.world for o in own):
+            raise ValueError(f"table {self.table_id}: owners {list(own)} must be distinct ranks in [0, {self.world})")
+
+    @property
+    def owner_ranks(self) -> Tuple[int, ...]:
+        return tuple(self.owners) if self.owners else tuple(range(self.world))
+
+    @property
+    def shards(self) -> int:
+        return len(self.owner_ranks)
 
     @property
     def rows_per_rank(self) -> int:
-        return -(-self.vocab // self.world)
+        """Rows per shard ``R`` (the last shard may hold fewer)."""
+        return -(-self.vocab // self.shards)
+
+    def shard_of(self, rank: int) -> int:
+        """Shard index held by ``rank``, or -1 when it holds none of this table."""
+        own = self.owner_ranks
+        return own.index(rank) if rank in own else -1
 
     def local_rows(self, rank: int) -> int:
         """Number of rows rank ``rank`` owns."""
+        j = self.shard_of(rank)
+        if j < 0:
+            return 0
         r = self.rows_per_rank
-        return max(0, min(self.vocab, (rank + 1) * r) - rank * r)
+        return max(0, min(self.vocab, (j + 1) * r) - j * r)
 
     def permute(self, ids: np.ndarray) -> np.ndarray:
         """In-vocabulary ids -> permuted position p in ``[0, V)``."""
@@ -91,16 +118,24 @@ class TablePlacement:
         """In-vocabulary ids -> (owner rank int64, local row int64)."""
         p = self.permute(ids)
         r = np.int64(self.rows_per_rank)
-        return p // r, p % r
+        shard = p // r
+        if self.owners:
+            shard = np.asarray(self.owners, dtype=np.int64)[shard]
+        return shard, p % r
 
     def ids_of_rows(self, rank: int, rows: np.ndarray) -> np.ndarray:
         """Local rows of ``rank`` -> the in-vocabulary ids they hold."""
-        p = np.int64(rank) * np.int64(self.rows_per_rank) + np.asarray(rows, dtype=np.int64)
+        j = self.shard_of(rank)
+        if j < 0:
+            raise ValueError(f"table {self.table_id}: rank {rank} holds no shard (owners {list(self.owner_ranks)})")
+        p = np.int64(j) * np.int64(self.rows_per_rank) + np.asarray(rows, dtype=np.int64)
         return self.unpermute(p)
 
 
-def make_placement(table_id: int, vocab: int, world: int, salt: int = 0) -> TablePlacement:
-    """The placement of table ``table_id``; ``salt`` != 0 gives a different (still valid) permutation."""
+def make_placement(table_id: int, vocab: int, world: int, salt: int = 0,
+                   owners: Sequence[int] = ()) -> TablePlacement:
+    """The placement of table ``table_id``; ``salt`` != 0 gives a different (still valid) permutation; ``owners``
+    the ranks holding its row shards (default: all)."""
     if vocab < 1:
         raise ValueError(f"table {table_id}: vocabulary must be >= 1, got {vocab}")
     if vocab > MAX_VOCAB:
@@ -109,12 +144,17 @@ def make_placement(table_id: int, vocab: int, world: int, salt: int = 0) -> Tabl
         raise ValueError(f"world size must be >= 1, got {world}")
     h = _mix_int(table_id * 2 + 1 + (salt << 20))
     if vocab == 1:
-        return TablePlacement(table_id, vocab, world, 1, 0)
+        return TablePlacement(table_id, vocab, world, 1, 0, _owners(owners, world))
     a = 1 + h % (vocab - 1)
     while math.gcd(a, vocab) != 1:
         a = a + 1 if a + 1 < vocab else 1
     b = _mix_int(h ^ 0x5DEECE66D) % vocab
-    return TablePlacement(table_id, vocab, world, a, b)
+    return TablePlacement(table_id, vocab, world, a, b, _owners(owners, world))
+
+
+def _owners(owners: Sequence[int], world: int) -> Tuple[int, ...]:
+    own = tuple(int(o) for o in owners)
+    return () if own == tuple(range(world)) else own
 
 
 def init_rows(seed: int, table_id: int, ids: np.ndarray, dim: int, scale: float) -> np.ndarray:

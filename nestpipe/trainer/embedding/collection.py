@@ -47,6 +47,7 @@ from nestpipe.trainer.embedding.replicated import ReplicatedTable
 from nestpipe.trainer.embedding.store import RowStore, apply_adagrad
 from nestpipe.trainer.embedding.unique_based import ShardedUniqueBased, UniqueBased
 from nestpipe.trainer.placement import make_placement
+from nestpipe.trainer.sharding_plan import resolve_plan, table_owners
 from nestpipe.trainer.metrics import StageTimer
 
 
@@ -122,6 +123,7 @@ class ShardedEmbeddingCollection:
         self.table_kind = {t: manifest.tables[t].kind for t in names}
         self.dims = table_dims(manifest, cfg)
         self.kinds = {t: choose_kind(t, manifest.tables[t].vocab, self.table_kind[t], cfg) for t in names}
+        self.plan = resolve_plan(manifest, cfg.placement, self.kinds, self.table_kind, self.dims, world, device.type)
         self.stores: Dict[str, RowStore] = {}
         self.replicated: Dict[str, ReplicatedTable] = {}
         self.req_placement = {}
@@ -131,9 +133,11 @@ class ShardedEmbeddingCollection:
                 self.replicated[t] = ReplicatedTable(t, self.table_ids[t], v, self.dims[t], seed, cfg.init_scale, device,
                                                      dtype)
             else:
-                pl = make_placement(self.table_ids[t], v, world)
+                owners = table_owners(self.plan, t)
+                pl = make_placement(self.table_ids[t], v, world, owners=owners)
                 self.stores[t] = RowStore(t, pl, rank, self.dims[t], seed, cfg.init_scale, dtype)
-                self.req_placement[t] = make_placement(self.table_ids[t], v, world, salt=cfg.debug_requester_salt)
+                self.req_placement[t] = make_placement(self.table_ids[t], v, world, salt=cfg.debug_requester_salt,
+                                                       owners=owners)
         self.slots = [t for t in names if t in self.stores]
         # 2D sparse parallelism (nestpipe.trainer.sparse_groups): the sharded tables' accumulator scale and the
         # cross-group replica synchronisation run by update(); None / the config's scale in plain training

@@ -237,7 +237,10 @@ def test_2dsp_replicas_of_every_shard_are_bitwise_equal(runs, model, name):
     ck = checkpoint.latest(runs[(4, model, name)])
     assert replica_mismatches(ck, 2) == []
     files = [checkpoint.load_rank_file(ck, r) for r in range(4)]
-    assert files[0]["tables"] and all(len(t["rows"]) > 0 for f in files for t in f["tables"].values())
+    # not vacuous: every rank holds trained rows, every table has rows somewhere (the planned layout may put a
+    # table on one worker of the group)
+    assert all(sum(len(t["rows"]) for t in f["tables"].values()) > 0 for f in files)
+    assert all(any(len(f["tables"][t]["rows"]) for f in files) for t in files[0]["tables"])
     meta = checkpoint.read_meta(ck)
     assert all(p["world"] == 2 for p in meta["placement"].values())  # sharded over the group, not the world
 

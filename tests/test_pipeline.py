@@ -7,6 +7,11 @@ forward/backward; the embedding All2All of micro-batch i+1 during micro-batch i'
 timeline shows none. Negative controls: dual-buffer sync off and per-micro-batch updates break equality; the
 clustered vs random micro-batch partition agrees only within floating-point tolerance. Resume in nested is bitwise.
 
+2D sparse parallelism (``sparse_groups = 2`` at world size 4: two groups of two, tables sharded inside each group,
+replicas averaged across groups after every batch): nested == off bitwise for both models over ``STEPS_2DSP`` steps,
+all replicas of a shard bitwise equal, and the negative control: a dual-buffer sync that refreshes only the group's
+own keys(t) (not every row some group touched) breaks equality.
+
 All runs of one world size share one launch of the ranks (``nestpipe.trainer.pipeline.testing``).
 """
 
@@ -26,6 +31,7 @@ from nestpipe.trainer.pipeline.testing import run_plan, write_run
 from nestpipe.trainer.testing import make_shards
 
 STEPS = 20
+STEPS_2DSP = 10  # world 4 on a 2-core machine: fewer steps
 MB = 4  # micro-batches per batch
 SETS = {
     "hstu": {"embedding": {"replicate_max_rows": 300, "lr": 0.05}, "optim": {"lr": 0.01, "weight_decay": 0.01},
@@ -51,19 +57,27 @@ def runs(tmp_path_factory):
                 vocab=400, seq_len=10, seed=1)
     make_shards(shards["dlrm"], "ctr", batch_size=16, micro_batches=MB, shards=(11, 12, 11), eval_shards=(1,),
                 vocab=400, seed=2)
+    # world 4 (2D-SP): four shards, uneven batch counts
+    shards4 = {"hstu": str(base / "gr4"), "dlrm": str(base / "ctr4")}
+    make_shards(shards4["hstu"], "gr", batch_size=12, micro_batches=MB, shards=(10, 11, 10, 12), eval_shards=(1,),
+                vocab=400, seq_len=10, seed=3)
+    make_shards(shards4["dlrm"], "ctr", batch_size=16, micro_batches=MB, shards=(10, 11, 10, 12), eval_shards=(1,),
+                vocab=400, seed=4)
     out = {}
 
-    def add(plan, world, model, name, pipeline, steps=STEPS, resume=False, checkpoint_every=0, **pipe):
+    def add(plan, world, model, name, pipeline, steps=STEPS, resume=False, checkpoint_every=0, top=None, **pipe):
         run = str(base / f"w{world}-{model}-{name}")
         if not resume:
             sets = _sets(model, **pipe)
+            sets.update(top or {})
             if world == 3:
                 # world 3 keeps every sharded table row-wise over all ranks (400 rows: uneven ownership 134/133/133);
-                # world 2 runs the default planned layout (table-wise and row-wise tables mixed)
+                # world 2 runs the default planned layout (table-wise and row-wise tables mixed), world 4 (2D-SP)
+                # the planned layout inside each group of 2
                 sets["embedding"]["placement"] = "hashed"
             if name == "nested":
                 sets["pipe"]["gantt_steps"] = 3  # one run draws the Gantt chart
-            write_run(run, shards[model], model, pipeline, steps, sets, checkpoint_every)
+            write_run(run, (shards4 if world == 4 else shards)[model], model, pipeline, steps, sets, checkpoint_every)
         plan.append({"run": run, "resume": resume})
         out[(world, model, name)] = run
 
@@ -83,10 +97,16 @@ def runs(tmp_path_factory):
     for model in ("hstu", "dlrm"):
         add(plan3, 3, model, "off", "off")
         add(plan3, 3, model, "nested", "nested")
+    plan4 = []  # 2D sparse parallelism: 2 groups of 2
+    sg = {"sparse_groups": 2}
+    for model in ("hstu", "dlrm"):
+        add(plan4, 4, model, "off", "off", steps=STEPS_2DSP, top=sg)
+        add(plan4, 4, model, "nested", "nested", steps=STEPS_2DSP, top=sg)
+        add(plan4, 4, model, "own-keys", "nested", steps=STEPS_2DSP, top=sg, debug_replica_refresh_own_keys_only=True)
     # the alternative FWP layout (one comm thread for both exchange groups, pipe.comm_threads = 1)
     for model in ("hstu", "dlrm"):
         add(plan2, 2, model, "nested-1t", "nested", comm_threads=1)
-    for world, plan in ((2, plan2), (3, plan3)):
+    for world, plan in ((2, plan2), (3, plan3), (4, plan4)):
         p = run_plan(plan, world, str(base / f"plan{world}.json"), timeout=400)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
         if world == 2:
@@ -113,24 +133,33 @@ def _spans(run):
     return tl.load_chrome_trace(os.path.join(run, "trace.json"))
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("model", ["hstu", "dlrm"])
 def test_nested_is_bitwise_equal_to_off_and_overlaps(runs, model, world):
+    """World 4 runs 2D sparse parallelism (2 groups of 2)."""
+    steps = STEPS_2DSP if world == 4 else STEPS
     off, nested = _export(runs[(world, model, "off")]), _export(runs[(world, model, "nested")])
-    assert int(off["meta.step"]) == STEPS
+    assert int(off["meta.step"]) == steps
     assert _bitwise_diff(off, nested) == []
     assert len([k for k in off if k.startswith("optim.dense.")]) > 0 and len(off) > 10
     # the parameters really moved (equality is not two untouched initialisations)
     m = json.load(open(os.path.join(runs[(world, model, "nested")], "metrics.json")))
-    assert m["steps_run"] == STEPS and m["pipeline"] == "nested" and m["world"] == world
+    assert m["steps_run"] == steps and m["pipeline"] == "nested" and m["world"] == world
     assert all(r["dbp_rows_synced"] > 0 for r in m["per_rank"])  # the DBP sync copied shared rows
+    if world == 4:
+        for r in m["per_rank"]:
+            sg = r["sparse_groups"]
+            assert (sg["group_size"], sg["num_groups"], sg["syncs"]) == (2, 2, steps), sg
+            # the case the 2D-SP refresh exists for happened: rows of batch t+1 that only the other group touched
+            # in batch t were refreshed from the replica synchronisation
+            assert sg["rows_from_other_groups"] > 0 and sg["prefetch_rows_refreshed_outside_own_keys"] > 0, sg
     # timeline: overlap really happened, on every rank
     spans = _spans(runs[(world, model, "nested")])
     for rank in range(world):
         ret = tl.retrieval_overlaps(spans, rank)
         a2a = tl.a2a_overlaps(spans, rank)
-        assert len(ret) >= (STEPS - 1) // 2, (rank, ret)
-        assert len(a2a) >= STEPS * (MB - 1) // 4, (rank, a2a)
+        assert len(ret) >= (steps - 1) // 2, (rank, ret)
+        assert len(a2a) >= steps * (MB - 1) // 4, (rank, a2a)
         threads = {s["thread"] for s in spans if s["rank"] == rank}
         assert {"data", "h2d", "route", "retrieve", "compute", "embed-comm", "grad-comm"} <= threads
     # the same queries find nothing in the synchronous schedule (the overlap check can fail)
@@ -173,6 +202,36 @@ def test_negative_control_dual_buffer_sync_off_breaks_equality(runs, model):
     early = [s["step"] for s in spans if s["rank"] == 0 and s["stage"] == "retrieve"
              and s["step"] - 1 in upd and s["t0"] < upd[s["step"] - 1]["t1"]]
     assert early
+
+
+@pytest.mark.parametrize("model", ["hstu", "dlrm"])
+def test_2dsp_negative_control_refresh_of_own_keys_only_breaks_equality(runs, model):
+    """2D-SP: the replica synchronisation changes rows outside the group's keys(t); a dual-buffer sync restricted to
+    keys(t) ∩ keys(t+1) leaves those rows stale in batch t+1's prefetch buffer, and nested != off."""
+    off, bad = _export(runs[(4, model, "off")]), _export(runs[(4, model, "own-keys")])
+    diff = _bitwise_diff(off, bad)
+    assert any(k.startswith("embedding.") for k in diff), diff
+    m = json.load(open(os.path.join(runs[(4, model, "own-keys")], "metrics.json")))
+    assert all(r["sparse_groups"]["prefetch_rows_refreshed"] == 0 for r in m["per_rank"])  # the 2D-SP refresh was off
+
+
+@pytest.mark.parametrize("model", ["hstu", "dlrm"])
+@pytest.mark.parametrize("name", ["off", "nested"])
+def test_2dsp_replicas_of_every_shard_are_bitwise_equal(runs, model, name):
+    """Worker j of every group holds shard j: after training the checkpoint's rank files j and j + 2 hold the same
+    rows, weights and AdaGrad state, bitwise (the export reads group 0's files)."""
+    from nestpipe.trainer import checkpoint
+    from nestpipe.trainer.sparse_groups import replica_mismatches
+
+    ck = checkpoint.latest(runs[(4, model, name)])
+    assert replica_mismatches(ck, 2) == []
+    files = [checkpoint.load_rank_file(ck, r) for r in range(4)]
+    # not vacuous: every rank holds trained rows, every table has rows somewhere (the planned layout may put a
+    # table on one worker of the group)
+    assert all(sum(len(t["rows"]) for t in f["tables"].values()) > 0 for f in files)
+    assert all(any(len(f["tables"][t]["rows"]) for f in files) for t in files[0]["tables"])
+    meta = checkpoint.read_meta(ck)
+    assert all(p["world"] == 2 for p in meta["placement"].values())  # sharded over the group, not the world
 
 
 def test_negative_control_update_per_micro_batch_breaks_equality(runs):

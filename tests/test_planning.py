@@ -90,6 +90,8 @@ def test_planner_splits_hot_tables_and_respects_memory():
         ranks = [s["rank"] for s in v["shards"]]
         assert len(ranks) == len(set(ranks)) == v["row_shards"] * v["col_shards"]
     assert plan["trainer_config"]["embedding"]["kinds"]["item"] == "unique"
+    p8 = make_plan(tables, PlannerConfig(workers=16, batch_per_worker=512, group_size=8), hw)
+    assert p8["trainer_config"]["sparse_groups"] == p8["group_size"] == 8 and p8["replica_groups"] == 2
     # memory cap forces row splits of a table that does not fit one worker
     big = [TableInfo("big", 100_000_000, 64, "sequence", 1, 0.1)]
     p = make_plan(big, PlannerConfig(workers=8, group_size=8, dram_cap=10e9), hw)

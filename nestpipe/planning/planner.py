@@ -295,7 +295,7 @@ def make_plan(tables: List[TableInfo], cfg: PlannerConfig, hw: HardwareConfig) -
                      "replica_sync_ms": 1e3 * replica_sync_seconds(tables, lays, group, cfg, hw),
                      "iterations": res["iterations"]},
         "trainer_config": {"embedding": {"kinds": {n: v["exchange"] for n, v in out_tables.items()}},
-                           "sparse_groups": cfg.workers // group},
+                           "sparse_groups": group},  # the trainer's --sparse-groups M: workers per group
     }
 
 

@@ -20,6 +20,17 @@ def add_parser(subparsers) -> None:
     p.add_argument("--pipeline", choices=["off", "dbp", "fwp", "nested"], default=None,
                    help="nested (default): DBP between batches + FWP inside a batch; dbp or fwp alone; off: "
                         "the synchronous step. All four give bitwise-identical results")
+    p.add_argument("--sparse-groups", type=int, default=None, metavar="M",
+                   help="2D sparse parallelism: M = number of workers in one model-parallel group. The world "
+                        "(W ranks) is split into W/M groups of M consecutive ranks; inside a group every sharded "
+                        "table is sharded over its M workers (key routing and All2Alls stay inside the group), so "
+                        "each group holds a full replica of the tables and trains it on its own ranks' data; after "
+                        "every batch the W/M replicas of each shard are averaged (weights and AdaGrad state of the "
+                        "rows any group touched). Dense parameters and replicated tables stay all-reduced over all "
+                        "W ranks. W must be divisible by M. M = W (or 0, the default): plain training, one group. "
+                        "M = 1: every rank holds full replicas (data-parallel tables, no All2All). "
+                        "--set embedding.optimizer=rowwise_adagrad_2dsp selects the momentum-scaled row-wise "
+                        "AdaGrad (accumulator divided by W/M)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--steps", type=int)
     g.add_argument("--epochs", type=int)
@@ -81,7 +92,8 @@ def _train(args) -> int:
         d = merge(d, load_config_file(args.config))
     flags = {"shards": args.shards, "out": args.out, "model": args.model, "pipeline": args.pipeline,
              "steps": args.steps, "epochs": args.epochs, "checkpoint_every": args.checkpoint_every,
-             "seed": args.seed, "device": args.device, "timeout_s": args.timeout}
+             "seed": args.seed, "device": args.device, "timeout_s": args.timeout,
+             "sparse_groups": args.sparse_groups}
     d = merge(d, {k: v for k, v in flags.items() if v is not None})
     d = merge(d, _parse_set(args.set))
     if args.no_progress:
@@ -94,6 +106,11 @@ def _train(args) -> int:
 
     if cfg.pipeline not in PIPELINE_MODES:
         raise ValueError(f"--pipeline {cfg.pipeline}: expected one of {', '.join(PIPELINE_MODES)}")
+    if not any(a.startswith("--nnodes") or a.startswith("--rdzv") for a in args.torchrun_args):
+        from nestpipe.trainer import sparse_groups  # one node: the world size is known now, fail before launching
+
+        layout = sparse_groups.resolve(cfg.sparse_groups, args.nproc_per_node)
+        sparse_groups.momentum_scale(cfg.embedding.optimizer, layout, cfg.embedding.momentum_scale_groups)
     from nestpipe.datasets.shards import load_manifest
     from nestpipe.trainer.models import MODEL_TASK
 

@@ -33,10 +33,16 @@ class EmbeddingConfig:
     init_scale: float = 0.05
     lr: float = 0.05
     eps: float = 1e-8
-    # 2D sparse parallelism's momentum-scaled row-wise AdaGrad: w -= lr * g / sqrt(v / M + eps); M = 1 is off.
+    # Explicit accumulator scale of row-wise AdaGrad for every table: w -= lr * g / (sqrt(v / M) + eps); 1 = off.
     momentum_scale_groups: int = 1
+    # Sharded tables' optimizer: ``rowwise_adagrad`` or ``rowwise_adagrad_2dsp`` (2D sparse parallelism's
+    # momentum-scaled variant: the accumulator is divided by the number of replica groups ``world / sparse_groups``;
+    # replicated tables keep plain row-wise AdaGrad). See docs/trainer.md, "2D sparse parallelism".
+    optimizer: str = "rowwise_adagrad"
     # debug: requester routes with a different placement salt than owners use (must break correctness).
     debug_requester_salt: int = 0
+    # debug (negative control, 2D-SP): skip the cross-group replica synchronisation (replicas diverge).
+    debug_skip_replica_sync: bool = False
 
 
 @dataclasses.dataclass
@@ -103,6 +109,9 @@ class PipelineConfig:
     # debug (negative controls): skip the dual-buffer sync copy; apply the update after every micro-batch.
     debug_skip_dual_buffer_sync: bool = False
     debug_update_per_micro_batch: bool = False
+    # debug (negative control, 2D-SP): the dual-buffer sync refreshes only the group's own keys(t), not every row
+    # the replica synchronisation changed (rows touched by any group).
+    debug_replica_refresh_own_keys_only: bool = False
 
 
 @dataclasses.dataclass
@@ -119,6 +128,9 @@ class TrainConfig:
     threads: int = 1
     timeout_s: float = 60.0
     checkpoint_every: int = 0
+    # 2D sparse parallelism: M = workers per model-parallel group (world / M replica groups, data-parallel across
+    # groups); 0 or the world size = plain training. See nestpipe.trainer.sparse_groups and docs/trainer.md.
+    sparse_groups: int = 0
     log_every: int = 1
     progress: bool = True
     verify_shards: bool = True

@@ -26,10 +26,11 @@ from nestpipe.trainer.config import TrainConfig
 from nestpipe.trainer.data import ShardStream
 from nestpipe.trainer.device import Device
 from nestpipe.trainer.metrics import ScalarLog, write_json_atomic
-from nestpipe.trainer.pipeline import process_groups, timeline as tlmod
+from nestpipe.trainer.pipeline import timeline as tlmod
 from nestpipe.kernels import kernel_paths
 from nestpipe.trainer.pipeline.scheduler import PipelineRunner
 from nestpipe.trainer.step import build_state
+from nestpipe.trainer import sparse_groups
 
 
 def total_steps(cfg: TrainConfig, batches_per_rank: int) -> int:
@@ -52,7 +53,7 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
     stream = ShardStream(cfg.shards, "train", rank, world, verify=cfg.verify_shards)
     manifest = stream.manifest
     steps = total_steps(cfg, stream.batches_per_rank)
-    groups = process_groups.create(world)
+    groups = sparse_groups.create_stage_groups(sparse_groups.resolve(cfg.sparse_groups, world, rank))
     state = build_state(cfg, manifest, rank, world, device.torch, groups=groups)
     start = 0
     if resume:
@@ -126,6 +127,7 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
             "stages_s": t.summary(), "exposed_communication_s": t.exposed_communication(),
             "exposed_lookup_s": t.exposed_lookup(), "communication_total_s": t.communication_total(),
             "lookup_total_s": t.lookup_total(), "dbp_rows_synced": runner.rows_synced,
+            **sparse_groups.metrics(state.emb),
             "network_bytes": dict(t.bytes),
             "timeline": state.timeline.export()}
     gathered = [None] * world

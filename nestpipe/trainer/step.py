@@ -264,10 +264,15 @@ def build_state(cfg: TrainConfig, manifest: Manifest, rank: int, world: int, dev
 
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype {cfg.dtype!r}: expected one of {sorted(DTYPES)}")
+    from nestpipe.trainer import sparse_groups
+
     timer = StageTimer()
-    emb = ShardedEmbeddingCollection(manifest, cfg.embedding, cfg.seed, rank, world, device,
+    # 2D-SP: the tables are sharded over the rank's model-parallel group (its local rank of M); plain: over the world
+    layout = sparse_groups.resolve(cfg.sparse_groups, world, rank)
+    emb = ShardedEmbeddingCollection(manifest, cfg.embedding, cfg.seed, layout.local_rank, layout.group_size, device,
                                      negatives=cfg.model == "hstu", group=group, timer=timer,
                                      dtype=DTYPES[cfg.dtype])
+    sparse_groups.attach(emb, layout, cfg, groups)
     model = build_model(cfg, manifest, emb.dims).to(device=device, dtype=DTYPES[cfg.dtype])
     o = cfg.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,

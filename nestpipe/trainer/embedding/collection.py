@@ -166,6 +166,10 @@ class ShardedEmbeddingCollection:
                 self.req_placement[t] = make_placement(self.table_ids[t], v, world, salt=cfg.debug_requester_salt,
                                                        owners=owners)
         self.slots = [t for t in names if t in self.stores]
+        # 2D sparse parallelism (nestpipe.trainer.sparse_groups): the sharded tables' accumulator scale and the
+        # cross-group replica synchronisation run by update(); None / the config's scale in plain training
+        self.sparse_momentum_scale = cfg.momentum_scale_groups
+        self.replica_sync = None
         self.negatives = negatives
         # The routing payload carries local rows (< a store's rows), key positions (< a table's vocabulary: keys
         # are unique in-vocabulary ids) and sample indices (< the batch size): int32 when all of these fit (the
@@ -404,7 +408,8 @@ class ShardedEmbeddingCollection:
         t0 = time.perf_counter()
         for st, o in routing.own.items():
             store = self.stores[st]
-            o.direct = bool(direct and self.device.type == "cpu")
+            # 2D-SP's replica synchronisation reads the batch's pre- and post-update rows from the buffer
+            o.direct = bool(direct and self.device.type == "cpu" and self.replica_sync is None)
             if o.direct:
                 store.ensure_materialized(o.rows)
                 o.src = store.weight
@@ -521,6 +526,7 @@ class ShardedEmbeddingCollection:
         t0 = time.perf_counter()
         cfg = self.cfg
         g = routing.grad_payload
+        before = self.replica_sync.snapshot(routing) if self.replica_sync is not None else None
         for st, o in routing.own.items():
             store = self.stores[st]
             grad_pairs = (o.entry_offsets, o.pair_src)
@@ -528,14 +534,16 @@ class ShardedEmbeddingCollection:
                 # in place in the store (the fused kernel sums each row's entries and pairs in order: no gradient
                 # is materialised); nothing to write back
                 with store.lock:
-                    apply_adagrad(store.weight, store.state, o.rows, g, cfg.lr, cfg.eps, cfg.momentum_scale_groups,
+                    apply_adagrad(store.weight, store.state, o.rows, g, cfg.lr, cfg.eps, self.sparse_momentum_scale,
                                   (o.seg_order, o.seg_offsets), o.inv, grad_pairs)
             else:
                 # in place into the batch's buffer, then written back to the store
                 buf_rows = torch.arange(len(o.rows), dtype=torch.int64)
-                apply_adagrad(o.buf_w, o.buf_s, buf_rows, g, cfg.lr, cfg.eps, cfg.momentum_scale_groups,
+                apply_adagrad(o.buf_w, o.buf_s, buf_rows, g, cfg.lr, cfg.eps, self.sparse_momentum_scale,
                               (o.seg_order, o.seg_offsets), o.inv, grad_pairs)
                 store.write_back(o.rows, o.buf_w, o.buf_s)
+        if self.replica_sync is not None:  # 2D-SP: average the replicas of the touched rows (store and buffer)
+            self.replica_sync.sync(routing, before)
         if release:
             self.release(routing)
         elif g is not None:

@@ -17,7 +17,12 @@ Why it holds:
    them from the updated active buffer into the prefetch buffer before u's forward begins (bitwise copies).
 3. Key routing (stages 1-3) does not read parameters, so it may run any number of batches ahead.
 
-``skip_sync`` (debug, ``pipe.debug_skip_dual_buffer_sync``) drops step 2: the negative control for this invariant.
+2'. With 2D sparse parallelism the replica synchronisation after batch u-1's update also changes rows of this
+   shard that other groups touched (outside this group's keys(u-1)): step 2 copies every row touched by ANY group
+   in batch u-1 that batch u holds (:meth:`~nestpipe.trainer.embedding.replica_sync.ReplicaSync.refresh_prefetch`).
+
+``skip_sync`` (debug, ``pipe.debug_skip_dual_buffer_sync``) drops step 2: the negative control for this invariant;
+``replica_own_keys_only`` (debug, ``pipe.debug_replica_refresh_own_keys_only``) drops 2' (the 2D-SP control).
 """
 
 from __future__ import annotations
@@ -36,9 +41,10 @@ class Stopped(Exception):
 class DualBuffer:
     PERMITS = 2  # active + prefetch
 
-    def __init__(self, emb: ShardedEmbeddingCollection, skip_sync: bool = False):
+    def __init__(self, emb: ShardedEmbeddingCollection, skip_sync: bool = False, replica_own_keys_only: bool = False):
         self.emb = emb
         self.skip_sync = skip_sync
+        self.replica_own_keys_only = replica_own_keys_only  # debug: 2D-SP negative control
         self._free = threading.Semaphore(self.PERMITS)
         self.rows_synced = 0
         self.syncs = 0
@@ -64,7 +70,11 @@ class DualBuffer:
     def sync(self, active: Routing, prefetch: Optional[Routing]) -> None:
         """The first half of :meth:`hand_over`: after it ``prefetch``'s buffer is final (may serve requests)."""
         if prefetch is not None and not self.skip_sync:
-            self.rows_synced += self.emb.sync_dual_buffer(active, prefetch)
+            if self.emb.replica_sync is not None and not self.replica_own_keys_only:
+                # 2D-SP: every row the replica synchronisation changed, see replica_sync.refresh_prefetch
+                self.rows_synced += self.emb.replica_sync.refresh_prefetch(active, prefetch)
+            else:
+                self.rows_synced += self.emb.sync_dual_buffer(active, prefetch)
             self.syncs += 1
 
     def release(self, active: Routing) -> None:

@@ -175,7 +175,8 @@ class PipelineRunner:
         pc = st.cfg.pipe
         n = stop - start
         halt = threading.Event()
-        dual = DualBuffer(st.emb, skip_sync=pc.debug_skip_dual_buffer_sync)
+        dual = DualBuffer(st.emb, skip_sync=pc.debug_skip_dual_buffer_sync,
+                          replica_own_keys_only=pc.debug_replica_refresh_own_keys_only)
         q_data, q_h2d, q_route = (queue.Queue(maxsize=pc.depth) for _ in range(3))
         q_ready: queue.Queue = queue.Queue(maxsize=1)  # retrieval: at most one batch ahead of compute
         h2d_stream = StageStream(st.device)

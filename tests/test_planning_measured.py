@@ -1,0 +1,98 @@
+"""``nestpipe simulate --calibrate RUN``: calibrate on one measured run, predict held-out measured runs.
+
+Tiny GR configurations trained for real (8 steps each, 3 interleaved repeats, the fastest counts): calibration input ``--pipeline off``, world 2, 4
+micro-batches, plain loopback; held out: nested at world 2, off at 2 micro-batches, off and nested at world 3,
+and (as root, in a network namespace with a ``tc tbf`` cap, as in ``benchmarks/pipeline_bench.py``) off and nested
+across the cap. Each held-out step is predicted within 15% when the machine is quiet; on a machine loaded by other
+work (load average above the core count + 0.5) the runs measure that work too, so the test then checks the world-2
+runs within 50% and skips the 15% check, saying so.
+The full-size version with repeats is ``benchmarks/simulator_validation.py``.
+
+Deterministic checks beside it: the volumes the model derives from the shards (per-micro-batch distinct keys,
+remote share ``(W - 1) / W``) reproduce the bytes the trainer counted at world 3 and at another micro-batch count
+(negative control: without the remote share the world-3 bytes are off by a third).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+
+from nestpipe.cli import main
+from nestpipe.planning import measured
+from nestpipe.planning import validate_local as v
+
+C = v.Config
+STEPS, BATCH, SEQ, VOCAB = 8, 16, 40, 20_000
+CAP_BIT = 20e6
+REPEATS = 3  # interleaved; each configuration's fastest repeat counts
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    base = tmp_path_factory.mktemp("simcal")
+    shards = {n: v.make_gr_shards(str(base / f"gr-n{n}"), BATCH, SEQ, n, VOCAB, STEPS + 1) for n in (2, 4)}
+    cfgs = [C(2, "off", 4), C(2, "nested", 4), C(2, "off", 2), C(3, "off", 4), C(3, "nested", 4)]
+    ok, why = v.can_cap()
+    if ok:
+        cfgs += [C(2, "off", 4, CAP_BIT), C(2, "nested", 4, CAP_BIT)]
+    else:
+        print(f"bandwidth-capped configurations SKIPPED: {why} (need root, ip netns and tc)")
+    load0 = os.getloadavg()[0]
+    runs = v.train_configs(str(base / "runs"), shards, cfgs, STEPS, SEQ, repeats=REPEATS, timeout=300)
+    runs = {c: v.fastest(rs) for c, rs in runs.items()}
+    return {"runs": runs, "calib": runs[cfgs[0]], "capped": ok, "load": max(load0, os.getloadavg()[0])}
+
+
+def test_held_out_steps_predicted(trained):
+    rows, hw = v.validate(trained["calib"], trained["runs"])
+    table = v.format_rows(rows)
+    print(table)
+    held = [r for r in rows if r.role == "held-out"]
+    assert len(held) == len(rows) - 1 >= 4
+    assert any(r.config.cap_bit_per_s for r in held) == trained["capped"]
+    cal = [r for r in rows if r.role == "calibration"][0]
+    assert abs(cal.error) < 1e-6
+    cores = os.cpu_count() or 1
+    if trained["load"] <= cores + 0.5:
+        bad = [f"{r.config.tag}: {100 * r.error:+.1f}%" for r in held if abs(r.error) > 0.15]
+        assert not bad, f"outside 15%: {bad}\n{table}"
+        return
+    # other work on the machine: its CPU share and its wake-up delays are in the measurements, most of all where
+    # 3 ranks already oversubscribe 2 cores; the world-2 runs are checked loosely, the 15% target is not checked
+    bad = [f"{r.config.tag}: {100 * r.error:+.1f}%" for r in held if r.config.world <= cores and abs(r.error) > 0.5]
+    assert not bad, f"outside 50% on a loaded machine: {bad}\n{table}"
+    warnings.warn(f"15% target NOT checked: machine loaded by other work (load average {trained['load']:.1f} on "
+                  f"{cores} cores); measured:\n{table}")
+    pytest.skip(f"15% target not checked: load average {trained['load']:.1f} on {cores} cores (world-2 runs "
+                f"checked within 50%)")
+
+
+def test_volumes_from_the_shards_match_the_trainer_counters(trained):
+    runs = trained["runs"]
+    hw, wl2, _ = measured.calibrate_run(trained["calib"])
+    for cfg in (C(3, "off", 4), C(2, "off", 2)):
+        meas = measured.read_run(runs[cfg])
+        wl = measured.workload_from_shards(meas.shards, meas.cfg, cfg.world)
+        predicted = hw.embed_bytes_per_row * wl.exchanged_rows * wl.remote
+        assert predicted == pytest.approx(meas.bytes["embed"], rel=0.03), cfg
+        route = hw.route_bytes_per_key * (wl.batch_unique + wl.exchanged_rows) * wl.remote
+        assert route == pytest.approx(meas.bytes["route"], rel=0.05), cfg
+        if cfg.world == 3:  # negative control: the world-2 remote share
+            assert abs(hw.embed_bytes_per_row * wl.exchanged_rows * wl2.remote / meas.bytes["embed"] - 1) > 0.2
+    assert wl2.redundancy >= 1.0
+
+
+def test_cli_calibrate_prints_predictions(trained, capsys):
+    assert main(["simulate", "--calibrate", trained["calib"], "--workers", "2", "3", "--modes", "off", "nested"]) == 0
+    out = capsys.readouterr().out
+    assert "calibrated on" in out and "GFLOP/s" in out
+    assert len([ln for ln in out.splitlines() if ln.startswith(("off ", "nested "))]) == 4
+
+
+def test_calibration_refuses_a_pipelined_run(trained):
+    nested = trained["runs"][C(2, "nested", 4)]
+    with pytest.raises(measured.RunError, match="needs a --pipeline off run"):
+        measured.calibrate_run(nested)

@@ -1,5 +1,6 @@
 """Unit tests of the planning package: key arithmetic, network, timeline mechanics, planner, CLI."""
 
+import dataclasses
 import json
 import os
 
@@ -134,3 +135,36 @@ def test_calibrate_from_run_errors_name_the_file(tmp_path):
     with pytest.raises(ValueError, match="cannot parse metrics.json"):
         calibrate_from_run(str(run))
     assert main(["simulate", "--calibrate", str(run)]) == 1
+
+
+def _local(world=2, n=4, cores=2):
+    from nestpipe.planning import measured
+
+    hw = measured.LocalHardware(key_s=2e-6, row_s=1e-6, coll_latency_s=1e-3, coll_s_per_byte=1e-9, dense_flops=1e10,
+                                token_s=1e-7, step_overhead_s=2e-3, embed_bytes_per_row=260, grad_bytes_per_row=260,
+                                route_bytes_per_key=9, allreduce_bytes=1.6e5, calib_world=2, cores=cores)
+    wl = measured.LocalWorkload(world=world, batch=64, micro_batches=n, tokens=6400, batch_unique=3000,
+                                mb_unique=3600, flops_per_sample=2e7, exchanged_tables=["item"], neg_unique=60)
+    return hw, wl
+
+
+def test_local_model_mechanisms():
+    from nestpipe.planning import measured
+
+    hw, wl = _local()
+    off, nested = measured.predict(hw, wl, "off"), measured.predict(hw, wl, "nested")
+    # off: every task in sequence = CPU work + every collective
+    assert off.step_s == pytest.approx(off.cpu_s + off.comm_s, rel=1e-6)
+    # nested hides collectives but cannot beat the CPU floor (2 ranks on 2 cores: one core each)
+    assert off.cpu_s <= nested.step_s < off.step_s
+    # 3 ranks on 2 cores: CPU work runs at 2/3 of a core
+    w3 = measured.predict(hw, dataclasses.replace(wl, world=3), "off")
+    assert w3.cpu_stretch == pytest.approx(1.5) and w3.step_s > 1.4 * off.cpu_s
+    # a cap every rank's bytes cross: each embedding All2All needs W x bytes x wire overhead / rate
+    rate = 1e7
+    capped = measured.predict(hw, wl, "off", link_bit_per_s=rate)
+    mb_bytes = 260 * wl.exchanged_rows * wl.remote / wl.micro_batches
+    assert capped.comm_s > 2 * wl.micro_batches * 2 * mb_bytes * 8 / rate
+    assert capped.step_s > off.step_s
+    with pytest.raises(ValueError, match="pipeline must be one of"):
+        measured.predict(hw, wl, "2dsp")

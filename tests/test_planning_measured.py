@@ -1,16 +1,17 @@
 """``nestpipe simulate --calibrate RUN``: calibrate on one measured run, predict held-out measured runs.
 
-Tiny GR configurations trained for real (8 steps each, 3 interleaved repeats, the fastest counts): calibration input ``--pipeline off``, world 2, 4
-micro-batches, plain loopback; held out: nested at world 2, off at 2 micro-batches, off and nested at world 3,
-and (as root, in a network namespace with a ``tc tbf`` cap, as in ``benchmarks/pipeline_bench.py``) off and nested
-across the cap. Each held-out step is predicted within 15% when the machine is quiet; on a machine loaded by other
-work (load average above the core count + 0.5) the runs measure that work too, so the test then checks the world-2
-runs within 50% and skips the 15% check, saying so.
+Tiny GR configurations trained for real (8 steps each, 3 interleaved repeats, the fastest counts): calibration
+input ``--pipeline off``, world 2, 4 micro-batches, plain loopback; held out: nested at world 2, off at 2
+micro-batches, off and nested at world 3, and (as root, in a network namespace with a ``tc tbf`` cap, as in
+``benchmarks/pipeline_bench.py``) off and nested across the cap. Each held-out step is predicted within 15% when
+the machine is quiet; on a machine loaded by other work (load average above the core count + 0.5) the runs measure
+that work too, so the test then checks the world-2 runs within 50% and skips the 15% check, saying so.
 The full-size version with repeats is ``benchmarks/simulator_validation.py``.
 
 Deterministic checks beside it: the volumes the model derives from the shards (per-micro-batch distinct keys,
-remote share ``(W - 1) / W``) reproduce the bytes the trainer counted at world 3 and at another micro-batch count
-(negative control: without the remote share the world-3 bytes are off by a third).
+remote share ``(W - 1) / W``, the negatives sent with every micro-batch) reproduce the bytes the trainer counted at
+world 3 and at another micro-batch count (negative control: with the world-2 remote share the world-3 bytes are off
+by a quarter).
 """
 
 from __future__ import annotations

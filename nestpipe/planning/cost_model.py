@@ -189,7 +189,8 @@ def step_costs(wl: WorkloadConfig, hw: HardwareConfig, sc: Scenario, scales: Opt
         update=rows_owner * rb * 4 / hw.hbm_bw,
         writeback=rows_owner * rb / hw.pcie_bw,
         sync=rows_owner * overlap * rb * 2 / hw.hbm_bw if sc.dbp else 0.0,
-        info={"unique_per_batch": uniq, "owner_rows": rows_owner, "lookup_rows": rows_lookup, "owner_dedup_factor": rho, "redundancy": red,
+        info={"unique_per_batch": uniq, "owner_rows": rows_owner, "lookup_rows": rows_lookup,
+              "owner_dedup_factor": rho, "redundancy": red,
               "micro_batches": n, "group_size": peers, "replica_groups": replicas,
               "all2all_bytes_per_step": 2 * n * mb_bytes},
     )

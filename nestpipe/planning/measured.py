@@ -351,8 +351,8 @@ def step_costs_local(hw: LocalHardware, wl: LocalWorkload, pipeline: str, link_b
         replica=0.0,
         update=hw.step_overhead_s * s + coll(allreduce),
         writeback=0.0, sync=0.0,
-        info={"cpu_s": hw.token_s * wl.tokens + hw.key_s * (wl.batch_unique + wl.neg_unique) + hw.row_s * wl.exchanged_rows
-              + dense * n + hw.step_overhead_s})
+        info={"cpu_s": hw.token_s * wl.tokens + hw.key_s * (wl.batch_unique + wl.neg_unique)
+              + hw.row_s * wl.exchanged_rows + dense * n + hw.step_overhead_s})
 
 
 MODES_LOCAL = ("off", "dbp", "fwp", "nested")
@@ -377,7 +377,8 @@ def predict(hw: LocalHardware, wl: LocalWorkload, pipeline: str, link_bit_per_s:
     costs, sched = run(stretch)
     cpu = costs.info["cpu_s"]
     floor = wl.world * cpu / hw.cores
-    comm = sum(costs.fwd) + sum(costs.bwd) + costs.route + (costs.update - hw.step_overhead_s * stretch)
+    comm = (sum(costs.fwd) + sum(costs.bwd) - hw.row_s * wl.exchanged_rows * stretch + costs.route
+            + costs.update - hw.step_overhead_s * stretch)
     return LocalPrediction(pipeline, wl.world, wl.micro_batches, link_bit_per_s, max(sched.step_time, floor), stretch,
                            sched.exposed["comm"], sched.exposed["lookup"], comm, cpu)
 

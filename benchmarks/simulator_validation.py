@@ -1,6 +1,6 @@
 """Simulator validation on measured runs: calibrate on one configuration, predict the measured step of the others.
 
-    python benchmarks/simulator_validation.py [--rounds 3] [--steps 14] [--batch 64] [--seq-len 100]
+    python benchmarks/simulator_validation.py [--repeats 3] [--steps 14] [--batch 64] [--seq-len 100]
         [--cap-mbit 200] [--no-cap] [--out /tmp/nestpipe-simval]
 
 Workload: the GR-shaped workload of ``benchmarks/pipeline_bench.py`` (item 1M rows + action 256 rows, dim 64, Zipf
@@ -11,10 +11,10 @@ Held out: nested / dbp / fwp at world 2, off and nested at 4 and 16 micro-batche
 off and nested across a ``tc tbf`` cap of ``--cap-mbit`` in a network namespace (root only; skipped with a message
 otherwise).
 
-Every round trains every configuration once (one launch of the ranks per world size and network). The machine is
-shared: per round, the calibration and the predictions use that round's runs; the summary takes each
-configuration's fastest round (the run least disturbed by other load), calibrated on the calibration
-configuration's fastest round, and prints the per-round errors beside it. Measured step: the median traced step.
+Every configuration is trained ``--repeats`` times, interleaved (A B C A B C ..., one launch of the ranks per world
+size and network). The machine is shared: each configuration's fastest repeat (the run least disturbed by other
+load) counts, the calibration is the calibration configuration's fastest repeat, and all repeats are printed.
+Measured step: the median traced step (``measured.read_run``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def configs(cap_bit):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=100)
@@ -67,42 +67,33 @@ def main(argv=None):
             v.make_gr_shards(shards[n], args.batch, args.seq_len, n, args.vocab, args.steps + 2)
     cfgs = configs(cap)
     calib = cfgs[0]
-    rounds = []
-    for r in range(args.rounds):
-        t0, load0 = time.time(), os.getloadavg()[0]
-        runs = v.train_configs(os.path.join(args.out, f"round{r}"), shards, cfgs, args.steps, args.seq_len)
-        rows, hw = v.validate(runs[calib], runs)
-        print(f"\nround {r}: {time.time() - t0:.0f} s, load average {load0:.1f} -> {os.getloadavg()[0]:.1f} "
-              f"(2 cores); calibrated on {calib.tag}")
-        print(v.format_rows(rows))
-        rounds.append({"runs": {c.tag: run for c, run in runs.items()},
-                       "rows": {x.config.tag: (x.predicted_s, x.measured_s) for x in rows}, "hardware": hw.as_dict()})
-    # fastest round per configuration; calibration on the calibration configuration's fastest round
-    best = {}
-    for c in cfgs:
-        steps = [measured.read_run(rd["runs"][c.tag]).step_s for rd in rounds]
-        best[c] = rounds[int(np.argmin(steps))]["runs"][c.tag]
+    t0, load0 = time.time(), os.getloadavg()[0]
+    runs = v.train_configs(os.path.join(args.out, "runs"), shards, cfgs, args.steps, args.seq_len,
+                           repeats=args.repeats)
+    load1 = os.getloadavg()[0]
+    steps = {c: [measured.read_run(r).step_s for r in rs] for c, rs in runs.items()}
+    best = {c: v.fastest(rs) for c, rs in runs.items()}
     rows, hw = v.validate(best[calib], best)
-    per_round = {c.tag: [rd["rows"][c.tag][0] / rd["rows"][c.tag][1] - 1 for rd in rounds] for c in cfgs}
-    print(f"\nsummary: each configuration's fastest of {args.rounds} rounds, calibrated on {calib.tag}'s fastest")
-    print(f"fitted: lookup {hw.key_s * 1e6:.2f} us/key, exchange {hw.row_s * 1e6:.2f} us/row, collective "
-          f"{hw.coll_latency_s * 1e3:.2f} ms + {hw.coll_s_per_byte * 1e9:.2f} ns/B, dense "
-          f"{hw.dense_flops / 1e9:.1f} GFLOP/s, data {hw.token_s * 1e9:.0f} ns/token, overhead "
+    print(f"\n{len(cfgs)} configurations x {args.repeats} interleaved repeats in {time.time() - t0:.0f} s; load "
+          f"average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} cores")
+    print(f"calibrated on {calib.tag} (its fastest repeat): lookup {hw.key_s * 1e6:.2f} us/key, exchange "
+          f"{hw.row_s * 1e6:.2f} us/row, collective {hw.coll_latency_s * 1e3:.2f} ms + {hw.coll_s_per_byte * 1e9:.2f} "
+          f"ns/B, dense {hw.dense_flops / 1e9:.1f} GFLOP/s, data {hw.token_s * 1e9:.0f} ns/token, overhead "
           f"{hw.step_overhead_s * 1e3:.1f} ms, {hw.cores} cores")
     lines = v.format_rows(rows).split("\n")
-    print(lines[0] + "   per-round errors")
+    print(lines[0] + "   measured repeats (ms)")
     print(lines[1])
     for x, line in zip(rows, lines[2:]):
-        pr = ", ".join(f"{100 * e:+.0f}%" for e in per_round[x.config.tag])
-        print(f"{line}   {pr}")
+        print(f"{line}   {', '.join(f'{1e3 * t:.1f}' for t in steps[x.config])}")
     held = [x for x in rows if x.role == "held-out"]
     within = sum(abs(x.error) <= 0.15 for x in held)
     print(f"held-out within 15%: {within} of {len(held)}; median |error| "
           f"{100 * float(np.median([abs(x.error) for x in held])):.1f}%")
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"args": vars(args), "rounds": rounds, "summary": {x.config.tag: {
+        json.dump({"args": vars(args), "load_average": [load0, load1], "summary": {x.config.tag: {
             "predicted_ms": x.predicted_s * 1e3, "measured_ms": x.measured_s * 1e3, "error": x.error, "role": x.role,
-            "per_round_errors": per_round[x.config.tag]} for x in rows}, "hardware": hw.as_dict()}, f, indent=1)
+            "measured_repeats_ms": [1e3 * t for t in steps[x.config]], "run": best[x.config]} for x in rows},
+            "hardware": hw.as_dict()}, f, indent=1)
     print(f"results: {os.path.join(args.out, 'results.json')}")
     return 0
 

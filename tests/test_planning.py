@@ -168,3 +168,16 @@ def test_local_model_mechanisms():
     assert capped.step_s > off.step_s
     with pytest.raises(ValueError, match="pipeline must be one of"):
         measured.predict(hw, wl, "2dsp")
+
+
+def test_local_model_two_comm_streams_and_negative_control():
+    from nestpipe.planning import measured
+
+    hw, wl = _local(n=16)
+    hw = dataclasses.replace(hw, coll_latency_s=3e-3, dense_flops=1e11)
+    two = measured.predict(hw, wl, "nested")
+    one = measured.predict(hw, wl, "nested", split_comm=False)
+    # 32 latency-bound collectives on one stream outlast the compute; on the trainer's two comm threads they do not
+    assert one.step_s > two.step_s * 1.05
+    capped = [measured.predict(hw, wl, "nested", link_bit_per_s=1e7, split_comm=s).step_s for s in (True, False)]
+    assert capped[0] == capped[1]  # across a cap both streams share the link's bytes

@@ -356,19 +356,23 @@ def step_costs_local(hw: LocalHardware, wl: LocalWorkload, pipeline: str, link_b
 
 
 MODES_LOCAL = ("off", "dbp", "fwp", "nested")
+COMM_STREAMS = {"fwd": "net", "bwd": "net.grad"}
 
 
 def predict(hw: LocalHardware, wl: LocalWorkload, pipeline: str, link_bit_per_s: Optional[float] = None,
-            mtu: int = 1500) -> LocalPrediction:
+            mtu: int = 1500, split_comm: bool = True) -> LocalPrediction:
     """Step of ``pipeline`` on ``wl``: the timeline with CPU tasks stretched by ``max(1, W / cores)``, and at least
-    the ranks' CPU work per step over the cores."""
+    the ranks' CPU work per step over the cores. ``split_comm``: the embedding and gradient All2Alls run on two
+    streams (the trainer's two FWP comm threads on the ``embed`` and ``grad`` groups), except across a bandwidth
+    cap, where they share the link's bytes; ``False`` is the negative control of one stream."""
     if pipeline not in MODES_LOCAL:
         raise ValueError(f"pipeline must be one of {MODES_LOCAL} (got {pipeline!r})")
     sc = Scenario(max(wl.world, 1), pipeline, micro_batches=wl.micro_batches)
 
     def run(stretch):
         c = step_costs_local(hw, wl, pipeline, link_bit_per_s, mtu, stretch)
-        return c, simulate_steps(c, sc)
+        split = split_comm and not link_bit_per_s
+        return c, simulate_steps(c, sc, stream_of=COMM_STREAMS if split else None)
 
     # ranks train in lockstep (every collective synchronises them), so their CPU phases coincide: with more ranks
     # than cores every CPU task runs at cores / W of a core; and a rank's threads together cannot use more than

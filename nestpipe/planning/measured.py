@@ -25,7 +25,8 @@ Everything else is a mechanism, not a fit:
   crosses the one capped loopback, so a collective whose ranks send ``b`` bytes each needs at least
   ``W b x wire overhead / rate``; the wire overhead is TCP/IP headers at the link's MTU;
 - what the pipelines hide: the event timeline of :mod:`nestpipe.planning.timeline` (the same one the paper-scale
-  predictions use), with the stages mapped onto its tasks.
+  predictions use), with the stages mapped onto its tasks; the embedding and gradient All2Alls on two streams (the
+  trainer's two FWP communication threads on two process groups), on one across a cap (they share its bytes).
 """
 
 from __future__ import annotations

@@ -114,7 +114,8 @@ def can_cap() -> Tuple[bool, str]:
 
 
 def train_configs(out: str, shards: Dict[int, str], configs: List[Config], steps: int, seq_len: int,
-                  repeats: int = 1, warmup_run: bool = True, timeout: float = 1200) -> Dict[Config, List[str]]:
+                  repeats: int = 1, warmup_run: bool = True, timeout: float = 1200,
+                  keep_checkpoints: bool = False) -> Dict[Config, List[str]]:
     """Train every config ``repeats`` times, interleaved (A B C A B C ...: a burst of other load on this shared
     machine hits one repeat, not every run of one config), one launch per (world, cap); config -> run dirs."""
     from nestpipe.trainer.pipeline.testing import run_plan, write_run
@@ -149,6 +150,9 @@ def train_configs(out: str, shards: Dict[int, str], configs: List[Config], steps
                 drop_namespace()
         if p.returncode != 0:
             raise RuntimeError(f"training world {world} cap {cap} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+        if not keep_checkpoints:  # only metrics.json, config.json and trace.json are read; checkpoints are large
+            for item in plan:
+                shutil.rmtree(os.path.join(item["run"], "checkpoints"), ignore_errors=True)
     return runs
 
 

@@ -11,15 +11,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from .cost_model import Scales, Scenario, step_costs
 from .hardware import HardwareConfig
 from .workload import WorkloadConfig
-
-
-class NotCalibratedError(RuntimeError):
-    """Calibration from this kind of input is not available yet."""
 
 
 @dataclasses.dataclass
@@ -104,13 +100,8 @@ RUN_KEYS = ("world", "batch_size_per_rank", "pipeline", "samples_per_s", "lookup
 
 
 def breakdown_from_run(run: str) -> Dict[str, Any]:
-    """Read ``RUN/metrics.json`` and ``RUN/config.json`` of ``nestpipe train`` into the calibration inputs.
-
-    Design of the measured-run path: an ``--pipeline off`` run gives the :class:`Breakdown` (step = batch x world
-    / samples/s, lookup and communication per step); the run's config gives the workload (batch, micro-batches,
-    tables, dims) and the shards' measured unique-key ratio and redundancy. Runs with the nested pipeline at
-    other world sizes and micro-batch counts are then the held-out checks. Returns the parsed figures.
-    """
+    """The headline figures of ``RUN/metrics.json`` as a breakdown (step from samples/s, lookup and communication
+    per step): a quick look at a run; :func:`calibrate_from_run` is the calibration."""
     path = os.path.join(run, "metrics.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no metrics.json (is {run} the --out directory of `nestpipe train`?)")
@@ -127,11 +118,9 @@ def breakdown_from_run(run: str) -> Dict[str, Any]:
             "lookup_ms": m["lookup_s_per_step"] * 1e3, "comm_ms": m["communication_s_per_step"] * 1e3}
 
 
-def calibrate_from_run(run: str, wl: WorkloadConfig, hw: HardwareConfig) -> Scales:
-    """Not available yet: raises :class:`NotCalibratedError` after checking that ``run`` is readable."""
-    figures = breakdown_from_run(run)
-    raise NotCalibratedError(
-        f"{run}: not yet calibrated: calibration from a measured run needs the nested pipeline's per-stage times "
-        f"(stage 1-4 seconds, per-micro-batch All2All and compute) and a workload derived from RUN/config.json "
-        f"and the shards; read {figures} but the model of the local (gloo/CPU) resources is not built yet. "
-        f"Use --breakdown FILE or the paper's breakdown (default) instead.")
+def calibrate_from_run(run: str, cores: Optional[int] = None):
+    """The local testbed model fitted to a measured ``--pipeline off`` run: (hardware, workload, measurement);
+    see :mod:`nestpipe.planning.measured`."""
+    from . import measured
+
+    return measured.calibrate_run(run, cores)

@@ -41,7 +41,9 @@ def add_parser(sub) -> None:
     s.add_argument("--set-hardware", nargs="*", default=[], metavar="KEY=VALUE")
     cal = s.add_mutually_exclusive_group()
     cal.add_argument("--breakdown", help="JSON {workers, step_ms, lookup_ms, comm_ms} of a measured off-mode step")
-    cal.add_argument("--calibrate", metavar="RUN", help="a `nestpipe train` run directory (not yet calibrated)")
+    cal.add_argument("--calibrate", metavar="RUN",
+                     help="a `nestpipe train --pipeline off` run directory (world >= 2): fit this machine's lookup, "
+                          "collective, dense and overhead costs and predict the trainer's step on it")
     cal.add_argument("--uncalibrated", action="store_true", help="use the raw preset model")
     s.add_argument("--workers", type=int, nargs="*", default=None, help="worker counts (default 2 .. 4096)")
     s.add_argument("--modes", nargs="*", default=None, help="subset of off 2dsp dbp fwp nested nested+2dsp")
@@ -50,6 +52,13 @@ def add_parser(sub) -> None:
     s.add_argument("--gantt-workers", type=int, default=None, help="worker count of the Gantt charts")
     s.add_argument("--out", help="directory for results.json, scaling.png and gantt-MODE.png")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--predict-shards", metavar="DIR",
+                   help="with --calibrate: predict training on these shards (e.g. another micro-batch count; default "
+                        "the run's)")
+    s.add_argument("--link-bit-per-s", type=float, default=None,
+                   help="with --calibrate: a bandwidth cap every rank's traffic shares (tc tbf rate, MTU 1500)")
+    s.add_argument("--cores", type=int, default=None, help="with --calibrate: cores the ranks share (default: this "
+                                                           "machine's)")
     s.set_defaults(func=_simulate)
 
 
@@ -88,10 +97,10 @@ def _simulate(args) -> int:
     from .timeline import write_gantt
     from .workload import load_workload
 
+    if args.calibrate:
+        return _simulate_measured(args)
     wl = load_workload(args.workload, parse_overrides(args.set_workload, "--set-workload"))
     hw = load_hardware(args.hardware, parse_overrides(args.set_hardware, "--set-hardware"))
-    if args.calibrate:
-        calibration.calibrate_from_run(args.calibrate, wl, hw)  # raises NotCalibratedError for now
     if args.uncalibrated:
         bd, scales = None, Scales()
     else:
@@ -122,4 +131,46 @@ def _simulate(args) -> int:
         print(simulate.format_table(preds))
         if args.out:
             print(f"results, scaling.png and gantt-*.png written to {args.out}")
+    return 0
+
+
+def _simulate_measured(args) -> int:
+    """``simulate --calibrate RUN``: the local testbed model fitted to one measured off run (planning/measured.py)."""
+    from . import measured
+
+    hw, wl0, meas = measured.calibrate_run(args.calibrate, args.cores)
+    worlds = args.workers or [meas.world]
+    modes = args.modes or list(measured.MODES_LOCAL)
+    for m in modes:
+        if m not in measured.MODES_LOCAL:
+            raise ValueError(f"--modes: {m!r} cannot be predicted for this trainer (known: "
+                             f"{' '.join(measured.MODES_LOCAL)})")
+    shards = args.predict_shards or meas.shards
+    preds = []
+    for w in worlds:
+        wl = wl0 if (w == meas.world and shards == meas.shards) else measured.workload_from_shards(shards, meas.cfg, w)
+        for m in modes:
+            preds.append(measured.predict(hw, wl, m, args.link_bit_per_s))
+    doc = {"calibrated_on": {"run": meas.run, "world": meas.world, "micro_batches": meas.micro_batches,
+                             "step_ms": meas.step_s * 1e3},
+           "hardware": hw.as_dict(), "predictions": [p.as_dict() for p in preds]}
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+    if args.json:
+        print(json.dumps(doc, indent=1, sort_keys=True))
+        return 0
+    print(f"calibrated on {meas.run}: --pipeline off, world {meas.world}, {meas.micro_batches} micro-batches, "
+          f"step {meas.step_s * 1e3:.1f} ms")
+    print(f"  lookup {hw.key_s * 1e6:.3f} us/key, exchange work {hw.row_s * 1e6:.3f} us/row, collective "
+          f"{hw.coll_latency_s * 1e3:.3f} ms + {hw.coll_s_per_byte * 1e9:.3f} ns/B, dense {hw.dense_flops / 1e9:.2f} "
+          f"GFLOP/s, data {hw.token_s * 1e9:.1f} ns/token, step overhead {hw.step_overhead_s * 1e3:.2f} ms, "
+          f"{hw.cores} cores")
+    head = f"{'pipeline':<8} {'world':>5} {'N':>3} {'step ms':>9} {'exp.comm ms':>11} {'exp.lookup ms':>13}"
+    print(head)
+    print("-" * len(head))
+    for p in preds:
+        print(f"{p.pipeline:<8} {p.world:>5} {p.micro_batches:>3} {p.step_s * 1e3:9.1f} {p.exposed_comm_s * 1e3:11.1f} "
+              f"{p.exposed_lookup_s * 1e3:13.2f}")
     return 0

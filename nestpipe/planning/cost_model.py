@@ -77,6 +77,9 @@ class Scenario:
     clustered: bool = True
     owner_dedup: Optional[bool] = None
     fwp_overlap: bool = True
+    exchange: Optional[str] = None
+
+    EXCHANGES = ("token", "unique")
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -85,6 +88,16 @@ class Scenario:
             raise ValueError(f"workers must be >= 1 (got {self.workers})")
         if self.group_size is not None and (self.group_size < 1 or self.workers % self.group_size):
             raise ValueError(f"group_size {self.group_size} must divide workers {self.workers}")
+        if self.exchange is not None and self.exchange not in self.EXCHANGES:
+            raise ValueError(f"exchange must be one of {self.EXCHANGES} (got {self.exchange!r})")
+
+    @property
+    def unique_exchange(self) -> bool:
+        """NestPipe's exchange sends each micro-batch's distinct rows; the TorchRec baselines (``off``, ``2dsp``)
+        send one row per token (EmbeddingCollection without index dedup) and look up every received index."""
+        if self.exchange is not None:
+            return self.exchange == "unique"
+        return self.mode not in ("off", "2dsp")
 
     @property
     def dbp(self) -> bool:
@@ -145,24 +158,30 @@ def step_costs(wl: WorkloadConfig, hw: HardwareConfig, sc: Scenario, scales: Opt
     uniq = wl.unique_per_batch() * lk
     dedup = sc.dbp if sc.owner_dedup is None else sc.owner_dedup
     rho = wl.owner_dedup_factor(peers) if dedup else 1.0
-    rows_owner = uniq * rho
+    rows_owner = uniq * rho  # distinct rows an owner updates and writes back
+    unique_x = sc.unique_exchange
+    # rows an owner looks up: its share of the requesters' distinct keys, or every received token (TorchRec)
+    rows_lookup = rows_owner if unique_x else wl.keys_per_batch * lk
+    keys_routed = uniq if unique_x else wl.keys_per_batch * lk
     red = wl.redundancy(n, sc.clustered)
     rb = wl.row_bytes
     remote = (peers - 1) / peers
 
-    mb_bytes = wl.unique_per_batch() * red / n * rb * remote * cm
+    mb_rows = wl.unique_per_batch() * red / n if unique_x else wl.keys_per_batch / n
+    mb_bytes = mb_rows * rb * remote * cm
     a2a = network.all2all_seconds(hw, peers, mb_bytes)
     dense = wl.dense_flops_per_sample * cp * wl.batch_per_worker / n / (hw.device_flops * hw.mfu)
-    # replica groups: a shard's replicas sit ``peers`` ranks apart; the gradients of the touched rows are averaged
-    touched = wl.unique_per_batch() * cm * (wl.owner_dedup_factor(peers) if dedup else 1.0)
+    # replica groups: a shard's replicas sit ``peers`` ranks apart; the gradients of the rows the group touched
+    # (distinct rows of the group's G batches on this owner) are averaged
+    touched = wl.unique_per_batch() * cm * wl.owner_dedup_factor(peers)
     replica = network.allreduce_seconds(hw, replicas, touched * rb, stride=peers) if replicas > 1 else 0.0
     overlap = wl.consecutive_overlap(peers if dedup else 1)
     return StepCosts(
         data=wl.keys_per_batch * cp * DATA_NS_PER_KEY * 1e-9,
         h2d=wl.keys_per_batch * cp * wl.key_bytes / hw.pcie_bw,
-        route=network.all2all_seconds(hw, peers, uniq * wl.key_bytes * remote),
-        gather=rows_owner * (hw.host_key_ns * 1e-9 + rb / hw.dram_bw) + (peers - 1) * hw.request_overhead_us * 1e-6,
-        copy=rows_owner * rb / hw.pcie_bw,
+        route=network.all2all_seconds(hw, peers, keys_routed * wl.key_bytes * remote),
+        gather=rows_lookup * (hw.host_key_ns * 1e-9 + rb / hw.dram_bw) + (peers - 1) * hw.request_overhead_us * 1e-6,
+        copy=rows_lookup * rb / hw.pcie_bw,
         fwd=[a2a] * n,
         compute=[dense] * n,
         bwd=[a2a] * n,
@@ -170,7 +189,8 @@ def step_costs(wl: WorkloadConfig, hw: HardwareConfig, sc: Scenario, scales: Opt
         update=rows_owner * rb * 4 / hw.hbm_bw,
         writeback=rows_owner * rb / hw.pcie_bw,
         sync=rows_owner * overlap * rb * 2 / hw.hbm_bw if sc.dbp else 0.0,
-        info={"unique_per_batch": uniq, "owner_rows": rows_owner, "owner_dedup_factor": rho, "redundancy": red,
+        info={"unique_per_batch": uniq, "owner_rows": rows_owner, "lookup_rows": rows_lookup,
+              "owner_dedup_factor": rho, "redundancy": red,
               "micro_batches": n, "group_size": peers, "replica_groups": replicas,
               "all2all_bytes_per_step": 2 * n * mb_bytes},
     )

@@ -75,8 +75,12 @@ def _issue(stream_tail: Dict[str, Task], tasks: List[Task], t: Task) -> Task:
     return t
 
 
-def simulate_steps(costs: StepCosts, sc: Scenario, steps: int = 10, measure: int = 4) -> Schedule:
-    """Schedule ``steps`` identical steps and measure the last ``measure`` of them."""
+def simulate_steps(costs: StepCosts, sc: Scenario, steps: int = 10, measure: int = 4,
+                   stream_of: Optional[Dict[str, str]] = None) -> Schedule:
+    """Schedule ``steps`` identical steps and measure the last ``measure`` of them. ``stream_of`` overrides the
+    stream of some tasks (e.g. the embedding and gradient All2Alls on two streams, as the trainer's two FWP
+    communication threads on two process groups)."""
+    streams = dict(STREAM_OF, **(stream_of or {}))
     if steps < measure + 3:
         raise ValueError(f"steps ({steps}) must exceed measure ({measure}) by at least 3 (pipeline fill)")
     n = len(costs.compute)
@@ -86,7 +90,7 @@ def simulate_steps(costs: StepCosts, sc: Scenario, steps: int = 10, measure: int
 
     def mk(name, step, deps, micro=-1, duration=None):
         dur = duration if duration is not None else getattr(costs, name)
-        t = _issue(tail, tasks, Task(name, step, micro, STREAM_OF[name], dur, deps))
+        t = _issue(tail, tasks, Task(name, step, micro, streams[name], dur, deps))
         by[(name, step, micro)] = t
         return t
 

@@ -1,0 +1,106 @@
+"""``nestpipe simulate --calibrate RUN``: calibrate on one measured run, predict held-out measured runs.
+
+Tiny GR configurations trained for real (8 steps each, 3 interleaved repeats, the fastest counts): calibration
+input ``--pipeline off``, world 2, 4 micro-batches, plain loopback; held out: nested at world 2, off at 2
+micro-batches, off and nested at world 3, and (as root, in a network namespace with a ``tc tbf`` cap, as in
+``benchmarks/pipeline_bench.py``) off and nested across the cap. The capped steps (bandwidth-bound) are asserted
+within the 15% target (negative control: a link per rank instead of one shared link misses them by more than a
+quarter). The loopback steps of this tiny size are NOT predicted within 15% (measured: world 2 from -27% to +46%,
+world 3 from -26% to -52%, quiet and loaded machine alike; docs/planning.md names the missing mechanisms), so
+they are only checked within 60% (world 3 on 2 cores: 75%), and the table is printed with a warning.
+The full-size version with repeats is ``benchmarks/simulator_validation.py``.
+
+Deterministic checks beside it: the volumes the model derives from the shards (per-micro-batch distinct keys,
+remote share ``(W - 1) / W``, the negatives sent with every micro-batch) reproduce the bytes the trainer counted at
+world 3 and at another micro-batch count (negative control: with the world-2 remote share the world-3 bytes are off
+by a quarter).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+
+from nestpipe.cli import main
+from nestpipe.planning import measured
+from nestpipe.planning import validate_local as v
+
+C = v.Config
+STEPS, BATCH, SEQ, VOCAB = 8, 16, 40, 20_000
+CAP_BIT = 20e6
+REPEATS = 3  # interleaved; each configuration's fastest repeat counts
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    base = tmp_path_factory.mktemp("simcal")
+    shards = {n: v.make_gr_shards(str(base / f"gr-n{n}"), BATCH, SEQ, n, VOCAB, STEPS + 1) for n in (2, 4)}
+    cfgs = [C(2, "off", 4), C(2, "nested", 4), C(2, "off", 2), C(3, "off", 4), C(3, "nested", 4)]
+    ok, why = v.can_cap()
+    if ok:
+        cfgs += [C(2, "off", 4, CAP_BIT), C(2, "nested", 4, CAP_BIT)]
+    else:
+        print(f"bandwidth-capped configurations SKIPPED: {why} (need root, ip netns and tc)")
+    load0 = os.getloadavg()[0]
+    runs = v.train_configs(str(base / "runs"), shards, cfgs, STEPS, SEQ, repeats=REPEATS, timeout=300)
+    runs = {c: v.fastest(rs) for c, rs in runs.items()}
+    return {"runs": runs, "calib": runs[cfgs[0]], "capped": ok, "load": max(load0, os.getloadavg()[0])}
+
+
+def test_held_out_steps_predicted(trained):
+    rows, hw = v.validate(trained["calib"], trained["runs"])
+    table = v.format_rows(rows)
+    print(f"load average {trained['load']:.1f} on {os.cpu_count()} cores\n{table}")
+    held = [r for r in rows if r.role == "held-out"]
+    assert len(held) == len(rows) - 1 >= 4
+    cal = [r for r in rows if r.role == "calibration"][0]
+    assert abs(cal.error) < 1e-6
+    capped = [r for r in held if r.config.cap_bit_per_s]
+    assert bool(capped) == trained["capped"]
+    # bandwidth-bound: the 15% target holds (the cap's bytes x ranks / rate; measured within 6% quiet and loaded)
+    bad = [f"{r.config.tag}: {100 * r.error:+.1f}%" for r in capped if abs(r.error) > 0.15]
+    assert not bad, f"capped outside 15%: {bad}\n{table}"
+    for r in capped:  # negative control: every rank on a link of its own (W x the rate)
+        meas = measured.read_run(trained["runs"][r.config])
+        wl = measured.workload_from_shards(meas.shards, meas.cfg, r.config.world)
+        own = measured.predict(hw, wl, r.config.pipeline, r.config.cap_bit_per_s * r.config.world)
+        assert abs(own.step_s / r.measured_s - 1) > 0.25, (r.config.tag, own.step_s, r.measured_s)
+    # latency- and dispatch-bound loopback runs of this tiny size: the 15% target is NOT met (docs/planning.md:
+    # per-call dense dispatch and per-collective scheduling delays on the shared 2-core machine; world 3
+    # under-predicted by 26% to 52%); checked as a sanity bound only
+    cores = os.cpu_count() or 1
+    bad = [f"{r.config.tag}: {100 * r.error:+.1f}%" for r in held if not r.config.cap_bit_per_s
+           and abs(r.error) > (0.6 if r.config.world <= cores else 0.75)]
+    assert not bad, f"loopback outside 60% (75% for world > cores): {bad}\n{table}"
+    warnings.warn(f"loopback configurations: 15% target not checked (known miss, docs/planning.md); measured:\n"
+                  f"{table}")
+
+
+def test_volumes_from_the_shards_match_the_trainer_counters(trained):
+    runs = trained["runs"]
+    hw, wl2, _ = measured.calibrate_run(trained["calib"])
+    for cfg in (C(3, "off", 4), C(2, "off", 2)):
+        meas = measured.read_run(runs[cfg])
+        wl = measured.workload_from_shards(meas.shards, meas.cfg, cfg.world)
+        predicted = hw.embed_bytes_per_row * wl.exchanged_rows * wl.remote
+        assert predicted == pytest.approx(meas.bytes["embed"], rel=0.03), cfg
+        route = hw.route_bytes_per_key * (wl.batch_unique + wl.exchanged_rows) * wl.remote
+        assert route == pytest.approx(meas.bytes["route"], rel=0.05), cfg
+        if cfg.world == 3:  # negative control: the world-2 remote share
+            assert abs(hw.embed_bytes_per_row * wl.exchanged_rows * wl2.remote / meas.bytes["embed"] - 1) > 0.2
+    assert wl2.redundancy >= 1.0
+
+
+def test_cli_calibrate_prints_predictions(trained, capsys):
+    assert main(["simulate", "--calibrate", trained["calib"], "--workers", "2", "3", "--modes", "off", "nested"]) == 0
+    out = capsys.readouterr().out
+    assert "calibrated on" in out and "GFLOP/s" in out
+    assert len([ln for ln in out.splitlines() if ln.startswith(("off ", "nested "))]) == 4
+
+
+def test_calibration_refuses_a_pipelined_run(trained):
+    nested = trained["runs"][C(2, "nested", 4)]
+    with pytest.raises(measured.RunError, match="needs a --pipeline off run"):
+        measured.calibrate_run(nested)

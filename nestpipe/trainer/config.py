@@ -29,6 +29,9 @@ class EmbeddingConfig:
     # every rank) | path to a `nestpipe plan --no-column-split --out FILE` document (nestpipe.trainer.sharding_plan)
     placement: str = "planned"
     replicate_max_rows: int = 1024
+    # stores of at most this many rows on a rank are initialised whole at start (larger ones row by row on first
+    # touch): the values are the same either way
+    eager_init_max_rows: int = 1_000_000
     dim: Optional[int] = None  # None: each table's manifest dim
     init_scale: float = 0.05
     lr: float = 0.05

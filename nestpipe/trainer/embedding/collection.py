@@ -162,7 +162,8 @@ class ShardedEmbeddingCollection:
             else:
                 owners = table_owners(self.plan, t)
                 pl = make_placement(self.table_ids[t], v, world, owners=owners)
-                self.stores[t] = RowStore(t, pl, rank, self.dims[t], seed, cfg.init_scale, dtype)
+                self.stores[t] = RowStore(t, pl, rank, self.dims[t], seed, cfg.init_scale, dtype,
+                                          eager_rows=cfg.eager_init_max_rows)
                 self.req_placement[t] = make_placement(self.table_ids[t], v, world, salt=cfg.debug_requester_salt,
                                                        owners=owners)
         self.slots = [t for t in names if t in self.stores]

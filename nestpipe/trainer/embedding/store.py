@@ -7,7 +7,9 @@ Invariants
 - :meth:`RowStore.gather` and :meth:`RowStore.write_back` hold the store's lock: the retrieval stage (its own
   thread in the pipelined modes) never reads a half-written batch of rows while the compute thread writes back.
 - A row is materialised on first touch from ``init_rows(seed, table, id)``; until then its memory is never read
-  (``torch.empty``/``torch.zeros`` pages are not touched, so a 32M-row table costs nothing until used).
+  (``torch.empty``/``torch.zeros`` pages are not touched, so a 32M-row table costs nothing until used). Stores of at
+  most ``eager_rows`` rows are materialised whole at construction instead (the same values: initialisation is a
+  pure function of (seed, table, id)), so steady-state steps never pay for first touches.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from nestpipe.trainer.placement import TablePlacement, init_rows
 
 class RowStore:
     def __init__(self, name: str, placement: TablePlacement, rank: int, dim: int, seed: int, init_scale: float,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, eager_rows: int = 0):
         self.name = name
         self.placement = placement
         self.rank = rank
@@ -36,6 +38,9 @@ class RowStore:
         self.materialized = torch.zeros(n, dtype=torch.bool)
         self.num_materialized = 0
         self.lock = threading.Lock()
+        if 0 < n <= eager_rows:
+            for lo in range(0, n, 1 << 18):  # bounded temporaries
+                self.materialize(torch.arange(lo, min(n, lo + (1 << 18))))
 
     @property
     def num_rows(self) -> int:

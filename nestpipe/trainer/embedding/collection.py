@@ -457,14 +457,23 @@ class ShardedEmbeddingCollection:
         leaf = recv.requires_grad_(True)
         out: Dict[str, torch.Tensor] = {}
         pieces: Dict[str, List[torch.Tensor]] = {s: [] for s in self.slots}
+        blocks: Dict[str, List[Tuple[int, int, int]]] = {s: [] for s in self.slots}
         off = 0
         b = len(mbd.samples)
         for r in range(W):
             for slot in self.slots:
                 dim = self.dims[self.store_of(slot)]
-                n = len(routing.req[slot].mb_lists[i][r]) if self.slot_exchange(slot) == "unique" else b
-                pieces[slot].append(leaf[off:off + n * dim].view(n, dim))
+                if self.slot_exchange(slot) == "unique":
+                    n = len(routing.req[slot].mb_lists[i][r])
+                    pieces[slot].append(leaf[off:off + n * dim].view(n, dim))
+                else:
+                    n = b
+                    blocks[slot].append((off, n, dim))
                 off += n * dim
+        pooled_slots = [s for s in self.slots if self.slot_exchange(s) != "unique"]
+        if pooled_slots:
+            # one autograd node for all reduction-based slots (see ReductionBased.unpack_flat)
+            out.update(zip(pooled_slots, ReductionBased.unpack_flat(leaf, [blocks[s] for s in pooled_slots])))
         for slot in self.slots:
             if self.slot_exchange(slot) == "unique":
                 unperm = routing.req[slot].unperm[i]
@@ -475,8 +484,7 @@ class ShardedEmbeddingCollection:
                     out[slot] = UniqueBased.unpack(
                         pieces[slot], unperm, self._t(mbd.value_pos[slot]), self._t(mbd.value_sample[slot]), b,
                         pooled=self.table_kind[slot] != "sequence")
-            else:
-                out[slot] = ReductionBased.unpack(pieces[slot])
+        out = {slot: out[slot] for slot in self.slots}  # slot order
         batch = routing.batch
         for t, tab in self.replicated.items():
             ids = self._t(batch.keys[t][mbd.value_key[t]])

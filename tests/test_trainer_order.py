@@ -103,6 +103,28 @@ def test_reduction_plan_keeps_value_order_per_owner():
     assert total == len(value_key)
 
 
+def test_reduction_plan_single_owner_shortcut_equals_general():
+    """A table-wise table (one owner): the shortcut's lists equal the general stable-sort plan's, element for element
+    and dtype for dtype, on the owner and on every other rank (empty)."""
+    rng = np.random.default_rng(6)
+    keys, world = 200, 3
+    lens = rng.integers(0, 30, 64)
+    value_sample = np.repeat(np.arange(64), lens)
+    value_key = rng.integers(0, keys, len(value_sample))
+    pos = np.arange(keys, dtype=np.int64)
+    for owner in range(world):
+        dest = np.full(keys, owner, dtype=np.int64)
+        general = ReductionBased.plan(dest, pos, value_key, value_sample, world)
+        short = ReductionBased.plan(dest, pos, value_key, value_sample, world, owner)
+        assert len(short) == world
+        for a, b in zip(general, short):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+        assert len(short[owner]) == 2 * len(value_key)
+        # negative control: the check catches lists handed to the wrong owner
+        wrong = ReductionBased.plan(dest, pos, value_key, value_sample, world, (owner + 1) % world)
+        assert not all(np.array_equal(a, b) for a, b in zip(general, wrong))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_owner_gradient_accumulation_bitwise_equals_index_add(dtype):
     from nestpipe.trainer.embedding.reduction_based import ShardedReductionBased, scatter_add_rows

@@ -214,12 +214,19 @@ class ShardedEmbeddingCollection:
             neg_inv = torch.from_numpy(inv.astype(np.int64)).to(self.device)
         for slot in self.slots:
             keys = self._slot_keys(batch, slot)
-            dest, local = self.req_placement[self.store_of(slot)].owner_and_row(keys)
-            order = owner_order(dest, W)
-            bounds = owner_bounds(dest, W)
-            pos_in_dest = np.empty(len(keys), dtype=np.int64)
-            pos_in_dest[order] = np.arange(len(keys)) - np.repeat(bounds[:-1], np.diff(bounds))
-            send_rows = [local[order[bounds[r]:bounds[r + 1]]] for r in range(W)]
+            pl = self.req_placement[self.store_of(slot)]
+            dest, local = pl.owner_and_row(keys)
+            one = pl.owner_ranks[0] if len(pl.owner_ranks) == 1 else None
+            if one is not None:
+                # a table-wise layout: every key goes to one owner, the stable owner sort is the identity
+                pos_in_dest = np.arange(len(keys), dtype=np.int64)
+                send_rows = [local if r == one else local[:0] for r in range(W)]
+            else:
+                order = owner_order(dest, W)
+                bounds = owner_bounds(dest, W)
+                pos_in_dest = np.empty(len(keys), dtype=np.int64)
+                pos_in_dest[order] = np.arange(len(keys)) - np.repeat(bounds[:-1], np.diff(bounds))
+                send_rows = [local[order[bounds[r]:bounds[r + 1]]] for r in range(W)]
             mb_lists, unperm = [], []
             for mbd in batch.micro:
                 if self.slot_exchange(slot) == "unique":
@@ -227,7 +234,8 @@ class ShardedEmbeddingCollection:
                     lists, up = UniqueBased.plan(dest, pos_in_dest, mk, W)
                     unperm.append(torch.from_numpy(up).to(self.device))
                 else:
-                    lists = ReductionBased.plan(dest, pos_in_dest, mbd.value_key[slot], mbd.value_sample[slot], W)
+                    lists = ReductionBased.plan(dest, pos_in_dest, mbd.value_key[slot], mbd.value_sample[slot], W,
+                                                one)
                     unperm.append(None)
                 mb_lists.append(lists)
             req[slot] = _ReqSlot(dest, pos_in_dest, send_rows, mb_lists, unperm)

@@ -31,8 +31,13 @@ class ReductionBased:
 
     @staticmethod
     def plan(dest: np.ndarray, pos_in_dest: np.ndarray, value_key: np.ndarray, value_sample: np.ndarray,
-             world: int) -> List[np.ndarray]:
-        """Per-owner flat int64 lists ``[samples..., entries...]`` for one micro-batch."""
+             world: int, owner: Optional[int] = None) -> List[np.ndarray]:
+        """Per-owner flat int64 lists ``[samples..., entries...]`` for one micro-batch. ``owner``: the one rank
+        every key of the table goes to (a table-wise layout), where the stable owner sort is the identity."""
+        if owner is not None:
+            samples, entries = value_sample, pos_in_dest[value_key]
+            return [np.concatenate([samples, entries]) if r == owner else np.concatenate([samples[:0], entries[:0]])
+                    for r in range(world)]
         d = dest[value_key]
         order = owner_order(d, world)
         bounds = owner_bounds(d, world)

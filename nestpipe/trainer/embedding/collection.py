@@ -331,11 +331,8 @@ class ShardedEmbeddingCollection:
         numba_ok = K.select_path("adagrad_update", "cpu") == "numba"
         n_rows = self.stores[st].num_rows
         if numba_ok and n_rows <= 8 * len(rows_all):
-            o_t, offs_t = K.backend("numba").csr_by_segment(torch.from_numpy(rows_all), n_rows)
-            order, offs = o_t.numpy(), offs_t.numpy()
-            counts = np.diff(offs)
-            touched = np.flatnonzero(counts)
-            uniq, starts = touched, offs[touched]
+            # one fused counting-sort pass (the same arrays as the argsort formulation below)
+            order, uniq, starts, inv_sorted, inv = K.backend("numba").dedup_rows(rows_all, n_rows)
         else:
             order = np.argsort(rows_all, kind="stable")
             srt = rows_all[order]
@@ -343,10 +340,10 @@ class ShardedEmbeddingCollection:
             first[1:] = srt[1:] != srt[:-1]
             starts = np.flatnonzero(first)
             uniq = srt[starts]
-        # row of every entry (position in ``uniq``), in sorted-entry order and in entry order
-        inv_sorted = np.repeat(np.arange(len(uniq), dtype=np.int64), np.diff(np.append(starts, len(rows_all))))
-        inv = np.empty(len(rows_all), dtype=np.int64)
-        inv[order] = inv_sorted
+            # row of every entry (position in ``uniq``), in sorted-entry order and in entry order
+            inv_sorted = np.repeat(np.arange(len(uniq), dtype=np.int64), np.diff(np.append(starts, len(rows_all))))
+            inv = np.empty(len(rows_all), dtype=np.int64)
+            inv[order] = inv_sorted
         slots = [s for s in self.slots if self.store_of(s) == st]
         pooled = self.slot_exchange(slots[0]) == "reduction" if slots else False
         fwd_pos, fwd_offsets, fwd_out = [], [], []

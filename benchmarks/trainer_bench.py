@@ -105,6 +105,7 @@ def nestpipe_worker(rank: int, world: int, a, port: int, q):
                    dense_features=[f"d{i}" for i in range(a.dense)], labels=["is_click"])
     cfg = TrainConfig(model="dlrm", pipeline="off", threads=1)
     cfg.embedding.replicate_max_rows = 0
+    cfg.embedding.placement = a.placement
     cfg.dlrm.bottom_mlp, cfg.dlrm.top_mlp, cfg.dlrm.cross_layers = (128, a.dim), (256,), 0
     state = build_state(cfg, man, rank, world, torch.device("cpu"))
     recs = [_record(b, a.micro_batches, tables)
@@ -132,7 +133,11 @@ def nestpipe_worker(rank: int, world: int, a, port: int, q):
     dist.barrier()
     el = sum(times[a.warmup:])
     stages = {k: (v - warm.get(k, 0.0)) / a.steps for k, v in state.timer.total.items()}
-    q.put({"rank": rank, "elapsed": el, "cpu_s": cpu, "steps": a.steps, "loss": loss, "stage_s_per_step": stages})
+    from nestpipe.trainer.sharding_plan import table_owners
+
+    layout = {t: list(table_owners(state.emb.plan, t)) or list(range(world)) for t in tables}
+    q.put({"rank": rank, "elapsed": el, "cpu_s": cpu, "steps": a.steps, "loss": loss, "stage_s_per_step": stages,
+           "layout": layout})
     dist.destroy_process_group()
 
 
@@ -171,7 +176,9 @@ def bench_nestpipe(a):
     return {"samples_per_s_per_rank": a.batch * a.steps / el, "kernel_paths": kernel_paths(torch.device("cpu")), "ms_per_step": 1000 * el / a.steps,
             # process CPU time (all threads) per step: less sensitive than wall time to other load on shared cores
             "cpu_ms_per_step_per_rank": [round(1000 * r["cpu_s"] / a.steps, 1) for r in res],
-            "final_loss": res[0]["loss"], "stages_ms_per_step_rank0": {k: round(1000 * v, 2) for k, v in
+            "final_loss": res[0]["loss"], "placement": a.placement,
+            # owners of every table's row shards: one rank = table-wise, all ranks = row-wise
+            "layout": res[0]["layout"], "stages_ms_per_step_rank0": {k: round(1000 * v, 2) for k, v in
                                                                       sorted(res[0]["stage_s_per_step"].items())}}
 
 
@@ -390,6 +397,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=8, help="untimed steps (default: one pass over the distinct batches, so every touched row is initialised)")
     p.add_argument("--distinct-batches", type=int, default=8)
     p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--placement", default="planned",
+                   help="NestPipe embedding.placement: planned (default), hashed (row-wise over all ranks) or a plan file")
     p.add_argument("--pipeline", default="off", choices=["off"], help="NestPipe mode (the synchronous step)")
     p.add_argument("--torchrec-python", default=os.environ.get("TORCHREC_PYTHON"),
                    help="a python with torchrec 1.8 + fbgemm-gpu-cpu (e.g. /tmp/torchrec-venv/bin/python)")
@@ -417,6 +426,7 @@ def main(argv=None):
                   f"({out['nestpipe']['ms_per_step']:.1f} ms/step; CPU ms/step per rank "
                   f"{out['nestpipe']['cpu_ms_per_step_per_rank']})", flush=True)
             print("  stages (ms/step, rank 0): " + json.dumps(out["nestpipe"]["stages_ms_per_step_rank0"]), flush=True)
+            print(f"  placement {a.placement}: table owners " + json.dumps(out["nestpipe"]["layout"]), flush=True)
         if a.torchrec_python:
             out["torchrec"] = bench_torchrec(a)
             print(f"TorchRec TrainPipelineSparseDist: {out['torchrec']['samples_per_s_per_rank']:.0f} samples/s per "

@@ -103,6 +103,28 @@ def test_reduction_plan_keeps_value_order_per_owner():
     assert total == len(value_key)
 
 
+def test_reduction_plan_single_owner_shortcut_equals_general():
+    """A table-wise table (one owner): the shortcut's lists equal the general stable-sort plan's, element for element
+    and dtype for dtype, on the owner and on every other rank (empty)."""
+    rng = np.random.default_rng(6)
+    keys, world = 200, 3
+    lens = rng.integers(0, 30, 64)
+    value_sample = np.repeat(np.arange(64), lens)
+    value_key = rng.integers(0, keys, len(value_sample))
+    pos = np.arange(keys, dtype=np.int64)
+    for owner in range(world):
+        dest = np.full(keys, owner, dtype=np.int64)
+        general = ReductionBased.plan(dest, pos, value_key, value_sample, world)
+        short = ReductionBased.plan(dest, pos, value_key, value_sample, world, owner)
+        assert len(short) == world
+        for a, b in zip(general, short):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+        assert len(short[owner]) == 2 * len(value_key)
+        # negative control: the check catches lists handed to the wrong owner
+        wrong = ReductionBased.plan(dest, pos, value_key, value_sample, world, (owner + 1) % world)
+        assert not all(np.array_equal(a, b) for a, b in zip(general, wrong))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_owner_gradient_accumulation_bitwise_equals_index_add(dtype):
     from nestpipe.trainer.embedding.reduction_based import ShardedReductionBased, scatter_add_rows
@@ -124,3 +146,51 @@ def test_owner_gradient_accumulation_bitwise_equals_index_add(dtype):
     assert scatter_add_rows(acc.clone(), index, src)  # the Numba loop ran (not the index_add_ fallback)
     with pytest.raises(IndexError):  # out-of-range targets fail loudly, as index_add_ does
         scatter_add_rows(acc.clone(), torch.tensor([50]), src[:1])
+
+
+def _views_unpack(leaf, blocks):
+    return [ReductionBased.unpack([leaf[o:o + n * d].view(n, d) for o, n, d in bl]) for bl in blocks]
+
+
+@pytest.mark.parametrize("uncovered", [False, True])
+def test_flat_unpack_bitwise_equals_views(uncovered):
+    """``unpack_flat`` (one autograd node) gives bitwise the outputs and the payload gradient of slicing the payload
+    into views and summing them in rank order, including zeros where a block is not covered (a unique-based slot's
+    part of the payload)."""
+    g = torch.Generator().manual_seed(3)
+    W, b, dims = 3, 5, [4, 2, 4]
+    blocks, off = [[] for _ in dims], 0
+    for _r in range(W):
+        for k, d in enumerate(dims):
+            blocks[k].append((off, b, d))
+            off += b * d
+        if uncovered:
+            off += 7  # a block no slot covers
+    payload = cancelling_rows(off, 1, 0).reshape(-1)
+    weights = [torch.randn(b, d, generator=g) for d in dims]
+    grads = []
+    for fn in (_views_unpack, ReductionBased.unpack_flat):
+        leaf = payload.clone().requires_grad_(True)
+        outs = fn(leaf, blocks)
+        sum((o * w).sum() for o, w in zip(outs, weights)).backward()
+        grads.append(([o.detach() for o in outs], leaf.grad))
+    (o_ref, g_ref), (o_new, g_new) = grads
+    for a, c in zip(o_ref, o_new):
+        assert torch.equal(a, c)
+    assert torch.equal(g_ref, g_new)
+    # negative controls: the same checks catch a gradient sent to another slot's blocks (slots 0 and 2 share a
+    # dim) and partial sums added in another rank order
+    from nestpipe.trainer.embedding.reduction_based import _FlatUnpack
+
+    class SwappedBackward(_FlatUnpack):
+        @staticmethod
+        def backward(ctx, *grads):
+            ctx.blocks = [ctx.blocks[2], ctx.blocks[1], ctx.blocks[0]]
+            return _FlatUnpack.backward(ctx, *grads)
+
+    leaf = payload.clone().requires_grad_(True)
+    outs = SwappedBackward.apply(leaf, blocks)
+    sum((o * w).sum() for o, w in zip(outs, weights)).backward()
+    assert not torch.equal(leaf.grad, g_ref)
+    outs = ReductionBased.unpack_flat(payload, [bl[::-1] for bl in blocks])
+    assert not all(torch.equal(a, c) for a, c in zip(o_ref, outs))

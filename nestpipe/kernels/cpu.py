@@ -463,6 +463,52 @@ def dual_buffer_sync(active_keys, active_rows, prefetch_keys, prefetch_rows) -> 
     return int(_sync(_rows64(active_keys), _np(active_rows), _rows64(prefetch_keys), _np(prefetch_rows)))
 
 
+@numba.jit(**_JIT)
+def _dedup_rows(rows, num_rows):
+    """Stable dedup of ``rows`` (values in ``[0, num_rows)``) by one counting sort; see :func:`dedup_rows`."""
+    n = rows.shape[0]
+    counts = np.zeros(num_rows, dtype=np.int64)
+    for i in range(n):
+        counts[rows[i]] += 1
+    u = 0
+    for r in range(num_rows):
+        if counts[r] > 0:
+            u += 1
+    uniq = np.empty(u, dtype=np.int64)
+    starts = np.empty(u, dtype=np.int64)
+    pos = 0
+    k = 0
+    for r in range(num_rows):
+        c = counts[r]
+        if c > 0:
+            uniq[k] = r
+            starts[k] = pos
+            counts[r] = k  # reused: the row's position in ``uniq``
+            k += 1
+            pos += c
+    cursor = starts.copy()
+    order = np.empty(n, dtype=np.int64)
+    inv_sorted = np.empty(n, dtype=np.int64)
+    inv = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        j = counts[rows[i]]
+        p = cursor[j]
+        order[p] = i
+        inv_sorted[p] = j
+        cursor[j] = p + 1
+        inv[i] = j
+    return order, uniq, starts, inv_sorted, inv
+
+
+def dedup_rows(rows: np.ndarray, num_rows: int):
+    """``(order, uniq, starts, inv_sorted, inv)`` of int64 ``rows`` in ``[0, num_rows)``: ``order`` the stable
+    sort permutation (a row's positions ascending), ``uniq`` the distinct rows ascending, ``starts[k]`` where
+    ``uniq[k]``'s run starts in sorted order, ``inv_sorted``/``inv`` the position in ``uniq`` of every element in
+    sorted order / in input order. One counting sort (O(n + num_rows)); equal to the ``np.argsort(kind="stable")``
+    formulation element for element (tested)."""
+    return _dedup_rows(np.ascontiguousarray(rows, dtype=np.int64), int(num_rows))
+
+
 def csr_by_segment(segment_of: torch.Tensor, num_segments: int):
     """``(order, offsets)``: positions of ``segment_of`` grouped by value (stable), as int64 tensors."""
     order, offsets = _counting_sort(_rows64(segment_of), num_segments)

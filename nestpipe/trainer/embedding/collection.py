@@ -215,12 +215,19 @@ class ShardedEmbeddingCollection:
             neg_inv = torch.from_numpy(inv.astype(np.int64)).to(self.device)
         for slot in self.slots:
             keys = self._slot_keys(batch, slot)
-            dest, local = self.req_placement[self.store_of(slot)].owner_and_row(keys)
-            order = owner_order(dest, W)
-            bounds = owner_bounds(dest, W)
-            pos_in_dest = np.empty(len(keys), dtype=np.int64)
-            pos_in_dest[order] = np.arange(len(keys)) - np.repeat(bounds[:-1], np.diff(bounds))
-            send_rows = [local[order[bounds[r]:bounds[r + 1]]] for r in range(W)]
+            pl = self.req_placement[self.store_of(slot)]
+            dest, local = pl.owner_and_row(keys)
+            one = pl.owner_ranks[0] if len(pl.owner_ranks) == 1 else None
+            if one is not None:
+                # a table-wise layout: every key goes to one owner, the stable owner sort is the identity
+                pos_in_dest = np.arange(len(keys), dtype=np.int64)
+                send_rows = [local if r == one else local[:0] for r in range(W)]
+            else:
+                order = owner_order(dest, W)
+                bounds = owner_bounds(dest, W)
+                pos_in_dest = np.empty(len(keys), dtype=np.int64)
+                pos_in_dest[order] = np.arange(len(keys)) - np.repeat(bounds[:-1], np.diff(bounds))
+                send_rows = [local[order[bounds[r]:bounds[r + 1]]] for r in range(W)]
             mb_lists, unperm = [], []
             for mbd in batch.micro:
                 if self.slot_exchange(slot) == "unique":
@@ -228,7 +235,8 @@ class ShardedEmbeddingCollection:
                     lists, up = UniqueBased.plan(dest, pos_in_dest, mk, W)
                     unperm.append(torch.from_numpy(up).to(self.device))
                 else:
-                    lists = ReductionBased.plan(dest, pos_in_dest, mbd.value_key[slot], mbd.value_sample[slot], W)
+                    lists = ReductionBased.plan(dest, pos_in_dest, mbd.value_key[slot], mbd.value_sample[slot], W,
+                                                one)
                     unperm.append(None)
                 mb_lists.append(lists)
             req[slot] = _ReqSlot(dest, pos_in_dest, send_rows, mb_lists, unperm)
@@ -324,11 +332,8 @@ class ShardedEmbeddingCollection:
         numba_ok = K.select_path("adagrad_update", "cpu") == "numba"
         n_rows = self.stores[st].num_rows
         if numba_ok and n_rows <= 8 * len(rows_all):
-            o_t, offs_t = K.backend("numba").csr_by_segment(torch.from_numpy(rows_all), n_rows)
-            order, offs = o_t.numpy(), offs_t.numpy()
-            counts = np.diff(offs)
-            touched = np.flatnonzero(counts)
-            uniq, starts = touched, offs[touched]
+            # one fused counting-sort pass (the same arrays as the argsort formulation below)
+            order, uniq, starts, inv_sorted, inv = K.backend("numba").dedup_rows(rows_all, n_rows)
         else:
             order = np.argsort(rows_all, kind="stable")
             srt = rows_all[order]
@@ -336,10 +341,10 @@ class ShardedEmbeddingCollection:
             first[1:] = srt[1:] != srt[:-1]
             starts = np.flatnonzero(first)
             uniq = srt[starts]
-        # row of every entry (position in ``uniq``), in sorted-entry order and in entry order
-        inv_sorted = np.repeat(np.arange(len(uniq), dtype=np.int64), np.diff(np.append(starts, len(rows_all))))
-        inv = np.empty(len(rows_all), dtype=np.int64)
-        inv[order] = inv_sorted
+            # row of every entry (position in ``uniq``), in sorted-entry order and in entry order
+            inv_sorted = np.repeat(np.arange(len(uniq), dtype=np.int64), np.diff(np.append(starts, len(rows_all))))
+            inv = np.empty(len(rows_all), dtype=np.int64)
+            inv[order] = inv_sorted
         slots = [s for s in self.slots if self.store_of(s) == st]
         pooled = self.slot_exchange(slots[0]) == "reduction" if slots else False
         fwd_pos, fwd_offsets, fwd_out = [], [], []
@@ -458,14 +463,23 @@ class ShardedEmbeddingCollection:
         leaf = recv.requires_grad_(True)
         out: Dict[str, torch.Tensor] = {}
         pieces: Dict[str, List[torch.Tensor]] = {s: [] for s in self.slots}
+        blocks: Dict[str, List[Tuple[int, int, int]]] = {s: [] for s in self.slots}
         off = 0
         b = len(mbd.samples)
         for r in range(W):
             for slot in self.slots:
                 dim = self.dims[self.store_of(slot)]
-                n = len(routing.req[slot].mb_lists[i][r]) if self.slot_exchange(slot) == "unique" else b
-                pieces[slot].append(leaf[off:off + n * dim].view(n, dim))
+                if self.slot_exchange(slot) == "unique":
+                    n = len(routing.req[slot].mb_lists[i][r])
+                    pieces[slot].append(leaf[off:off + n * dim].view(n, dim))
+                else:
+                    n = b
+                    blocks[slot].append((off, n, dim))
                 off += n * dim
+        pooled_slots = [s for s in self.slots if self.slot_exchange(s) != "unique"]
+        if pooled_slots:
+            # one autograd node for all reduction-based slots (see ReductionBased.unpack_flat)
+            out.update(zip(pooled_slots, ReductionBased.unpack_flat(leaf, [blocks[s] for s in pooled_slots])))
         for slot in self.slots:
             if self.slot_exchange(slot) == "unique":
                 unperm = routing.req[slot].unperm[i]
@@ -476,8 +490,7 @@ class ShardedEmbeddingCollection:
                     out[slot] = UniqueBased.unpack(
                         pieces[slot], unperm, self._t(mbd.value_pos[slot]), self._t(mbd.value_sample[slot]), b,
                         pooled=self.table_kind[slot] != "sequence")
-            else:
-                out[slot] = ReductionBased.unpack(pieces[slot])
+        out = {slot: out[slot] for slot in self.slots}  # slot order
         batch = routing.batch
         for t, tab in self.replicated.items():
             ids = self._t(batch.keys[t][mbd.value_key[t]])

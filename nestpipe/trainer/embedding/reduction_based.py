@@ -18,7 +18,7 @@ sum per owner instead of the bag's rows is about ``ids per bag`` times fewer byt
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -31,8 +31,13 @@ class ReductionBased:
 
     @staticmethod
     def plan(dest: np.ndarray, pos_in_dest: np.ndarray, value_key: np.ndarray, value_sample: np.ndarray,
-             world: int) -> List[np.ndarray]:
-        """Per-owner flat int64 lists ``[samples..., entries...]`` for one micro-batch."""
+             world: int, owner: Optional[int] = None) -> List[np.ndarray]:
+        """Per-owner flat int64 lists ``[samples..., entries...]`` for one micro-batch. ``owner``: the one rank
+        every key of the table goes to (a table-wise layout), where the stable owner sort is the identity."""
+        if owner is not None:
+            samples, entries = value_sample, pos_in_dest[value_key]
+            return [np.concatenate([samples, entries]) if r == owner else np.concatenate([samples[:0], entries[:0]])
+                    for r in range(world)]
         d = dest[value_key]
         order = owner_order(d, world)
         bounds = owner_bounds(d, world)
@@ -47,6 +52,46 @@ class ReductionBased:
         for p in pieces[1:]:
             out = out + p
         return out
+
+    @staticmethod
+    def unpack_flat(leaf: torch.Tensor, blocks: List[List[Tuple[int, int, int]]]) -> List[torch.Tensor]:
+        """Every reduction-based slot's output from the flat received payload ``leaf`` in one autograd node.
+
+        ``blocks[k]`` lists slot ``k``'s ``(element offset, samples, dim)`` per owner rank, in rank order; output
+        ``k`` is the rank-order sum of those ``[samples, dim]`` blocks (the arithmetic of :meth:`unpack`). Its
+        backward writes every block's gradient (the output's gradient, unchanged) straight into one
+        payload-sized buffer; blocks of ``leaf`` no slot here covers get zeros. Slicing ``leaf`` into views
+        instead gives one payload-sized zero-filled gradient per block, summed by autograd: measured 2.7x the
+        whole dense backward (8 tables x 2 ranks at batch 1024)."""
+        return list(_FlatUnpack.apply(leaf, blocks))
+
+
+class _FlatUnpack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, leaf: torch.Tensor, blocks):
+        ctx.blocks = blocks
+        ctx.numel = leaf.numel()
+        ctx.covered = sum(n * d for bl in blocks for _, n, d in bl)
+        outs = []
+        for bl in blocks:
+            views = [leaf[o:o + n * d].view(n, d) for o, n, d in bl]
+            out = views[0].clone() if len(views) == 1 else views[0] + views[1]
+            for v in views[2:]:
+                out = out + v
+            outs.append(out)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        g = grads[0].new_empty(ctx.numel) if ctx.covered == ctx.numel else grads[0].new_zeros(ctx.numel)
+        for bl, go in zip(ctx.blocks, grads):
+            for o, n, d in bl:
+                dst = g[o:o + n * d].view(n, d)
+                if go is None:
+                    dst.zero_()
+                else:
+                    dst.copy_(go)
+        return g, None
 
 
 class ShardedReductionBased:

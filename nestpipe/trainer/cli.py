@@ -12,7 +12,11 @@ def add_parser(subparsers) -> None:
         "train", help="train hstu or dlrm from shards over torch.distributed (launched through torchrun)",
         description="Train from `nestpipe ingest` shards. Launches --nproc-per-node ranks through "
                     "torch.distributed.run (extra torchrun options such as --nnodes/--rdzv-endpoint go after --). "
-                    "Writes RUN/config.json, RUN/checkpoints/, RUN/scalars.jsonl and RUN/metrics.json.")
+                    "Writes RUN/config.json, RUN/plan.json, RUN/checkpoints/, RUN/scalars.jsonl and "
+                    "RUN/metrics.json. Sharded tables are laid out by the cost-driven planner (table-wise or "
+                    "row-wise over chosen ranks, printed at start); --set embedding.placement=hashed spreads every "
+                    "table over all ranks, --set embedding.placement=FILE takes a `nestpipe plan "
+                    "--no-column-split` plan.")
     p.add_argument("--shards", help="shard directory (with manifest.json)")
     p.add_argument("--out", help="run directory")
     p.add_argument("--model", choices=["hstu", "dlrm"])

@@ -96,6 +96,48 @@ def _sum_squares(g, dim):
     return ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
 
 
+# Shared row bodies of the kernels below. ``inline="always"`` inlines them at Numba's IR level into every caller, so
+# the serial and parallel twins share one body without a call per row (a plain, non-inlined helper kept the loops
+# from vectorising: measured 1.5x slower).
+@numba.jit(inline="always", **_JIT)
+def _apply_row(weights, state, r, g, dim, inv_dim, lr, eps, momentum_scale, scale_state):
+    """Row-wise AdaGrad of row ``r`` with its summed gradient ``g``: ``v += mean(g^2)``, ``w -= lr g / (sqrt(v') +
+    eps)`` with ``v' = v / momentum_scale`` when ``scale_state`` (2D-SP), else ``v``."""
+    acc = _sum_squares(g, dim)
+    s = state[r] + acc / inv_dim
+    state[r] = s
+    if scale_state:
+        s = s / momentum_scale
+    multiplier = lr / (np.sqrt(s) + eps)
+    w = weights[r]
+    for d in range(dim):
+        w[d] -= multiplier * g[d]
+
+
+@numba.jit(inline="always", **_JIT)
+def _add_pairs(g, e_acc, src, order, j0, j1, entry_offsets, pair_src, dim):
+    """``g += `` the entries ``order[j0:j1]`` in that order, each the sum of its pairs' source rows (ascending pair,
+    from zero); an entry with one pair adds its row directly (bitwise the same, see :func:`_adagrad_pairs_serial`)."""
+    for j in range(j0, j1):
+        e = order[j]
+        p0 = entry_offsets[e]
+        p1 = entry_offsets[e + 1]
+        # row slices, not ``src[b + d]``: a flat signed index is wrap-around checked per element, which kept these
+        # loops from vectorising (measured 1.5x slower)
+        if p1 - p0 == 1:
+            row = src[pair_src[p0]:pair_src[p0] + dim]
+            for d in range(dim):
+                g[d] += row[d]
+        else:
+            e_acc[:] = 0.0
+            for p in range(p0, p1):
+                row = src[pair_src[p]:pair_src[p] + dim]
+                for d in range(dim):
+                    e_acc[d] += row[d]
+            for d in range(dim):
+                g[d] += e_acc[d]
+
+
 @numba.jit(parallel=True, **_JIT)
 def _adagrad(weights, state, rows, grads, lr, eps, momentum_scale, scale_state, distance):
     n, dim = grads.shape
@@ -106,15 +148,7 @@ def _adagrad(weights, state, rows, grads, lr, eps, momentum_scale, scale_state, 
             ahead = rows[i + distance]
             _prefetch(state, ahead)
             _prefetch_row(flat, ahead, dim)
-        r = rows[i]
-        acc = _sum_squares(grads[i], dim)
-        s = state[r] + acc / inv_dim
-        state[r] = s
-        if scale_state:
-            s = s / momentum_scale
-        multiplier = lr / (np.sqrt(s) + eps)
-        for d in range(dim):
-            weights[r, d] -= multiplier * grads[i, d]
+        _apply_row(weights, state, rows[i], grads[i], dim, inv_dim, lr, eps, momentum_scale, scale_state)
 
 
 @numba.jit(parallel=True, **_JIT)
@@ -136,15 +170,7 @@ def _adagrad_segments(weights, state, rows, grads, order, offsets, lr, eps, mome
             e = order[j]
             for d in range(dim):
                 g[d] += grads[e, d]
-        r = rows[i]
-        acc = _sum_squares(g, dim)
-        s = state[r] + acc / inv_dim
-        state[r] = s
-        if scale_state:
-            s = s / momentum_scale
-        multiplier = lr / (np.sqrt(s) + eps)
-        for d in range(dim):
-            weights[r, d] -= multiplier * g[d]
+        _apply_row(weights, state, rows[i], g, dim, inv_dim, lr, eps, momentum_scale, scale_state)
 
 
 @numba.jit(**_JIT)
@@ -168,15 +194,7 @@ def _adagrad_segments_serial(weights, state, rows, grads, order, offsets, lr, ep
             e = order[j]
             for d in range(dim):
                 g[d] += grads[e, d]
-        r = rows[i]
-        acc = _sum_squares(g, dim)
-        s = state[r] + acc / inv_dim
-        state[r] = s
-        if scale_state:
-            s = s / momentum_scale
-        multiplier = lr / (np.sqrt(s) + eps)
-        for d in range(dim):
-            weights[r, d] -= multiplier * g[d]
+        _apply_row(weights, state, rows[i], g, dim, inv_dim, lr, eps, momentum_scale, scale_state)
 
 
 @numba.jit(**_JIT)
@@ -187,8 +205,8 @@ def _adagrad_pairs_serial(weights, state, rows, src, order, offsets, entry_offse
     pairs' source rows (``src[pair_src[p]:pair_src[p] + dim]``, ascending ``p``) added from zero; neither the
     per-entry nor the per-row gradients are materialised. An entry with one pair adds its source row directly:
     ``g + (0 + x) == g + x`` bitwise because ``g`` starts at +0 and a round-to-nearest sum is -0 only when both
-    operands are -0. Serial (one intra-op thread); the body is written out in both twins (a shared helper
-    function measured 1.5x slower: it was not inlined)."""
+    operands are -0. Serial (one intra-op thread); the parallel twin shares its row body (:func:`_add_pairs`,
+    :func:`_apply_row`)."""
     n = rows.shape[0]
     dim = weights.shape[1]
     inv_dim = np.float32(dim)
@@ -201,34 +219,8 @@ def _adagrad_pairs_serial(weights, state, rows, src, order, offsets, entry_offse
             _prefetch(state, ahead)
             _prefetch_row(flat, ahead, dim)
         g[:] = 0.0
-        for j in range(offsets[i], offsets[i + 1]):
-            e = order[j]
-            p0 = entry_offsets[e]
-            p1 = entry_offsets[e + 1]
-            # row slices, not ``src[b + d]``: a flat signed index is wrap-around checked per element, which
-            # kept these loops from vectorising (measured 1.5x slower)
-            if p1 - p0 == 1:
-                row = src[pair_src[p0]:pair_src[p0] + dim]
-                for d in range(dim):
-                    g[d] += row[d]
-            else:
-                e_acc[:] = 0.0
-                for p in range(p0, p1):
-                    row = src[pair_src[p]:pair_src[p] + dim]
-                    for d in range(dim):
-                        e_acc[d] += row[d]
-                for d in range(dim):
-                    g[d] += e_acc[d]
-        r = rows[i]
-        acc = _sum_squares(g, dim)
-        s = state[r] + acc / inv_dim
-        state[r] = s
-        if scale_state:
-            s = s / momentum_scale
-        multiplier = lr / (np.sqrt(s) + eps)
-        w = weights[r]
-        for d in range(dim):
-            w[d] -= multiplier * g[d]
+        _add_pairs(g, e_acc, src, order, offsets[i], offsets[i + 1], entry_offsets, pair_src, dim)
+        _apply_row(weights, state, rows[i], g, dim, inv_dim, lr, eps, momentum_scale, scale_state)
 
 
 @numba.jit(parallel=True, **_JIT)
@@ -247,34 +239,8 @@ def _adagrad_pairs(weights, state, rows, src, order, offsets, entry_offsets, pai
         g = np.empty(dim, dtype=np.float32)
         e_acc = np.empty(dim, dtype=np.float32)
         g[:] = 0.0
-        for j in range(offsets[i], offsets[i + 1]):
-            e = order[j]
-            p0 = entry_offsets[e]
-            p1 = entry_offsets[e + 1]
-            # row slices, not ``src[b + d]``: a flat signed index is wrap-around checked per element, which
-            # kept these loops from vectorising (measured 1.5x slower)
-            if p1 - p0 == 1:
-                row = src[pair_src[p0]:pair_src[p0] + dim]
-                for d in range(dim):
-                    g[d] += row[d]
-            else:
-                e_acc[:] = 0.0
-                for p in range(p0, p1):
-                    row = src[pair_src[p]:pair_src[p] + dim]
-                    for d in range(dim):
-                        e_acc[d] += row[d]
-                for d in range(dim):
-                    g[d] += e_acc[d]
-        r = rows[i]
-        acc = _sum_squares(g, dim)
-        s = state[r] + acc / inv_dim
-        state[r] = s
-        if scale_state:
-            s = s / momentum_scale
-        multiplier = lr / (np.sqrt(s) + eps)
-        w = weights[r]
-        for d in range(dim):
-            w[d] -= multiplier * g[d]
+        _add_pairs(g, e_acc, src, order, offsets[i], offsets[i + 1], entry_offsets, pair_src, dim)
+        _apply_row(weights, state, rows[i], g, dim, inv_dim, lr, eps, momentum_scale, scale_state)
 
 
 @numba.jit(**_JIT)

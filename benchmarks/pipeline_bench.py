@@ -49,6 +49,7 @@ import numpy as np
 
 from nestpipe.clustering import assign
 from nestpipe.datasets.shards import Manifest, ShardEntry, TableSpec, save_manifest, write_shard
+from nestpipe.planning.validate_local import make_gr_shards as make_gr_workload_shards
 from nestpipe.trainer.pipeline.testing import run_plan, write_run
 from nestpipe.trainer.testing import _table_fields
 
@@ -64,36 +65,10 @@ NEGATIVES = (32, 32)  # uniform, in-batch popular: 64 shared by the batch
 
 # -- workloads ------------------------------------------------------------------------------------------------------
 def make_gr_shards(out, batch, seq_len, micro_batches, vocab, batches_per_rank, zipf=1.2, seed=7):
-    """GR-shaped shards: item (``vocab`` rows) + action (256 rows) tokens, ``batch`` sequences of ``seq_len``."""
-    os.makedirs(out, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    tables = {"item": TableSpec(vocab, 64, "sequence"), "action": TableSpec(256, 64, "sequence")}
-    sets_, index = {}, 0
-    for split, counts in (("train", [batches_per_rank] * WORLD), ("eval", [1])):
-        entries = []
-        for si, nb in enumerate(counts):
-            recs = []
-            for _ in range(nb):
-                lengths = np.full(batch, seq_len, dtype=np.int32)
-                off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-                item = ((rng.zipf(zipf, int(off[-1])) - 1) % vocab).astype(np.int64)
-                action = rng.integers(0, 256, int(off[-1])).astype(np.int64)
-                mb = assign(item, off, micro_batches, seed=index).astype(np.int32)
-                rec = {"meta": {"index": index, "split": split, "task": "gr", "samples": batch,
-                                "micro_batches": micro_batches}, "mb": mb}
-                for name, v in (("item", item), ("action", action)):
-                    for f, arr in _table_fields(v, lengths, mb).items():
-                        rec[f"{name}.{f}"] = arr
-                rec["user"] = rng.integers(0, 1000, batch)
-                rec["time"] = np.arange(len(item), dtype=np.int64) * 1000
-                recs.append((f"{index:08d}", rec))
-                index += 1
-            name = f"{split}-{si:06d}.tar"
-            digest, size = write_shard(os.path.join(out, name), recs)
-            entries.append(ShardEntry(name, nb, nb * batch, digest, size))
-        sets_[split] = entries
-    save_manifest(out, Manifest(task="gr", batch_size=batch, micro_batches=micro_batches, tables=tables, sets=sets_,
-                                max_seq_len=seq_len))
+    """GR-shaped shards: item (``vocab`` rows) + action (256 rows) tokens, ``batch`` sequences of ``seq_len``; one
+    train shard per rank (the simulator's validation harness writes the same workload)."""
+    return make_gr_workload_shards(out, batch, seq_len, micro_batches, vocab, batches_per_rank, n_shards=WORLD,
+                                   zipf=zipf, seed=seed)
 
 
 def make_pooled_shards(out, micro_batches, batches_per_rank, seed=11):

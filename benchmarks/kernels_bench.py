@@ -16,12 +16,12 @@ Method (every ratio printed is measured in this one run):
 
     python benchmarks/kernels_bench.py            # 32M rows (needs about 9.5 GB free), a few minutes
     python benchmarks/kernels_bench.py --quick    # 4M-row store, fewer reps: under a minute
+    python benchmarks/kernels_bench.py --default-pages   # the store on 4 KiB pages (torch.empty), for comparison
 """
 
 from __future__ import annotations
 
 import argparse
-import mmap
 import statistics
 import time
 
@@ -32,6 +32,7 @@ import torch
 import nestpipe.kernels as K
 from nestpipe.kernels import reference as R
 from nestpipe.kernels import routing
+from nestpipe.kernels.memory import host_empty, host_zeros, huge_pages_mode
 
 COPY_BYTES = 512 * 1024 * 1024
 
@@ -85,12 +86,16 @@ class Bench:
         return times
 
 
-def huge_page_tensor(shape, dtype=torch.float32):
-    """An anonymous mapping advised to transparent huge pages (``MADV_HUGEPAGE``), as a tensor."""
-    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    buf = mmap.mmap(-1, nbytes)
-    buf.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buf, dtype=dtype).view(*shape)  # the tensor keeps ``buf`` alive
+def anon_huge_bytes() -> int:
+    """AnonHugePages of /proc/meminfo (0 where there is none): shows whether huge pages were really obtained."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def main():
@@ -102,7 +107,9 @@ def main():
     ap.add_argument("--world", type=int, default=8, help="owners for the routing benchmark")
     ap.add_argument("--reps", type=int, default=None, help="timed reps per op (default 15, 7 with --quick)")
     ap.add_argument("--quick", action="store_true", help="4M-row store and fewer reps (under a minute)")
-    ap.add_argument("--huge-pages", action="store_true", help="back the store with transparent huge pages")
+    ap.add_argument("--default-pages", action="store_true",
+                    help="allocate the store with torch.empty (4 KiB pages) instead of the trainer's store allocator "
+                         "(nestpipe.kernels.memory: transparent huge pages where Linux offers them)")
     ap.add_argument("--no-gather-variants", action="store_true", help="skip the table of gather alternatives")
     ap.add_argument(
         "--threads", type=int, default=1,
@@ -130,13 +137,15 @@ def main():
     vocab, dim, n_tok = store_rows, args.dim, args.batch * args.seq
 
     t0 = time.perf_counter()
-    if args.huge_pages:
-        weights, state = huge_page_tensor((vocab, dim)), huge_page_tensor((vocab,))
-    else:
+    huge_before = anon_huge_bytes()
+    if args.default_pages:
         weights, state = torch.empty(vocab, dim), torch.empty(vocab)
+    else:  # what RowStore allocates
+        weights, state = host_empty((vocab, dim)), host_zeros((vocab,))
     weights.fill_(0.01)
     state.fill_(0.1)
-    pages = "transparent huge pages (madvise)" if args.huge_pages else "default pages"
+    pages = "default pages" if args.default_pages else f"store allocator, huge pages: {huge_pages_mode()}"
+    pages += f"; AnonHugePages grew by {(anon_huge_bytes() - huge_before) / 2**30:.2f} GiB"
     print(f"store: {vocab:,} x {dim} float32 ({weights.numel() * 4 / 1e9:.2f} GB, {pages}), "
           f"filled in {time.perf_counter() - t0:.1f} s")
 

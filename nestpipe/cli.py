@@ -19,8 +19,22 @@ COMMAND_MODULES = [
     "nestpipe.demo",
 ]
 
+# Which module registers each command: ``nestpipe COMMAND ...`` imports only that one (``nestpipe.kernels`` imports
+# torch, about a second that ``nestpipe ingest`` has no use for). A command missing here is still found: every
+# module is imported when the first argument is not a known command (``--help``, a typo).
+COMMAND_OWNERS = {
+    "synth": "nestpipe.datasets.cli", "check-raw": "nestpipe.datasets.cli",
+    "ingest": "nestpipe.ingest.cli", "shard-report": "nestpipe.ingest.cli",
+    "cluster-report": "nestpipe.clustering.cli",
+    "train": "nestpipe.trainer.cli", "eval": "nestpipe.trainer.cli", "export": "nestpipe.trainer.cli",
+    "kernels-info": "nestpipe.kernels.cli",
+    "plan": "nestpipe.planning.cli", "simulate": "nestpipe.planning.cli",
+    "demo": "nestpipe.demo",
+}
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(modules: Optional[List[str]] = None) -> argparse.ArgumentParser:
+    """The command-line parser with the subcommands of ``modules`` (default: every component's)."""
     parser = argparse.ArgumentParser(
         prog="nestpipe",
         description=(
@@ -34,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"nestpipe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    for name in modules or COMMAND_MODULES:
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError as e:
@@ -46,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    owner = COMMAND_OWNERS.get(words[0]) if words else None
+    parser = build_parser([owner] if owner else None)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

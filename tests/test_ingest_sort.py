@@ -1,0 +1,32 @@
+"""The packed (user, time) sort key gives exactly the total order (user, time, video, src, line)."""
+
+import numpy as np
+import polars as pl
+import pytest
+
+from nestpipe.ingest import gr
+
+
+def _frame(rng, n, user_hi, time_lo, time_hi):
+    return pl.DataFrame({
+        "user_id": rng.integers(0, user_hi, n), "time_ms": rng.integers(time_lo, time_hi, n),
+        "video_id": rng.integers(0, 5, n), "src": rng.integers(0, 3, n).astype(np.int16),
+        "line": rng.permutation(n).astype(np.int64), "payload": np.arange(n),
+    })
+
+
+@pytest.mark.parametrize("user_hi,time_lo,time_hi", [
+    (50, 1_650_000_000_000, 1_650_000_000_040),  # packed path, many (user, time) ties
+    ((1 << 21) + 5, 0, 30),                       # user ids too large: unpacked path
+    (50, -20, 20),                                # negative times: unpacked path
+])
+def test_sort_interactions_equals_the_five_key_sort(user_hi, time_lo, time_hi):
+    df = _frame(np.random.default_rng(0), 5000, user_hi, time_lo, time_hi)
+    assert gr.sort_interactions(df).equals(df.sort(gr.SORT_KEYS))
+
+
+def test_sort_interactions_negative_control_overlapping_fields_break_the_order(monkeypatch):
+    df = _frame(np.random.default_rng(1), 5000, 50, 0, 1 << 20)
+    monkeypatch.setattr(gr, "TIME_BITS", 8)  # times >= 2**8 now spill into the user bits
+    monkeypatch.setattr(gr, "_packable", lambda _df: True)  # as if the range check were missing
+    assert not gr.sort_interactions(df).equals(df.sort(gr.SORT_KEYS))

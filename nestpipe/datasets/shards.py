@@ -19,7 +19,7 @@ task ``gr`` (generative recommendation; one sample = a chronological window of o
     ``user.npy``             int64 [B]
     ``time.npy``             int64 [nnz] interaction time, epoch milliseconds
     ``play.npy``             int64 [nnz] play_time_ms
-    ``duration.npy``         int64 [nnz] duration_ms
+    ``duration.npy``         int64 [nnz] duration_ms (``play`` and ``duration`` stored as int32 when they fit)
     In the ``eval`` split the last token of every sample is the held-out next interaction (leave-one-out).
     The sequence tables (``item``, ``author``, ``action``) travel in one packed group ``seq``; ``mb.npy`` is
     stored as uint8 when N <= 256.
@@ -82,6 +82,18 @@ def _npy_bytes(arr: np.ndarray) -> memoryview:
     buf = io.BytesIO()
     np.save(buf, np.ascontiguousarray(arr), allow_pickle=False)
     return buf.getbuffer()  # no copy of the array bytes
+
+
+# GR per-token fields stored as int32 when every value fits (play and duration times in ms); read back as int64
+GR_NARROW_FIELDS = ("play", "duration")
+
+
+def narrow_int(arr: np.ndarray) -> np.ndarray:
+    """int32 when every value fits, else int64."""
+    arr = np.asarray(arr)
+    if arr.size == 0 or (int(arr.min()) >= -(1 << 31) and int(arr.max()) < (1 << 31)):
+        return arr.astype(np.int32)
+    return arr.astype(np.int64)
 
 
 def encode_record(key: str, batch: Batch) -> List[Tuple[str, bytes]]:
@@ -280,6 +292,9 @@ def decode_sample(sample: Dict[str, Any]) -> Batch:
         out["mb"] = np.asarray(out["mb"]).astype(np.int32, copy=False)
     if "labels" in out:
         out["labels"] = np.asarray(out["labels"]).astype(np.float32, copy=False)
+    for f in GR_NARROW_FIELDS:
+        if f in out:
+            out[f] = np.asarray(out[f]).astype(np.int64, copy=False)
     return unpack_tables(out)
 
 

@@ -35,7 +35,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import polars as pl
 
-from nestpipe import clustering
 from nestpipe.datasets import kuairand as K
 from nestpipe.datasets import shards as S
 from nestpipe.ingest import ctr, gr
@@ -266,6 +265,8 @@ def _batch_order(counts: Sequence[int], seed: int, split: str) -> Tuple[np.ndarr
 def cluster_fields(batch: Dict[str, Any], tables: Sequence[str], cluster_tables: Sequence[str], n: int,
                    method: str, seed: int) -> Dict[str, Any]:
     """Add the micro-batch partition and per-table unique keys to a batch."""
+    from nestpipe import clustering  # here, not at import: parse and join workers never load scipy
+
     offs = [S.table_offsets(batch, t) for t in cluster_tables]
     if len(cluster_tables) == 1:
         values, offsets = batch[f"{cluster_tables[0]}.values"], offs[0]
@@ -354,6 +355,8 @@ def _shard_records(cache: "_PartitionCache", parts: np.ndarray, idxs: np.ndarray
         # one packed group: values are rebuilt from unique[inverse] by readers (about 40% fewer bytes)
         S.pack_tables(batch, "seq", list(tables))
         batch["mb"] = batch["mb"].astype(np.uint8 if opts["micro_batches"] <= 256 else np.int32)
+        for f in S.GR_NARROW_FIELDS:  # readers widen them back to int64
+            batch[f] = S.narrow_int(batch[f])
         yield f"{bi:09d}", batch
 
 
@@ -363,6 +366,7 @@ def _ctr_shard_records(cache: "_PartitionCache", parts: np.ndarray, idxs: np.nda
     ``single`` (no lengths: one id per sample and table), the ``tag`` and ``history`` bags as packed group
     ``bags``. Every batch is clustered on its own, exactly as :func:`cluster_fields` would; the unique keys of all
     batches come from one pass per group (:mod:`nestpipe.ingest.shardkeys`)."""
+    from nestpipe import clustering
     from nestpipe.ingest.shardkeys import group_keys
 
     B, n, nb = opts["batch_size"], opts["micro_batches"], n_batches

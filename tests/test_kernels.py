@@ -357,6 +357,30 @@ def test_dual_buffer_sync_exact(case, dim):
     assert n_ref == len(set(a_keys.tolist()) & set(p_keys.tolist()))
 
 
+@pytest.mark.parametrize("case", range(len(SYNC_CASES) - 1))  # local rows: no negative keys
+@pytest.mark.parametrize("from_store", [False, True])
+def test_dual_buffer_sync_rows_exact(case, from_store):
+    a_keys, p_keys = SYNC_CASES[case]()
+    g = torch.Generator().manual_seed(case)
+    n_src = int(max(a_keys.max().item() if a_keys.numel() else 0, p_keys.max().item())) + 1 if from_store \
+        else a_keys.numel()
+    src_w, src_s = torch.randn(n_src, 5, generator=g), torch.rand(n_src, generator=g)
+    dst_w, dst_s = torch.randn(p_keys.numel(), 5, generator=g), torch.rand(p_keys.numel(), generator=g)
+    ew, es = dst_w.clone(), dst_s.clone()
+    n_ref = R.dual_buffer_sync_rows(a_keys, p_keys, src_w, src_s, ew, es, from_store)
+    from nestpipe.kernels import cpu
+
+    assert K.select_path("dual_buffer_sync", "cpu") == "numba"
+    assert cpu.dual_buffer_sync_rows(a_keys, p_keys, src_w, src_s, dst_w, dst_s, from_store) == n_ref
+    assert torch.equal(dst_w, ew) and torch.equal(dst_s, es)
+    assert n_ref == len(set(a_keys.tolist()) & set(p_keys.tolist()))
+    if from_store and n_ref and case == 0:
+        # negative control: reading the active buffer's layout (row i) instead of the store's (row = key) differs
+        bw, bs = dst_w.clone(), dst_s.clone()
+        R.dual_buffer_sync_rows(a_keys, p_keys, src_w, src_s, bw, bs, False)
+        assert not torch.equal(bw, dst_w)
+
+
 # ---------------------------------------------------------------- lookups
 
 

@@ -65,11 +65,13 @@ def runs(tmp_path_factory):
                 vocab=400, seed=4)
     out = {}
 
-    def add(plan, world, model, name, pipeline, steps=STEPS, resume=False, checkpoint_every=0, top=None, **pipe):
+    def add(plan, world, model, name, pipeline, steps=STEPS, resume=False, checkpoint_every=0, top=None, emb=None,
+            **pipe):
         run = str(base / f"w{world}-{model}-{name}")
         if not resume:
             sets = _sets(model, **pipe)
             sets.update(top or {})
+            sets["embedding"].update(emb or {})
             if world == 3:
                 # world 3 keeps every sharded table row-wise over all ranks (400 rows: uneven ownership 134/133/133);
                 # world 2 runs the default planned layout (table-wise and row-wise tables mixed), world 4 (2D-SP)
@@ -89,6 +91,12 @@ def runs(tmp_path_factory):
     add(plan2, 2, "hstu", "fwp", "fwp")
     add(plan2, 2, "hstu", "nosync", "nested", debug_skip_dual_buffer_sync=True)
     add(plan2, 2, "dlrm", "nosync", "nested", debug_skip_dual_buffer_sync=True)
+    # the buffered update with write-back (the device path's order) instead of the CPU default (update in the store,
+    # sync from the store), with its own sync-off control
+    wb = {"dbp_update_in_store": False}
+    for model in ("hstu", "dlrm"):
+        add(plan2, 2, model, "nested-wb", "nested", emb=wb)
+    add(plan2, 2, "hstu", "nosync-wb", "nested", emb=wb, debug_skip_dual_buffer_sync=True)
     add(plan2, 2, "hstu", "per-mb", "nested", debug_update_per_micro_batch=True)
     add(plan2, 2, "hstu", "random-mb", "nested", micro_batching="random")
     # resume: 8 steps with checkpoints every 4, then resume the same run to 20 steps, all nested
@@ -189,6 +197,21 @@ def test_dbp_alone_and_fwp_alone_are_bitwise_equal_to_off(runs):
     dbp, fwp = _spans(runs[(2, "hstu", "dbp")]), _spans(runs[(2, "hstu", "fwp")])
     assert tl.a2a_overlaps(dbp, 0) == [] and len(tl.retrieval_overlaps(dbp, 0)) > 0
     assert tl.retrieval_overlaps(fwp, 0) == [] and len(tl.a2a_overlaps(fwp, 0)) > 0
+
+
+@pytest.mark.parametrize("model", ["hstu", "dlrm"])
+def test_dbp_with_write_back_is_bitwise_equal_to_off(runs, model):
+    off = _export(runs[(2, model, "off")])
+    assert _bitwise_diff(off, _export(runs[(2, model, "nested-wb")])) == []
+    # and the runs took the paths they claim: only the write-back run wrote rows back
+    stages = {name: json.load(open(os.path.join(runs[(2, model, name)], "metrics.json")))["per_rank"][0]["stages_s"]
+              for name in ("nested", "nested-wb")}
+    assert "update.write_back" in stages["nested-wb"] and "update.write_back" not in stages["nested"]
+
+
+def test_negative_control_dual_buffer_sync_off_breaks_equality_with_write_back(runs):
+    diff = _bitwise_diff(_export(runs[(2, "hstu", "off")]), _export(runs[(2, "hstu", "nosync-wb")]))
+    assert any(k.startswith("embedding.") for k in diff), diff
 
 
 @pytest.mark.parametrize("model", ["hstu", "dlrm"])

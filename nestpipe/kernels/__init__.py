@@ -38,7 +38,7 @@ from .select import OPS, kernel_paths, select_path
 
 __all__ = [
     "MAX_VOCAB", "OPS", "RoutedKeys", "adagrad_update", "affine_params", "block_size", "dual_buffer_sync",
-    "gather_rows", "gather_to_device", "kernel_paths", "map_into_vocab", "owner_num_rows", "placement",
+    "dual_buffer_sync_rows", "gather_rows", "gather_to_device", "kernel_paths", "map_into_vocab", "owner_num_rows", "placement",
     "placement_hash", "pool_segments", "pooled_lookup", "route_keys", "select_path", "sequence_lookup", "splitmix64",
 ]
 
@@ -231,6 +231,25 @@ def dual_buffer_sync(
         reference.dual_buffer_sync(active_keys, active_rows, prefetch_keys, prefetch_rows)
     else:
         backend(path).dual_buffer_sync(active_keys, active_rows, prefetch_keys, prefetch_rows)
+
+
+def dual_buffer_sync_rows(
+    active_keys: torch.Tensor, prefetch_keys: torch.Tensor, src_weight: torch.Tensor, src_state: torch.Tensor,
+    dst_weight: torch.Tensor, dst_state: torch.Tensor, from_store: bool = False,
+) -> int:
+    """The trainer's dual-buffer sync: weights and AdaGrad state of keys(t) ∩ keys(t+1) in one merge. Keys are the
+    owner's local rows of batches t and t+1 (strictly ascending). Source: the active buffer (row ``i`` belongs to
+    ``active_keys[i]``) or, ``from_store``, the store itself (row ``active_keys[i]``). Returns the rows copied."""
+    if dst_weight.shape[0] != prefetch_keys.numel() or dst_state.shape[0] != prefetch_keys.numel():
+        raise ValueError("the prefetch buffer must have one row per prefetch key")
+    if not from_store and src_weight.shape[0] != active_keys.numel():
+        raise ValueError("the active buffer must have one row per active key")
+    path = select_path("dual_buffer_sync", dst_weight.device)
+    if path == "numba":
+        return backend(path).dual_buffer_sync_rows(active_keys, prefetch_keys, src_weight, src_state, dst_weight,
+                                                   dst_state, from_store)
+    return reference.dual_buffer_sync_rows(active_keys.to(dst_weight.device), prefetch_keys.to(dst_weight.device),
+                                           src_weight, src_state, dst_weight, dst_state, from_store)
 
 
 class _SequenceLookup(torch.autograd.Function):

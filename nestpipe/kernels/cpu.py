@@ -314,6 +314,43 @@ def adagrad_update_pairs(weights, state, rows, src, order, offsets, entry_offset
        PREFETCH_DISTANCE)
 
 
+@numba.jit(**_JIT)
+def _sync_rows(active_keys, prefetch_keys, src_w, src_s, from_store, dst_w, dst_s):
+    """Serial sorted merge of the two key lists (O(n + m)); a common key's source row (active buffer row ``i``, or
+    store row ``active_keys[i]`` when ``from_store``) and its state go to prefetch row ``j``. Serial: it runs in
+    the pipeline's compute thread while other stage threads may be inside Numba code."""
+    n_a = active_keys.shape[0]
+    n_p = prefetch_keys.shape[0]
+    dim = dst_w.shape[1]
+    i = 0
+    j = 0
+    copied = 0
+    while i < n_a and j < n_p:
+        a = active_keys[i]
+        p = prefetch_keys[j]
+        if a < p:
+            i += 1
+        elif a > p:
+            j += 1
+        else:
+            r = a if from_store else i
+            for d in range(dim):
+                dst_w[j, d] = src_w[r, d]
+            dst_s[j] = src_s[r]
+            copied += 1
+            i += 1
+            j += 1
+    return copied
+
+
+def dual_buffer_sync_rows(active_keys, prefetch_keys, src_weight, src_state, dst_weight, dst_state,
+                          from_store: bool) -> int:
+    if not (dst_weight.is_contiguous() and dst_state.is_contiguous()):
+        raise ValueError("the prefetch buffer must be contiguous (it is updated in place)")
+    return int(_sync_rows(_rows64(active_keys), _rows64(prefetch_keys), _np(src_weight), _np(src_state),
+                          bool(from_store), _np(dst_weight), _np(dst_state)))
+
+
 _SYNC_CHUNK = 4096
 
 

@@ -60,6 +60,24 @@ def dual_buffer_sync(
     return int(targets.numel())
 
 
+def dual_buffer_sync_rows(active_keys: torch.Tensor, prefetch_keys: torch.Tensor, src_weight: torch.Tensor,
+                          src_state: torch.Tensor, dst_weight: torch.Tensor, dst_state: torch.Tensor,
+                          from_store: bool) -> int:
+    """DBP's sync of rows and their AdaGrad state: for every key in both (strictly ascending) key lists, copy the
+    source row into the prefetch buffer's row of that key. The source row of active key ``i`` is row ``i`` of
+    ``src_*`` (the active buffer) or, ``from_store``, row ``active_keys[i]`` (the store: keys are its local rows).
+    Returns the number of rows copied."""
+    if active_keys.numel() == 0 or prefetch_keys.numel() == 0:
+        return 0
+    pos = torch.searchsorted(active_keys, prefetch_keys).clamp_(max=active_keys.numel() - 1)
+    hit = active_keys[pos] == prefetch_keys
+    targets = hit.nonzero().squeeze(1)
+    src = prefetch_keys[targets] if from_store else pos[targets]
+    dst_weight.index_copy_(0, targets, src_weight.index_select(0, src))
+    dst_state.index_copy_(0, targets, src_state.index_select(0, src))
+    return int(targets.numel())
+
+
 def csr_by_segment(segment_of: torch.Tensor, num_segments: int):
     """Stable sort (deterministic on every device) + counts: ``(order, offsets)``, segment ``i`` owning
     ``order[offsets[i]:offsets[i + 1]]`` in ascending element order."""

@@ -35,6 +35,10 @@ class EmbeddingConfig:
     # back stores of 32 MiB or more with transparent huge pages (MADV_HUGEPAGE) where Linux offers them: random row
     # access pays a TLB miss per row, cheaper with 2 MiB pages (nestpipe.kernels.memory; off: NESTPIPE_HUGE_PAGES=0)
     huge_pages: bool = True
+    # DBP with host-resident buffers (CPU): batch t's update goes to the store in place and the dual-buffer sync copies
+    # keys(t) ∩ keys(t+1) from the store, so no write-back pass; false: update the active buffer and write it back
+    # (the device path's order). Bitwise the same results either way.
+    dbp_update_in_store: bool = True
     dim: Optional[int] = None  # None: each table's manifest dim
     init_scale: float = 0.05
     lr: float = 0.05

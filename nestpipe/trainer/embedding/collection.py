@@ -115,6 +115,9 @@ class _OwnStore:
     pair_src: Optional[torch.Tensor] = None
     # set by retrieve: rows are read from ``src`` at ``fwd_idx[i]`` -- the store itself (direct) or the buffer
     direct: bool = False
+    # buffered, host-resident buffer (CPU): the update goes to the store in place and the dual-buffer sync reads the
+    # updated rows from the store; the buffer only serves the forward (no write-back pass)
+    update_in_store: bool = False
     buf_w: Optional[torch.Tensor] = None
     buf_s: Optional[torch.Tensor] = None
     src: Optional[torch.Tensor] = None
@@ -171,6 +174,7 @@ class ShardedEmbeddingCollection:
         # cross-group replica synchronisation run by update(); None / the config's scale in plain training
         self.sparse_momentum_scale = cfg.momentum_scale_groups
         self.replica_sync = None
+        self.update_in_store = cfg.dbp_update_in_store
         self.negatives = negatives
         # The routing payload carries local rows (< a store's rows), key positions (< a table's vocabulary: keys
         # are unique in-vocabulary ids) and sample indices (< the batch size): int32 when all of these fit (the
@@ -426,6 +430,7 @@ class ShardedEmbeddingCollection:
                 o.buf_w, o.buf_s = w.to(self.device), s_.to(self.device)
                 o.src = o.buf_w
                 o.fwd_idx = [torch.from_numpy(p) for p in o.fwd_pos]
+                o.update_in_store = self.device.type == "cpu" and self.replica_sync is None and self.update_in_store
         total = routing.grad_mb_off[-1] + sum(routing.send_splits[-1]) if routing.send_splits else 0
         routing.grad_payload = torch.zeros(total, dtype=self.dtype, device=self.device)
         self.timer.add("retrieve", time.perf_counter() - t0)
@@ -534,9 +539,10 @@ class ShardedEmbeddingCollection:
     def update(self, routing: Routing, release: bool = True) -> None:
         """One row-wise AdaGrad step per store; entries are summed in entry (= requester rank) order.
 
-        The updated rows are written back to the DRAM store (the source of truth) before this returns. With
-        ``release=False`` they also stay in the batch's buffer (the *active* buffer) for :meth:`sync_dual_buffer`,
-        and the per-entry gradients restart from zero."""
+        The updated rows are in the DRAM store (the source of truth) when this returns: updated there in place
+        (direct, and buffered host buffers with ``embedding.dbp_update_in_store``) or updated in the buffer and
+        written back. With ``release=False`` the batch's buffer (the *active* buffer) is kept for
+        :meth:`sync_dual_buffer`, and the per-entry gradients restart from zero."""
         t0 = time.perf_counter()
         cfg = self.cfg
         g = routing.grad_payload
@@ -544,9 +550,11 @@ class ShardedEmbeddingCollection:
         for st, o in routing.own.items():
             store = self.stores[st]
             grad_pairs = (o.entry_offsets, o.pair_src)
-            if o.direct:
+            if o.direct or o.update_in_store:
                 # in place in the store (the fused kernel sums each row's entries and pairs in order: no gradient
-                # is materialised); nothing to write back
+                # is materialised); nothing to write back. The rows read equal the buffer's (DBP invariant: the
+                # buffer was final when it served the batch, and only this batch's update changes its rows before
+                # this point), so the result is bitwise that of the buffered update.
                 with store.lock:
                     apply_adagrad(store.weight, store.state, o.rows, g, cfg.lr, cfg.eps, self.sparse_momentum_scale,
                                   (o.seg_order, o.seg_offsets), o.inv, grad_pairs)
@@ -555,7 +563,9 @@ class ShardedEmbeddingCollection:
                 buf_rows = torch.arange(len(o.rows), dtype=torch.int64)
                 apply_adagrad(o.buf_w, o.buf_s, buf_rows, g, cfg.lr, cfg.eps, self.sparse_momentum_scale,
                               (o.seg_order, o.seg_offsets), o.inv, grad_pairs)
+                t_wb = time.perf_counter()
                 store.write_back(o.rows, o.buf_w, o.buf_s)
+                self.timer.add("update.write_back", time.perf_counter() - t_wb)
         if self.replica_sync is not None:  # 2D-SP: average the replicas of the touched rows (store and buffer)
             self.replica_sync.sync(routing, before)
         if release:
@@ -566,13 +576,16 @@ class ShardedEmbeddingCollection:
 
     @torch.no_grad()
     def sync_dual_buffer(self, active: Routing, prefetch: Routing) -> int:
-        """DBP consistency: copy the rows of keys(t) ∩ keys(t+1) from the active buffer (batch t, already updated)
-        into the prefetch buffer (batch t+1), weights and AdaGrad state. Returns the number of rows copied.
+        """DBP consistency: copy the updated rows of keys(t) ∩ keys(t+1) into the prefetch buffer (batch t+1),
+        weights and AdaGrad state, from the active buffer (batch t, updated there) or, when batch t was updated in
+        the store (``update_in_store``), from the store. Returns the number of rows copied.
 
         Invariant enforced here: when batch t+1's buffer serves its first request, every row in it equals the DRAM
         store's row after batch t's write-back. Rows of t+1 not in t were not changed by t (and retrieval of t+1
         started after batch t-1's write-back, see :class:`~nestpipe.trainer.pipeline.dual_buffer.DualBuffer`);
         rows in both are overwritten here with the exact updated values. Copies are bitwise."""
+        import nestpipe.kernels as K
+
         t0 = time.perf_counter()
         n = 0
         for st, a in active.own.items():
@@ -580,13 +593,13 @@ class ShardedEmbeddingCollection:
             if a.buf_w is None or p.buf_w is None:
                 raise RuntimeError(f"table {st}: dual-buffer sync needs the updated active and the retrieved "
                                    "prefetch buffer")
-            _, ia, ip = np.intersect1d(a.rows.numpy(), p.rows.numpy(), assume_unique=True, return_indices=True)
-            if len(ia):
-                ia_t = torch.from_numpy(ia.astype(np.int64)).to(self.device)
-                ip_t = torch.from_numpy(ip.astype(np.int64)).to(self.device)
-                p.buf_w.index_copy_(0, ip_t, a.buf_w.index_select(0, ia_t))
-                p.buf_s.index_copy_(0, ip_t, a.buf_s.index_select(0, ia_t))
-                n += len(ia)
+            if a.update_in_store:  # the updated rows are in the store (the active buffer holds the old ones)
+                store = self.stores[st]
+                with store.lock:
+                    n += K.dual_buffer_sync_rows(a.rows, p.rows, store.weight, store.state, p.buf_w, p.buf_s,
+                                                 from_store=True)
+            else:
+                n += K.dual_buffer_sync_rows(a.rows, p.rows, a.buf_w, a.buf_s, p.buf_w, p.buf_s)
         self.timer.add("dbp.sync", time.perf_counter() - t0)
         return n
 

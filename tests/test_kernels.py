@@ -371,6 +371,9 @@ def test_dual_buffer_sync_rows_exact(case, from_store):
     from nestpipe.kernels import cpu
 
     assert K.select_path("dual_buffer_sync", "cpu") == "numba"
+    ww = dst_w.clone()  # weights only (the state stays where it is)
+    assert cpu.dual_buffer_sync_rows(a_keys, p_keys, src_w, src_s, ww, None, from_store) == n_ref
+    assert torch.equal(ww, ew)
     assert cpu.dual_buffer_sync_rows(a_keys, p_keys, src_w, src_s, dst_w, dst_s, from_store) == n_ref
     assert torch.equal(dst_w, ew) and torch.equal(dst_s, es)
     assert n_ref == len(set(a_keys.tolist()) & set(p_keys.tolist()))

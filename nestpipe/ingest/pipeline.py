@@ -473,8 +473,11 @@ class _Executor:
             self.pool.shutdown(cancel_futures=True)
 
     def run(self, fn: Callable, units: List[Any], cfg: IngestConfig, desc: str,
-            rows_of: Callable[[Dict[str, Any]], int] = lambda s: s.get("rows", 0)) -> List[Dict[str, Any]]:
-        """Results come back in unit order whatever order units finish in."""
+            rows_of: Callable[[Dict[str, Any]], int] = lambda s: s.get("rows", 0),
+            cost: Optional[Callable[[Any], float]] = None) -> List[Dict[str, Any]]:
+        """Results come back in unit order whatever order units finish in. With ``cost`` (an estimate per unit) the
+        pool starts the costliest units first, so the stage does not end on one worker finishing a big unit while
+        the other idles (longest-processing-time-first)."""
         results: List[Optional[Dict[str, Any]]] = [None] * len(units)
         bar = _progress(len(units), desc, cfg.progress)
         t0 = time.time()
@@ -493,7 +496,10 @@ class _Executor:
                 for i, u in enumerate(units):
                     done(i, fn(u))
             else:
-                futs = {self.pool.submit(fn, u): i for i, u in enumerate(units)}
+                order = range(len(units))
+                if cost is not None:
+                    order = sorted(order, key=lambda i: (-cost(units[i]), i))
+                futs = {self.pool.submit(fn, units[i]): i for i in order}
                 for fut in cf.as_completed(futs):
                     done(futs[fut], fut.result())
         finally:
@@ -612,7 +618,7 @@ def _ingest_stages(cfg: IngestConfig, ex: "_Executor", found, inputs, fps, num_p
         _, chunks = plan_chunks(path, chunk_bytes)
         for ch in chunks:
             parse_units.append((work, cfg.task, kind, fidx, path, ch.index, ch.start, ch.end, num_parts))
-    s1 = ex.run(_unit_parse, parse_units, cfg, "1/4 parse")
+    s1 = ex.run(_unit_parse, parse_units, cfg, "1/4 parse", cost=lambda u: u[7] - u[6])  # chunk bytes
     rows = sum(s["rows"] for s in s1)
     rejected = sum(s["rejected"] for s in s1)
     n_rejects, rejects_file = _write_rejects(cfg, work, parse_units, s1)
@@ -655,7 +661,8 @@ def _ingest_stages(cfg: IngestConfig, ex: "_Executor", found, inputs, fps, num_p
         for k, first in enumerate(range(0, n_batches, per_shard)):
             shard_units.append((work, cfg.out, split, k, first, min(per_shard, n_batches - first),
                                 _shard_opts(cfg, tables)))
-    s4 = ex.run(_unit_shard, shard_units, cfg, "4/4 shards", rows_of=lambda s: s["samples"])
+    s4 = ex.run(_unit_shard, shard_units, cfg, "4/4 shards", rows_of=lambda s: s["samples"],
+                cost=lambda u: u[5])  # batches
     for u, r in zip(shard_units, s4):
         sets.setdefault(u[2], []).append(S.ShardEntry(r["path"], r["batches"], r["samples"], r["sha256"], r["bytes"]))
     for split in ("train", "eval"):

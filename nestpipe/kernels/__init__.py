@@ -234,13 +234,15 @@ def dual_buffer_sync(
 
 
 def dual_buffer_sync_rows(
-    active_keys: torch.Tensor, prefetch_keys: torch.Tensor, src_weight: torch.Tensor, src_state: torch.Tensor,
-    dst_weight: torch.Tensor, dst_state: torch.Tensor, from_store: bool = False,
+    active_keys: torch.Tensor, prefetch_keys: torch.Tensor, src_weight: torch.Tensor,
+    src_state: Optional[torch.Tensor], dst_weight: torch.Tensor, dst_state: Optional[torch.Tensor], from_store: bool = False,
 ) -> int:
     """The trainer's dual-buffer sync: weights and AdaGrad state of keys(t) ∩ keys(t+1) in one merge. Keys are the
     owner's local rows of batches t and t+1 (strictly ascending). Source: the active buffer (row ``i`` belongs to
-    ``active_keys[i]``) or, ``from_store``, the store itself (row ``active_keys[i]``). Returns the rows copied."""
-    if dst_weight.shape[0] != prefetch_keys.numel() or dst_state.shape[0] != prefetch_keys.numel():
+    ``active_keys[i]``) or, ``from_store``, the store itself (row ``active_keys[i]``). ``dst_state=None``: weights
+    only (``src_state`` is ignored). Returns the rows copied."""
+    if dst_weight.shape[0] != prefetch_keys.numel() or (dst_state is not None and
+                                                        dst_state.shape[0] != prefetch_keys.numel()):
         raise ValueError("the prefetch buffer must have one row per prefetch key")
     if not from_store and src_weight.shape[0] != active_keys.numel():
         raise ValueError("the active buffer must have one row per active key")

@@ -315,7 +315,7 @@ def adagrad_update_pairs(weights, state, rows, src, order, offsets, entry_offset
 
 
 @numba.jit(**_JIT)
-def _sync_rows(active_keys, prefetch_keys, src_w, src_s, from_store, dst_w, dst_s):
+def _sync_rows(active_keys, prefetch_keys, src_w, src_s, from_store, copy_state, dst_w, dst_s):
     """Serial sorted merge of the two key lists (O(n + m)); a common key's source row (active buffer row ``i``, or
     store row ``active_keys[i]`` when ``from_store``) and its state go to prefetch row ``j``. Serial: it runs in
     the pipeline's compute thread while other stage threads may be inside Numba code."""
@@ -336,7 +336,8 @@ def _sync_rows(active_keys, prefetch_keys, src_w, src_s, from_store, dst_w, dst_
             r = a if from_store else i
             for d in range(dim):
                 dst_w[j, d] = src_w[r, d]
-            dst_s[j] = src_s[r]
+            if copy_state:
+                dst_s[j] = src_s[r]
             copied += 1
             i += 1
             j += 1
@@ -345,10 +346,13 @@ def _sync_rows(active_keys, prefetch_keys, src_w, src_s, from_store, dst_w, dst_
 
 def dual_buffer_sync_rows(active_keys, prefetch_keys, src_weight, src_state, dst_weight, dst_state,
                           from_store: bool) -> int:
-    if not (dst_weight.is_contiguous() and dst_state.is_contiguous()):
+    copy_state = dst_state is not None
+    if not (dst_weight.is_contiguous() and (not copy_state or dst_state.is_contiguous())):
         raise ValueError("the prefetch buffer must be contiguous (it is updated in place)")
-    return int(_sync_rows(_rows64(active_keys), _rows64(prefetch_keys), _np(src_weight), _np(src_state),
-                          bool(from_store), _np(dst_weight), _np(dst_state)))
+    none = np.zeros(0, dtype=_np(dst_weight).dtype)  # stands in for the state arrays when only weights are synced
+    return int(_sync_rows(_rows64(active_keys), _rows64(prefetch_keys), _np(src_weight),
+                          _np(src_state) if copy_state else none, bool(from_store), copy_state, _np(dst_weight),
+                          _np(dst_state) if copy_state else none))
 
 
 _SYNC_CHUNK = 4096

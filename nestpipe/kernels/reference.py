@@ -74,7 +74,8 @@ def dual_buffer_sync_rows(active_keys: torch.Tensor, prefetch_keys: torch.Tensor
     targets = hit.nonzero().squeeze(1)
     src = prefetch_keys[targets] if from_store else pos[targets]
     dst_weight.index_copy_(0, targets, src_weight.index_select(0, src))
-    dst_state.index_copy_(0, targets, src_state.index_select(0, src))
+    if dst_state is not None:
+        dst_state.index_copy_(0, targets, src_state.index_select(0, src))
     return int(targets.numel())
 
 

@@ -426,11 +426,12 @@ class ShardedEmbeddingCollection:
                 rows_np = o.rows.numpy()
                 o.fwd_idx = [torch.from_numpy(rows_np[p]) for p in o.fwd_pos]
             else:
-                w, s_ = store.gather(o.rows)
-                o.buf_w, o.buf_s = w.to(self.device), s_.to(self.device)
+                o.update_in_store = self.device.type == "cpu" and self.replica_sync is None and self.update_in_store
+                # the update reads the AdaGrad state from the store when it updates there: no state in the buffer
+                w, s_ = store.gather(o.rows, with_state=not o.update_in_store)
+                o.buf_w, o.buf_s = w.to(self.device), s_.to(self.device) if s_ is not None else None
                 o.src = o.buf_w
                 o.fwd_idx = [torch.from_numpy(p) for p in o.fwd_pos]
-                o.update_in_store = self.device.type == "cpu" and self.replica_sync is None and self.update_in_store
         total = routing.grad_mb_off[-1] + sum(routing.send_splits[-1]) if routing.send_splits else 0
         routing.grad_payload = torch.zeros(total, dtype=self.dtype, device=self.device)
         self.timer.add("retrieve", time.perf_counter() - t0)
@@ -578,7 +579,8 @@ class ShardedEmbeddingCollection:
     def sync_dual_buffer(self, active: Routing, prefetch: Routing) -> int:
         """DBP consistency: copy the updated rows of keys(t) ∩ keys(t+1) into the prefetch buffer (batch t+1),
         weights and AdaGrad state, from the active buffer (batch t, updated there) or, when batch t was updated in
-        the store (``update_in_store``), from the store. Returns the number of rows copied.
+        the store (``update_in_store``; its buffers hold weights only), from the store. Returns the number of rows
+        copied.
 
         Invariant enforced here: when batch t+1's buffer serves its first request, every row in it equals the DRAM
         store's row after batch t's write-back. Rows of t+1 not in t were not changed by t (and retrieval of t+1
@@ -596,8 +598,8 @@ class ShardedEmbeddingCollection:
             if a.update_in_store:  # the updated rows are in the store (the active buffer holds the old ones)
                 store = self.stores[st]
                 with store.lock:
-                    n += K.dual_buffer_sync_rows(a.rows, p.rows, store.weight, store.state, p.buf_w, p.buf_s,
-                                                 from_store=True)
+                    n += K.dual_buffer_sync_rows(a.rows, p.rows, store.weight, None, p.buf_w, None,
+                                                 from_store=True)  # weights only: the state stays in the store
             else:
                 n += K.dual_buffer_sync_rows(a.rows, p.rows, a.buf_w, a.buf_s, p.buf_w, p.buf_s)
         self.timer.add("dbp.sync", time.perf_counter() - t0)

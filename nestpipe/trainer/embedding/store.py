@@ -66,12 +66,13 @@ class RowStore:
             with self.lock:
                 self.materialize(rows)
 
-    def gather(self, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(weights [n, dim], state [n]) of ``rows`` (int64, unique), materialising untouched ones."""
+    def gather(self, rows: torch.Tensor, with_state: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(weights [n, dim], state [n] or None without ``with_state``) of ``rows`` (int64, unique), materialising
+        untouched ones."""
         with self.lock:
             if self.num_materialized < self.num_rows:
                 self.materialize(rows)
-            return self.weight.index_select(0, rows), self.state.index_select(0, rows)
+            return self.weight.index_select(0, rows), self.state.index_select(0, rows) if with_state else None
 
     def write_back(self, rows: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> None:
         with self.lock:

@@ -16,7 +16,8 @@ Why it holds:
 2. Rows of keys(u-1) ∩ keys(u) may have been gathered before u-1's write-back: :meth:`DualBuffer.hand_over` copies
    them from the updated active buffer into the prefetch buffer before u's forward begins (bitwise copies). With
    host-resident buffers (CPU, ``embedding.dbp_update_in_store``) batch u-1 was updated in the store itself and
-   its buffer still holds the old rows, so they are copied from the store instead.
+   its buffer still holds the old rows, so they are copied from the store instead; there the buffers hold weights
+   only (the update reads and writes the AdaGrad state in the store).
 3. Key routing (stages 1-3) does not read parameters, so it may run any number of batches ahead.
 
 2'. With 2D sparse parallelism the replica synchronisation after batch u-1's update also changes rows of this

@@ -61,3 +61,22 @@ def test_small_tensors_and_the_switch_off_use_the_torch_allocator(monkeypatch):
     big = memory.host_zeros((1 << 20, 16))
     assert float(big.abs().sum()) == 0.0
     assert memory.host_empty((4, 4), huge_pages=False).shape == (4, 4)
+
+
+@needs_thp
+def test_row_stores_use_huge_pages_when_resident():
+    from nestpipe.trainer.embedding.store import RowStore
+    from nestpipe.trainer.placement import make_placement
+
+    pl = make_placement(0, 140_000, 1)  # 140k x 64 float32 = 34 MiB on the one rank
+    eager = RowStore("t", pl, 0, 64, seed=1, init_scale=0.05, eager_rows=200_000)
+    lazy = RowStore("t", pl, 0, 64, seed=1, init_scale=0.05, eager_rows=0)
+    forced = RowStore("t", pl, 0, 64, seed=1, init_scale=0.05, eager_rows=0, huge_pages="always")
+    never = RowStore("t", pl, 0, 64, seed=1, init_scale=0.05, eager_rows=200_000, huge_pages="never")
+    assert (eager.huge_pages, lazy.huge_pages, forced.huge_pages, never.huge_pages) == (True, False, True, False)
+    assert _anon_huge_kib(eager.weight) >= 16 << 10  # written whole at start
+    rows = torch.arange(0, 140_000, 8192)  # one row per 2 MiB: 4 KiB pages keep the lazy store small
+    lazy.gather(rows)
+    forced.gather(rows)
+    assert _anon_huge_kib(lazy.weight) == 0 and _anon_huge_kib(forced.weight) >= 16 << 10
+    assert torch.equal(lazy.gather(rows)[0], eager.gather(rows)[0])  # same values on any pages

@@ -8,6 +8,9 @@ large tensors are mapped here: a private anonymous mapping advised ``MADV_HUGEPA
 is shmem, which THP leaves alone unless ``shmem_enabled`` allows it), wrapped by ``torch.frombuffer`` (the tensor
 keeps the mapping alive).
 
+The trainer asks for huge pages for the stores it initialises whole (``embedding.huge_pages``): a lazily
+initialised store on huge pages would make 2 MiB of rows resident at the first touch of one of them.
+
 Invariants: the memory is zero-filled (anonymous mappings are), so :func:`host_zeros` costs no pass over it and
 untouched pages are never faulted in (a lazily materialised store stays free until rows are touched). Where huge
 pages are unavailable (not Linux, THP ``never``, ``NESTPIPE_HUGE_PAGES=0``, small tensors) the plain torch allocator

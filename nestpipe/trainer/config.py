@@ -32,9 +32,12 @@ class EmbeddingConfig:
     # stores of at most this many rows on a rank are initialised whole at start (larger ones row by row on first
     # touch): the values are the same either way
     eager_init_max_rows: int = 1_000_000
-    # back stores of 32 MiB or more with transparent huge pages (MADV_HUGEPAGE) where Linux offers them: random row
-    # access pays a TLB miss per row, cheaper with 2 MiB pages (nestpipe.kernels.memory; off: NESTPIPE_HUGE_PAGES=0)
-    huge_pages: bool = True
+    # Transparent huge pages (MADV_HUGEPAGE, where Linux offers them) for stores of 32 MiB or more: a random row costs
+    # a TLB miss, cheaper with 2 MiB pages (nestpipe.kernels.memory). "resident" (default): the stores initialised
+    # whole at start (see eager_init_max_rows); lazily initialised ones keep 4 KiB pages, so their memory follows
+    # the rows touched (a huge page would make 8192 neighbouring rows resident at the first touch of one).
+    # "always": every store; "never": none (NESTPIPE_HUGE_PAGES=0 also turns them off).
+    huge_pages: str = "resident"
     # DBP with host-resident buffers (CPU): batch t's update goes to the store in place and the dual-buffer sync copies
     # keys(t) ∩ keys(t+1) from the store, so no write-back pass; false: update the active buffer and write it back
     # (the device path's order). Bitwise the same results either way.
@@ -53,6 +56,13 @@ class EmbeddingConfig:
     debug_requester_salt: int = 0
     # debug (negative control, 2D-SP): skip the cross-group replica synchronisation (replicas diverge).
     debug_skip_replica_sync: bool = False
+
+    def __post_init__(self) -> None:
+        if self.huge_pages not in HUGE_PAGES:
+            raise ValueError(f"embedding.huge_pages = {self.huge_pages!r}: expected one of {', '.join(HUGE_PAGES)}")
+
+
+HUGE_PAGES = ("resident", "always", "never")
 
 
 @dataclasses.dataclass

@@ -193,4 +193,8 @@ def exposure_summary(gathered, baseline_path: str = "") -> dict:
 
 def _huge_pages(cfg) -> str:
     """How large DRAM stores are backed in this run (run metadata)."""
-    return huge_pages_mode() if cfg.embedding.huge_pages else "off (embedding.huge_pages = false)"
+    mode = cfg.embedding.huge_pages
+    if mode == "never":
+        return "off (embedding.huge_pages = never)"
+    avail = huge_pages_mode()
+    return f"{avail}, {mode} stores" if avail == "madvise" else avail

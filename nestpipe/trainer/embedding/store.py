@@ -7,8 +7,9 @@ Invariants
 - :meth:`RowStore.gather` and :meth:`RowStore.write_back` hold the store's lock: the retrieval stage (its own
   thread in the pipelined modes) never reads a half-written batch of rows while the compute thread writes back.
 - A row is materialised on first touch from ``init_rows(seed, table, id)``; until then its memory is never read
-  (``host_empty``/``host_zeros`` pages are not touched, so a 32M-row table costs nothing until used; large stores
-  sit on transparent huge pages where Linux offers them, see :mod:`nestpipe.kernels.memory`). Stores of at
+  (``host_empty``/``host_zeros`` pages are not touched, so a 32M-row table costs nothing until used). Stores
+  initialised whole (below) sit on transparent huge pages where Linux offers them (``embedding.huge_pages``, see
+  :mod:`nestpipe.kernels.memory`); lazily initialised ones keep 4 KiB pages, so memory follows the touched rows. Stores of at
   most ``eager_rows`` rows are materialised whole at construction instead (the same values: initialisation is a
   pure function of (seed, table, id)), so steady-state steps never pay for first touches.
 """
@@ -26,7 +27,7 @@ from nestpipe.trainer.placement import TablePlacement, init_rows
 
 class RowStore:
     def __init__(self, name: str, placement: TablePlacement, rank: int, dim: int, seed: int, init_scale: float,
-                 dtype: torch.dtype = torch.float32, eager_rows: int = 0, huge_pages: bool = True):
+                 dtype: torch.dtype = torch.float32, eager_rows: int = 0, huge_pages: str = "resident"):
         self.name = name
         self.placement = placement
         self.rank = rank
@@ -36,12 +37,14 @@ class RowStore:
         n = placement.local_rows(rank)
         from nestpipe.kernels.memory import host_empty, host_zeros
 
-        self.weight = host_empty((n, dim), dtype, huge_pages)
-        self.state = host_zeros((n,), dtype, huge_pages)
+        eager = 0 < n <= eager_rows
+        self.huge_pages = huge_pages == "always" or (huge_pages == "resident" and eager)
+        self.weight = host_empty((n, dim), dtype, self.huge_pages)
+        self.state = host_zeros((n,), dtype, self.huge_pages)
         self.materialized = torch.zeros(n, dtype=torch.bool)
         self.num_materialized = 0
         self.lock = threading.Lock()
-        if 0 < n <= eager_rows:
+        if eager:
             for lo in range(0, n, 1 << 18):  # bounded temporaries
                 self.materialize(torch.arange(lo, min(n, lo + (1 << 18))))
 

@@ -557,9 +557,11 @@ def _prepare_out(cfg: IngestConfig, fingerprint: Dict[str, Any]) -> str:
     return "fresh"
 
 
-def _auto_partitions(total_bytes: int) -> int:
-    # about 128 MB of raw input per partition, at least 4; a partition is the unit of memory in stages 2 and 3
-    return int(min(4096, max(4, math.ceil(total_bytes / (128 << 20)))))
+def _auto_partitions(total_bytes: int, task: str = "gr") -> int:
+    # about 128 MB of raw input per partition (64 MB for ctr, whose samples stage holds every feature column of a
+    # partition at once: 2.1 GiB per worker at 128 MB), at least 4; a partition is the unit of memory in stages 2-3
+    per = (64 << 20) if task == "ctr" else (128 << 20)
+    return int(min(4096, max(4, math.ceil(total_bytes / per))))
 
 
 def _write_rejects(cfg: IngestConfig, work: str, parse_units, s1: List[Dict[str, Any]]) -> Tuple[int, str]:
@@ -596,7 +598,7 @@ def ingest(cfg: IngestConfig) -> S.Manifest:
     inputs = _input_units(found, cfg)
     fps = [_fingerprint_file(p) for _, _, p in inputs]
     total_bytes = sum(f["bytes"] for f in fps)
-    num_parts = cfg.partitions or _auto_partitions(total_bytes)
+    num_parts = cfg.partitions or _auto_partitions(total_bytes, cfg.task)
     semantic = cfg.semantic()
     semantic["partitions"] = num_parts
     fingerprint = {"inputs": fps, "options": semantic, "format_version": S.FORMAT_VERSION, "release": found.release}

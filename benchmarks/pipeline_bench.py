@@ -48,10 +48,10 @@ import time
 import numpy as np
 
 from nestpipe.clustering import assign
-from nestpipe.datasets.shards import Manifest, ShardEntry, TableSpec, save_manifest, write_shard
+from nestpipe.datasets.shards import Manifest, TableSpec, save_manifest
 from nestpipe.planning.validate_local import make_gr_shards as make_gr_workload_shards
 from nestpipe.trainer.pipeline.testing import run_plan, write_run
-from nestpipe.trainer.testing import _table_fields
+from nestpipe.trainer.testing import _table_fields, write_split_shards
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torchrec_runner  # noqa: E402 (benchmarks/ is not a package)
@@ -74,37 +74,29 @@ def make_gr_shards(out, batch, seq_len, micro_batches, vocab, batches_per_rank, 
 def make_pooled_shards(out, micro_batches, batches_per_rank, seed=11):
     """The pooled comparison workload as CTR shards (micro-batches from the clustering of table t0)."""
     P = POOLED
-    os.makedirs(out, exist_ok=True)
     rng = np.random.default_rng(seed)
     names = [f"t{i}" for i in range(P["tables"])]
     tables = {t: TableSpec(P["rows"], P["dim"], "pooled") for t in names}
-    sets_, index = {}, 0
-    for split, counts in (("train", [batches_per_rank] * WORLD), ("eval", [1])):
-        entries = []
-        for si, nb in enumerate(counts):
-            recs = []
-            for _ in range(nb):
-                B = P["batch"]
-                feats = []
-                for _t in names:
-                    lens = rng.integers(P["min_len"], P["max_len"] + 1, size=B).astype(np.int32)
-                    feats.append((rng.integers(0, P["rows"], size=int(lens.sum())).astype(np.int64), lens))
-                off0 = np.concatenate([[0], np.cumsum(feats[0][1])]).astype(np.int64)
-                mb = assign(feats[0][0], off0, micro_batches, seed=index).astype(np.int32)
-                rec = {"meta": {"index": index, "split": split, "task": "ctr", "samples": B,
-                                "micro_batches": micro_batches}, "mb": mb}
-                for t, (v, lens) in zip(names, feats):
-                    for f, arr in _table_fields(v, lens, mb).items():
-                        rec[f"{t}.{f}"] = arr
-                d = rng.normal(size=(B, P["dense"])).astype(np.float32)
-                rec["dense"] = d
-                rec["labels"] = (rng.random(B) < 1 / (1 + np.exp(-0.8 * d[:, 0]))).astype(np.float32)[:, None]
-                recs.append((f"{index:08d}", rec))
-                index += 1
-            name = f"{split}-{si:06d}.tar"
-            digest, size = write_shard(os.path.join(out, name), recs)
-            entries.append(ShardEntry(name, nb, nb * P["batch"], digest, size))
-        sets_[split] = entries
+
+    def record(split, index):
+        B = P["batch"]
+        feats = []
+        for _t in names:
+            lens = rng.integers(P["min_len"], P["max_len"] + 1, size=B).astype(np.int32)
+            feats.append((rng.integers(0, P["rows"], size=int(lens.sum())).astype(np.int64), lens))
+        off0 = np.concatenate([[0], np.cumsum(feats[0][1])]).astype(np.int64)
+        mb = assign(feats[0][0], off0, micro_batches, seed=index).astype(np.int32)
+        rec = {"meta": {"index": index, "split": split, "task": "ctr", "samples": B,
+                        "micro_batches": micro_batches}, "mb": mb}
+        for t, (v, lens) in zip(names, feats):
+            for f, arr in _table_fields(v, lens, mb).items():
+                rec[f"{t}.{f}"] = arr
+        d = rng.normal(size=(B, P["dense"])).astype(np.float32)
+        rec["dense"] = d
+        rec["labels"] = (rng.random(B) < 1 / (1 + np.exp(-0.8 * d[:, 0]))).astype(np.float32)[:, None]
+        return rec
+
+    sets_ = write_split_shards(out, (("train", [batches_per_rank] * WORLD), ("eval", [1])), P["batch"], record)
     save_manifest(out, Manifest(task="ctr", batch_size=P["batch"], micro_batches=micro_batches, tables=tables,
                                 sets=sets_, dense_features=[f"d{i}" for i in range(P["dense"])], labels=["is_click"]))
 

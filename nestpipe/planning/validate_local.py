@@ -42,36 +42,28 @@ def make_gr_shards(out: str, batch: int, seq_len: int, micro_batches: int, vocab
     """GR shards (item ``vocab`` rows + action 256 rows, Zipf item ids, clustered micro-batches); ``n_shards``
     train shards (6 feed world 2 and 3 evenly). The same seed gives the same sequences for every micro-batch count."""
     from nestpipe.clustering import assign
-    from nestpipe.datasets.shards import Manifest, ShardEntry, TableSpec, save_manifest, write_shard
-    from nestpipe.trainer.testing import _table_fields
+    from nestpipe.datasets.shards import Manifest, TableSpec, save_manifest
+    from nestpipe.trainer.testing import _table_fields, write_split_shards
 
-    os.makedirs(out, exist_ok=True)
     rng = np.random.default_rng(seed)
     tables = {"item": TableSpec(vocab, 64, "sequence"), "action": TableSpec(256, 64, "sequence")}
-    sets_, index = {}, 0
-    for split, counts in (("train", [batches] * n_shards), ("eval", [1])):
-        entries = []
-        for si, nb in enumerate(counts):
-            recs = []
-            for _ in range(nb):
-                lengths = np.full(batch, seq_len, dtype=np.int32)
-                off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-                item = ((rng.zipf(zipf, int(off[-1])) - 1) % vocab).astype(np.int64)
-                action = rng.integers(0, 256, int(off[-1])).astype(np.int64)
-                mb = assign(item, off, micro_batches, seed=index).astype(np.int32)
-                rec = {"meta": {"index": index, "split": split, "task": "gr", "samples": batch,
-                                "micro_batches": micro_batches}, "mb": mb}
-                for name, v in (("item", item), ("action", action)):
-                    for f, arr in _table_fields(v, lengths, mb).items():
-                        rec[f"{name}.{f}"] = arr
-                rec["user"] = rng.integers(0, 1000, batch)
-                rec["time"] = np.arange(len(item), dtype=np.int64) * 1000
-                recs.append((f"{index:08d}", rec))
-                index += 1
-            name = f"{split}-{si:06d}.tar"
-            digest, size = write_shard(os.path.join(out, name), recs)
-            entries.append(ShardEntry(name, nb, nb * batch, digest, size))
-        sets_[split] = entries
+
+    def record(split: str, index: int) -> dict:
+        lengths = np.full(batch, seq_len, dtype=np.int32)
+        off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        item = ((rng.zipf(zipf, int(off[-1])) - 1) % vocab).astype(np.int64)
+        action = rng.integers(0, 256, int(off[-1])).astype(np.int64)
+        mb = assign(item, off, micro_batches, seed=index).astype(np.int32)
+        rec = {"meta": {"index": index, "split": split, "task": "gr", "samples": batch,
+                        "micro_batches": micro_batches}, "mb": mb}
+        for name, v in (("item", item), ("action", action)):
+            for f, arr in _table_fields(v, lengths, mb).items():
+                rec[f"{name}.{f}"] = arr
+        rec["user"] = rng.integers(0, 1000, batch)
+        rec["time"] = np.arange(len(item), dtype=np.int64) * 1000
+        return rec
+
+    sets_ = write_split_shards(out, (("train", [batches] * n_shards), ("eval", [1])), batch, record)
     save_manifest(out, Manifest(task="gr", batch_size=batch, micro_batches=micro_batches, tables=tables, sets=sets_,
                                 max_seq_len=seq_len))
     return out

@@ -9,7 +9,7 @@ Micro-batches come from ``nestpipe.clustering.assign`` and unique keys from ``un
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -87,6 +87,28 @@ def _ctr_batch(rng, b, n_mb, vocabs, split, index):
     return rec
 
 
+def write_split_shards(out: str, splits: Sequence[Tuple[str, Sequence[int]]], batch_size: int,
+                       make_record: Callable[[str, int], Dict]) -> Dict[str, List[ShardEntry]]:
+    """Write the shards of every split: ``splits`` lists (split, batches of each shard); batch records come from
+    ``make_record(split, index)``, ``index`` counting batches over all splits (record key ``f"{index:08d}"``), in
+    order. Returns the manifest's ``sets``."""
+    os.makedirs(out, exist_ok=True)
+    sets: Dict[str, List[ShardEntry]] = {}
+    index = 0
+    for split, counts in splits:
+        entries = []
+        for si, nb in enumerate(counts):
+            recs = []
+            for _ in range(nb):
+                recs.append((f"{index:08d}", make_record(split, index)))
+                index += 1
+            name = f"{split}-{si:06d}.tar"
+            digest, size = write_shard(os.path.join(out, name), recs)
+            entries.append(ShardEntry(name, nb, nb * batch_size, digest, size))
+        sets[split] = entries
+    return sets
+
+
 def make_shards(out: str, task: str, *, batch_size: int = 16, micro_batches: int = 4, shards: Tuple[int, ...] = (3, 3),
                 eval_shards: Tuple[int, ...] = (2,), vocab: int = 500, seq_len: int = 12, seed: int = 0,
                 oov_rate: float = 0.02) -> Manifest:
@@ -99,23 +121,12 @@ def make_shards(out: str, task: str, *, batch_size: int = 16, micro_batches: int
     else:
         vocabs = {"user_id": 200, "video_id": vocab, "author_id": vocab // 4 + 1, "tag": 300, "history": vocab}
         tables = {t: TableSpec(v, 8, "pooled" if t in ("tag", "history") else "single") for t, v in vocabs.items()}
-    sets: Dict[str, List[ShardEntry]] = {}
-    index = 0
-    for split, counts in (("train", shards), ("eval", eval_shards)):
-        entries = []
-        for si, nb in enumerate(counts):
-            recs = []
-            for _ in range(nb):
-                if task == "gr":
-                    rec = _gr_batch(rng, batch_size, micro_batches, vocab, seq_len, split, index, oov_rate)
-                else:
-                    rec = _ctr_batch(rng, batch_size, micro_batches, vocabs, split, index)
-                recs.append((f"{index:08d}", rec))
-                index += 1
-            name = f"{split}-{si:06d}.tar"
-            digest, size = write_shard(os.path.join(out, name), recs)
-            entries.append(ShardEntry(name, nb, nb * batch_size, digest, size))
-        sets[split] = entries
+    def record(split: str, index: int) -> Dict:
+        if task == "gr":
+            return _gr_batch(rng, batch_size, micro_batches, vocab, seq_len, split, index, oov_rate)
+        return _ctr_batch(rng, batch_size, micro_batches, vocabs, split, index)
+
+    sets = write_split_shards(out, (("train", shards), ("eval", eval_shards)), batch_size, record)
     man = Manifest(task=task, batch_size=batch_size, micro_batches=micro_batches, tables=tables, sets=sets,
                    max_seq_len=seq_len if task == "gr" else None,
                    dense_features=["d0", "d1", "d2", "d3"] if task == "ctr" else [],

@@ -595,19 +595,6 @@ def test_pool_segments_bitwise_equals_index_add(threads, monkeypatch):
     assert not torch.equal(other[at], expect)
 
 
-def _dedup_argsort(rows):
-    order = np.argsort(rows, kind="stable")
-    srt = rows[order]
-    first = np.ones(len(srt), dtype=bool)
-    first[1:] = srt[1:] != srt[:-1]
-    starts = np.flatnonzero(first)
-    uniq = srt[starts]
-    inv_sorted = np.repeat(np.arange(len(uniq), dtype=np.int64), np.diff(np.append(starts, len(rows))))
-    inv = np.empty(len(rows), dtype=np.int64)
-    inv[order] = inv_sorted
-    return order, uniq, starts, inv_sorted, inv
-
-
 @pytest.mark.parametrize("n,num_rows", [(0, 5), (1, 5), (10, 10), (500, 100), (3000, 100_000)])
 def test_dedup_rows_equals_stable_argsort(n, num_rows):
     """The owner's fused dedup gives, array for array, the stable-argsort formulation's order, distinct rows, run
@@ -616,7 +603,7 @@ def test_dedup_rows_equals_stable_argsort(n, num_rows):
 
     rows = np.random.default_rng(n).integers(0, num_rows, n).astype(np.int64)
     got = cpu.dedup_rows(rows, num_rows)
-    for a, b in zip(_dedup_argsort(rows), got):
+    for a, b in zip(R.dedup_rows(rows), got):
         assert a.dtype == b.dtype and np.array_equal(a, b)
     # negative control: a valid but unstable sort (each row's positions descending) is caught by the same check
     if n >= 500:

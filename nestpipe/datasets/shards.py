@@ -91,9 +91,7 @@ GR_NARROW_FIELDS = ("play", "duration")
 def narrow_int(arr: np.ndarray) -> np.ndarray:
     """int32 when every value fits, else int64."""
     arr = np.asarray(arr)
-    if arr.size == 0 or (int(arr.min()) >= -(1 << 31) and int(arr.max()) < (1 << 31)):
-        return arr.astype(np.int32)
-    return arr.astype(np.int64)
+    return arr.astype(_id_dtype(arr))
 
 
 def encode_record(key: str, batch: Batch) -> List[Tuple[str, bytes]]:

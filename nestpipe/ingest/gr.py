@@ -18,6 +18,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 import polars as pl
 
+from nestpipe.datasets import shards as S
 from nestpipe.datasets.kuairand import ACTION_FLAGS
 
 TOKEN_FIELDS = ("item", "author", "action", "time", "play", "duration")
@@ -85,12 +86,6 @@ def sort_interactions(df: pl.DataFrame) -> pl.DataFrame:
     return df.sort(SORT_KEYS)
 
 
-def _narrow(a: np.ndarray) -> np.ndarray:
-    if a.size == 0 or (int(a.min()) >= -(1 << 31) and int(a.max()) < (1 << 31)):
-        return a.astype(np.int32)
-    return a.astype(np.int64)
-
-
 def build_partition(df: pl.DataFrame, max_len: int) -> Tuple[Dict[str, np.ndarray], Dict[str, int]]:
     """Joined log rows of one user partition -> token arrays + window slices (all numpy, no pickle)."""
     df = sort_interactions(df)
@@ -104,7 +99,7 @@ def build_partition(df: pl.DataFrame, max_len: int) -> Tuple[Dict[str, np.ndarra
         pl.col("duration_ms").fill_null(0).alias("duration"),
     )
     # int32 where every value fits (all but time here): half the bytes to write now and to gather per shard later
-    arrays = {c: _narrow(tokens[c].to_numpy()) for c in tokens.columns}
+    arrays = {c: S.narrow_int(tokens[c].to_numpy()) for c in tokens.columns}
     user = arrays["user"]
     if len(user):
         cut = np.flatnonzero(np.diff(user)) + 1

@@ -79,6 +79,25 @@ def dual_buffer_sync_rows(active_keys: torch.Tensor, prefetch_keys: torch.Tensor
     return int(targets.numel())
 
 
+def dedup_rows(rows):
+    """Stable dedup of int64 numpy ``rows`` by one stable argsort: ``(order, uniq, starts, inv_sorted, inv)`` with
+    ``rows[order]`` sorted (equal rows in ascending position), ``uniq`` the distinct rows, ``starts`` their first
+    positions in ``order``, and the position in ``uniq`` of every row in sorted order (``inv_sorted``) and in input
+    order (``inv``). The fused CPU kernel (``cpu.dedup_rows``) returns exactly these arrays."""
+    import numpy as np
+
+    order = np.argsort(rows, kind="stable")
+    srt = rows[order]
+    first = np.ones(len(srt), dtype=bool)
+    first[1:] = srt[1:] != srt[:-1]
+    starts = np.flatnonzero(first)
+    uniq = srt[starts]
+    inv_sorted = np.repeat(np.arange(len(uniq), dtype=np.int64), np.diff(np.append(starts, len(rows))))
+    inv = np.empty(len(rows), dtype=np.int64)
+    inv[order] = inv_sorted
+    return order, uniq, starts, inv_sorted, inv
+
+
 def csr_by_segment(segment_of: torch.Tensor, num_segments: int):
     """Stable sort (deterministic on every device) + counts: ``(order, offsets)``, segment ``i`` owning
     ``order[offsets[i]:offsets[i + 1]]`` in ascending element order."""

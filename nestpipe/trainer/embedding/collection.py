@@ -339,16 +339,7 @@ class ShardedEmbeddingCollection:
             # one fused counting-sort pass (the same arrays as the argsort formulation below)
             order, uniq, starts, inv_sorted, inv = K.backend("numba").dedup_rows(rows_all, n_rows)
         else:
-            order = np.argsort(rows_all, kind="stable")
-            srt = rows_all[order]
-            first = np.ones(len(srt), dtype=bool)
-            first[1:] = srt[1:] != srt[:-1]
-            starts = np.flatnonzero(first)
-            uniq = srt[starts]
-            # row of every entry (position in ``uniq``), in sorted-entry order and in entry order
-            inv_sorted = np.repeat(np.arange(len(uniq), dtype=np.int64), np.diff(np.append(starts, len(rows_all))))
-            inv = np.empty(len(rows_all), dtype=np.int64)
-            inv[order] = inv_sorted
+            order, uniq, starts, inv_sorted, inv = K.reference.dedup_rows(rows_all)
         slots = [s for s in self.slots if self.store_of(s) == st]
         pooled = self.slot_exchange(slots[0]) == "reduction" if slots else False
         fwd_pos, fwd_offsets, fwd_out = [], [], []

@@ -115,6 +115,24 @@ def _apply_row(weights, state, r, g, dim, inv_dim, lr, eps, momentum_scale, scal
 
 
 @numba.jit(inline="always", **_JIT)
+def _prefetch_ahead(state, flat, rows, i, n, distance, dim):
+    """Prefetch the store row and AdaGrad state of the row ``distance`` positions after ``i`` (none past ``n``)."""
+    if distance > 0 and i + distance < n:
+        ahead = rows[i + distance]
+        _prefetch(state, ahead)
+        _prefetch_row(flat, ahead, dim)
+
+
+@numba.jit(inline="always", **_JIT)
+def _add_entries(g, grads, order, j0, j1, dim):
+    """``g += grads[order[j]]`` for ``j0 <= j < j1``, in ascending ``j``."""
+    for j in range(j0, j1):
+        e = order[j]
+        for d in range(dim):
+            g[d] += grads[e, d]
+
+
+@numba.jit(inline="always", **_JIT)
 def _add_pairs(g, e_acc, src, order, j0, j1, entry_offsets, pair_src, dim):
     """``g += `` the entries ``order[j0:j1]`` in that order, each the sum of its pairs' source rows (ascending pair,
     from zero); an entry with one pair adds its row directly (bitwise the same, see :func:`_adagrad_pairs_serial`)."""
@@ -144,10 +162,7 @@ def _adagrad(weights, state, rows, grads, lr, eps, momentum_scale, scale_state, 
     inv_dim = np.float32(dim)
     flat = weights.reshape(-1)
     for i in numba.prange(n):
-        if distance > 0 and i + distance < n:
-            ahead = rows[i + distance]
-            _prefetch(state, ahead)
-            _prefetch_row(flat, ahead, dim)
+        _prefetch_ahead(state, flat, rows, i, n, distance, dim)
         _apply_row(weights, state, rows[i], grads[i], dim, inv_dim, lr, eps, momentum_scale, scale_state)
 
 
@@ -161,15 +176,9 @@ def _adagrad_segments(weights, state, rows, grads, order, offsets, lr, eps, mome
     inv_dim = np.float32(dim)
     flat = weights.reshape(-1)
     for i in numba.prange(n):
-        if distance > 0 and i + distance < n:
-            ahead = rows[i + distance]
-            _prefetch(state, ahead)
-            _prefetch_row(flat, ahead, dim)
+        _prefetch_ahead(state, flat, rows, i, n, distance, dim)
         g = np.zeros(dim, dtype=np.float32)
-        for j in range(offsets[i], offsets[i + 1]):
-            e = order[j]
-            for d in range(dim):
-                g[d] += grads[e, d]
+        _add_entries(g, grads, order, offsets[i], offsets[i + 1], dim)
         _apply_row(weights, state, rows[i], g, dim, inv_dim, lr, eps, momentum_scale, scale_state)
 
 
@@ -185,15 +194,9 @@ def _adagrad_segments_serial(weights, state, rows, grads, order, offsets, lr, ep
     inv_dim = np.float32(dim)
     flat = weights.reshape(-1)
     for i in range(n):
-        if distance > 0 and i + distance < n:
-            ahead = rows[i + distance]
-            _prefetch(state, ahead)
-            _prefetch_row(flat, ahead, dim)
+        _prefetch_ahead(state, flat, rows, i, n, distance, dim)
         g = np.zeros(dim, dtype=np.float32)
-        for j in range(offsets[i], offsets[i + 1]):
-            e = order[j]
-            for d in range(dim):
-                g[d] += grads[e, d]
+        _add_entries(g, grads, order, offsets[i], offsets[i + 1], dim)
         _apply_row(weights, state, rows[i], g, dim, inv_dim, lr, eps, momentum_scale, scale_state)
 
 
@@ -214,10 +217,7 @@ def _adagrad_pairs_serial(weights, state, rows, src, order, offsets, entry_offse
     g = np.empty(dim, dtype=np.float32)
     e_acc = np.empty(dim, dtype=np.float32)
     for i in range(n):
-        if distance > 0 and i + distance < n:
-            ahead = rows[i + distance]
-            _prefetch(state, ahead)
-            _prefetch_row(flat, ahead, dim)
+        _prefetch_ahead(state, flat, rows, i, n, distance, dim)
         g[:] = 0.0
         _add_pairs(g, e_acc, src, order, offsets[i], offsets[i + 1], entry_offsets, pair_src, dim)
         _apply_row(weights, state, rows[i], g, dim, inv_dim, lr, eps, momentum_scale, scale_state)
@@ -232,10 +232,7 @@ def _adagrad_pairs(weights, state, rows, src, order, offsets, entry_offsets, pai
     inv_dim = np.float32(dim)
     flat = weights.reshape(-1)
     for i in numba.prange(n):
-        if distance > 0 and i + distance < n:
-            ahead = rows[i + distance]
-            _prefetch(state, ahead)
-            _prefetch_row(flat, ahead, dim)
+        _prefetch_ahead(state, flat, rows, i, n, distance, dim)
         g = np.empty(dim, dtype=np.float32)
         e_acc = np.empty(dim, dtype=np.float32)
         g[:] = 0.0

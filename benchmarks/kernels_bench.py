@@ -220,6 +220,14 @@ def main():
     })
     n_common = R.dual_buffer_sync(keys_t, active, keys_t1, prefetch)
     results.append((f"dual_buffer_sync ({n_common:,} common)", t, None, None))
+    # the trainer's form: local rows of batches t and t+1, rows copied from the store into the prefetch buffer
+    rows_t, rows_t1 = routed.send_rows, K.route_keys(ids_t1, vocab, 1).send_rows
+    prefetch_w = torch.empty(rows_t1.numel(), dim)
+    t = bench.interleaved({
+        "fast": lambda: K.dual_buffer_sync_rows(rows_t, rows_t1, weights, None, prefetch_w, None, from_store=True),
+        "ref": lambda: R.dual_buffer_sync_rows(rows_t, rows_t1, weights, None, prefetch_w, None, True),
+    })
+    results.append(("dual_buffer_sync_rows (from the store)", t, None, None))
 
     bw = statistics.median(bench.copy_bw)
     bw_med, bw_min, bw_max = quantiles(bench.copy_bw)

@@ -51,7 +51,11 @@ def main(argv=None):
     ap.add_argument("--cap-mbit", type=float, default=200.0)
     ap.add_argument("--no-cap", action="store_true")
     ap.add_argument("--out", default="/tmp/nestpipe-simval")
+    ap.add_argument("--predict-only", action="store_true",
+                    help="train nothing: predict the runs recorded in OUT/results.json again with the current model")
     args = ap.parse_args(argv)
+    if args.predict_only:
+        return predict_again(args.out)
     os.makedirs(args.out, exist_ok=True)
     cap = None
     if not args.no_cap:
@@ -78,7 +82,7 @@ def main(argv=None):
           f"average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} cores")
     print(f"calibrated on {calib.tag} (its fastest repeat): lookup {hw.key_s * 1e6:.2f} us/key, exchange "
           f"{hw.row_s * 1e6:.2f} us/row, collective {hw.coll_latency_s * 1e3:.2f} ms + {hw.coll_s_per_byte * 1e9:.2f} "
-          f"ns/B, dense {hw.dense_flops / 1e9:.1f} GFLOP/s, data {hw.token_s * 1e9:.0f} ns/token, overhead "
+          f"ns/B, dense {hw.dense_flops / 1e9:.1f} GFLOP/s + {hw.dense_call_s * 1e3:.2f} ms/call, data {hw.token_s * 1e9:.0f} ns/token, overhead "
           f"{hw.step_overhead_s * 1e3:.1f} ms, {hw.cores} cores")
     lines = v.format_rows(rows).split("\n")
     print(lines[0] + "   measured repeats (ms)")
@@ -95,6 +99,26 @@ def main(argv=None):
             "measured_repeats_ms": [1e3 * t for t in steps[x.config]], "run": best[x.config]} for x in rows},
             "hardware": hw.as_dict()}, f, indent=1)
     print(f"results: {os.path.join(args.out, 'results.json')}")
+    return 0
+
+
+def predict_again(out: str) -> int:
+    """Re-evaluate the measured runs of an earlier invocation (same fastest repeats) with the current model."""
+    path = os.path.join(out, "results.json")
+    if not os.path.exists(path):
+        raise SystemExit(f"{path}: no results of an earlier run to predict again")
+    with open(path) as f:
+        doc = json.load(f)
+    tags = {c.tag: c for c in configs(doc["args"]["cap_mbit"] * 1e6)}
+    best = {tags[tag]: row["run"] for tag, row in doc["summary"].items()}
+    calib = next(tags[tag] for tag, row in doc["summary"].items() if row["role"] == "calibration")
+    rows, hw = v.validate(best[calib], best)
+    print(f"calibration: dense {hw.dense_flops / 1e9:.1f} GFLOP/s + {hw.dense_call_s * 1e3:.2f} ms/call, collective "
+          f"{hw.coll_latency_s * 1e3:.2f} ms + {hw.coll_s_per_byte * 1e9:.2f} ns/B")
+    print(v.format_rows(rows))
+    held = [x for x in rows if x.role == "held-out"]
+    print(f"held-out within 15%: {sum(abs(x.error) <= 0.15 for x in held)} of {len(held)}; median |error| "
+          f"{100 * float(np.median([abs(x.error) for x in held])):.1f}%")
     return 0
 
 

@@ -172,6 +172,44 @@ def test_local_model_mechanisms():
         measured.predict(hw, wl, "2dsp")
 
 
+def test_local_model_dense_probe_scales_the_dense_time():
+    from nestpipe.planning import measured
+
+    hw, wl = _local(n=4)
+    # the probe: batch seconds at 2, 4 and 8 micro-batches (per-call cost grows past 4)
+    probed = dataclasses.replace(hw, dense_probe_s={"2": 0.040, "4": 0.041, "8": 0.050}, calib_micro_batches=4)
+    assert measured.dense_scale(probed, 4) == pytest.approx(1.0)
+    assert measured.dense_scale(probed, 8) == pytest.approx(0.050 / 0.041)
+    assert measured.dense_scale(probed, 6) == pytest.approx(0.0455 / 0.041)  # piecewise linear between points
+    assert measured.dense_scale(probed, 16) == pytest.approx((0.050 + 8 * 0.009 / 4) / 0.041)  # last slope on
+    w8 = dataclasses.replace(wl, micro_batches=8)
+    with_probe, without = measured.predict(probed, w8, "off"), measured.predict(hw, w8, "off")
+    dense4 = wl.flops_per_sample * wl.batch / hw.dense_flops
+    # negative control: without the probe the dense time is FLOPs only, the same at every micro-batch count
+    assert measured.dense_scale(hw, 8) == 1.0
+    assert with_probe.cpu_s - without.cpu_s == pytest.approx(dense4 * (0.050 / 0.041 - 1), rel=1e-6)
+
+
+def test_local_model_collective_cpu_and_oversubscribed_cores():
+    from nestpipe.planning import measured
+
+    hw, wl = _local(n=8)
+    # the collectives' CPU competes for the cores: the nested floor rises by it (2 ranks on 2 cores)
+    with_cpu = dataclasses.replace(hw, coll_cpu_s=2e-4, coll_cpu_s_per_byte=2e-9)
+    a, b = measured.predict(hw, wl, "nested"), measured.predict(with_cpu, wl, "nested")
+    calls = measured.ROUTE_CALLS + 2 * wl.micro_batches + 1
+    assert b.cpu_s - a.cpu_s > calls * 2e-4
+    # ... but not the off step, whose collectives' time already holds their CPU
+    assert measured.predict(with_cpu, wl, "off").step_s == pytest.approx(measured.predict(hw, wl, "off").step_s,
+                                                                       rel=0.02)
+    # more ranks than cores: each collective waits one scheduler slice more (kernel default 0.75 ms x (1 + log2 CPUs))
+    slice_s = measured.scheduler_slice_s(2)
+    assert 1e-4 < slice_s < 2e-2
+    assert measured._collective(hw, 1e5, 3, None, 1500) - measured._collective(hw, 1e5, 2, None, 1500) == \
+        pytest.approx(slice_s)
+    assert measured._collective(hw, 1e5, 2, None, 1500) == pytest.approx(hw.coll_latency_s + 1e5 * hw.coll_s_per_byte)
+
+
 def test_local_model_two_comm_streams_and_negative_control():
     from nestpipe.planning import measured
 

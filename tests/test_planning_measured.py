@@ -5,10 +5,11 @@ input ``--pipeline off``, world 2, 4 micro-batches, plain loopback; held out: ne
 micro-batches, off and nested at world 3, and (as root, in a network namespace with a ``tc tbf`` cap, as in
 ``benchmarks/pipeline_bench.py``) off and nested across the cap. The capped steps (bandwidth-bound) are asserted
 within the 15% target (negative control: a link per rank instead of one shared link misses them by more than a
-quarter). The loopback steps of this tiny size are NOT predicted within 15% (measured: world 2 from -27% to +46%,
-world 3 from -26% to -52%, quiet and loaded machine alike; docs/planning.md names the missing mechanisms), so
-they are only checked within 60% (world 3 on 2 cores: 75%), and the table is printed with a warning.
-The full-size version with repeats is ``benchmarks/simulator_validation.py``.
+quarter). The loopback steps of this tiny size (a few milliseconds, dispatch-bound) are checked within 40% only
+(measured -12% to +18% on a quiet machine) and the table is printed with a warning; the 15% target is measured by
+the full-size version with repeats, ``benchmarks/simulator_validation.py`` (docs/planning.md). The calibration
+also records the collectives' CPU and probes the dense model at other micro-batch counts (checked below, with the
+probe switched off as negative control).
 
 Deterministic checks beside it: the volumes the model derives from the shards (per-micro-batch distinct keys,
 remote share ``(W - 1) / W``, the negatives sent with every micro-batch) reproduce the bytes the trainer counted at
@@ -67,13 +68,12 @@ def test_held_out_steps_predicted(trained):
         wl = measured.workload_from_shards(meas.shards, meas.cfg, r.config.world)
         own = measured.predict(hw, wl, r.config.pipeline, r.config.cap_bit_per_s * r.config.world)
         assert abs(own.step_s / r.measured_s - 1) > 0.25, (r.config.tag, own.step_s, r.measured_s)
-    # latency- and dispatch-bound loopback runs of this tiny size: the 15% target is NOT met (docs/planning.md:
-    # per-call dense dispatch and per-collective scheduling delays on the shared 2-core machine; world 3
-    # under-predicted by 26% to 52%); checked as a sanity bound only
-    cores = os.cpu_count() or 1
-    bad = [f"{r.config.tag}: {100 * r.error:+.1f}%" for r in held if not r.config.cap_bit_per_s
-           and abs(r.error) > (0.6 if r.config.world <= cores else 0.75)]
-    assert not bad, f"loopback outside 60% (75% for world > cores): {bad}\n{table}"
+    # latency- and dispatch-bound loopback runs of this tiny size: the 15% target is not checked here (the
+    # full-size benchmark, benchmarks/simulator_validation.py, is where it is measured; docs/planning.md); measured
+    # at this size -12% to +18% on a quiet machine (before the dense probe, the collectives' CPU and the scheduler
+    # slice: world 3 -26% to -52%); checked as a sanity bound
+    bad = [f"{r.config.tag}: {100 * r.error:+.1f}%" for r in held if not r.config.cap_bit_per_s and abs(r.error) > 0.4]
+    assert not bad, f"loopback outside 40%: {bad}\n{table}"
     warnings.warn(f"loopback configurations: 15% target not checked (known miss, docs/planning.md); measured:\n"
                   f"{table}")
 
@@ -104,3 +104,18 @@ def test_calibration_refuses_a_pipelined_run(trained):
     nested = trained["runs"][C(2, "nested", 4)]
     with pytest.raises(measured.RunError, match="needs a --pipeline off run"):
         measured.calibrate_run(nested)
+
+
+def test_calibration_measures_collective_cpu_and_probes_the_dense_model(trained):
+    meas = measured.read_run(trained["calib"])
+    # the trainer records process CPU per step and inside each collective (what competes for the cores)
+    assert 0 < meas.cpu_s < 2 * meas.step_s * (os.cpu_count() or 1)
+    assert {"embed.comm", "grad.comm"} <= set(meas.stages_cpu)
+    assert all(0 <= meas.stages_cpu[k] <= meas.stages[k] * (os.cpu_count() or 1) + 1e-3 for k in meas.stages_cpu)
+    hw, wl, _ = measured.calibrate_run(trained["calib"])
+    n = wl.micro_batches
+    assert sorted(int(k) for k in hw.dense_probe_s) == sorted({max(1, n // 2), n, 2 * n})
+    assert all(v > 0 for v in hw.dense_probe_s.values()) and hw.coll_cpu_s >= 0 and hw.coll_cpu_s_per_byte >= 0
+    # without the probe (negative control) the dense time does not depend on the micro-batch count
+    bare, _, _ = measured.calibrate_run(trained["calib"], probe=False)
+    assert bare.dense_probe_s == {} and measured.dense_scale(bare, 2 * n) == 1.0

@@ -9,8 +9,14 @@ The testbed model (:class:`LocalHardware`) has a handful of physical quantities,
 - ``coll_latency_s`` + ``coll_s_per_byte``: one collective = latency + bytes sent by a rank x seconds per byte,
   fitted by least squares over the run's four collective kinds (key routing, embedding and gradient All2Alls,
   dense all-reduce), which differ in size;
-- ``dense_flops``: effective FLOP/s of the dense forward + backward (FLOPs per sample from the model config);
-- ``token_s``: host preparation per token (data stage); ``step_overhead_s``: the rest of a step (update, Python).
+- ``dense_flops``: effective FLOP/s of the dense forward + backward (FLOPs per sample from the model config) at the
+  run's micro-batch count; at other counts it is scaled by ``dense_probe_s``, the dense model's batch time at N / 2,
+  N and 2 N micro-batches from a short probe (:mod:`nestpipe.planning.dense_probe`; piecewise linear in the count,
+  only ratios used): the run cannot show the per-call cost (all its micro-batches have one size);
+- ``token_s``: host preparation per token (data stage); ``step_overhead_s``: the rest of a step (update, Python);
+- ``coll_cpu_s`` + ``coll_cpu_s_per_byte``: the CPU one collective costs (process CPU while it ran, every thread:
+  gloo's copies and the loopback's TCP stack), fitted like the collective's time; most of a loopback collective's
+  time is waiting, but this part competes with the ranks' other work for the cores.
 
 Everything else is a mechanism, not a fit:
 
@@ -20,7 +26,11 @@ Everything else is a mechanism, not a fit:
 - the number of collectives per step: 2 for routing (counts + payload), N embedding + N gradient All2Alls, 1 dense
   all-reduce;
 - ``cores``: the ranks share the machine's cores; when ``W`` ranks need more CPU than ``cores`` per step, every
-  CPU task is stretched until the step holds the ranks' CPU work (fixed point, :func:`predict`);
+  CPU task is stretched until the step holds the ranks' CPU work (fixed point, :func:`predict`), collectives'
+  CPU included;
+- more ranks than cores: a collective completes only when every rank has reached it, and the last one to arrive was
+  waiting for a core another rank held: each collective waits one scheduler slice more (the kernel's base slice,
+  :func:`scheduler_slice_s`, a property of the machine, not a fit);
 - a bandwidth cap (``link_bit_per_s``, the ``tc tbf`` rate of the benchmark's namespace): every rank's traffic
   crosses the one capped loopback, so a collective whose ranks send ``b`` bytes each needs at least
   ``W b x wire overhead / rate``; the wire overhead is TCP/IP headers at the link's MTU;
@@ -34,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -172,6 +182,11 @@ class LocalHardware:
     calib_world: int
     cores: int
     source: str = ""
+    dense_call_s: float = 0.0  # fixed cost per dense forward + backward call (the probe's slope; reported)
+    dense_probe_s: Dict[str, float] = dataclasses.field(default_factory=dict)  # micro-batches -> probe batch s
+    calib_micro_batches: int = 0
+    coll_cpu_s: float = 0.0  # CPU of one collective: per call + per byte a rank sends
+    coll_cpu_s_per_byte: float = 0.0
 
     def as_dict(self) -> Dict:
         return dataclasses.asdict(self)
@@ -188,6 +203,8 @@ class RunMeasurement:
     bytes: Dict[str, float]  # per rank per step, mean over ranks
     cfg: Dict
     mean_step_s: float = 0.0
+    stages_cpu: Dict[str, float] = dataclasses.field(default_factory=dict)  # process CPU per rank per step
+    cpu_s: float = 0.0  # process CPU per rank per step (every thread)
 
     @property
     def shards(self) -> str:
@@ -226,11 +243,16 @@ def read_run(run: str) -> RunMeasurement:
             raise RunError(f"{path}: metrics lack {k!r} (written by an older trainer?)")
     stages: Dict[str, float] = {}
     nbytes: Dict[str, float] = {}
+    cpu: Dict[str, float] = {}
+    cpu_s = 0.0
     ranks = m["per_rank"]
     for r in ranks:
         n = max(int(r.get("measured_steps", 0)), 1)
         for k, v in r.get("stages_s", {}).items():
             stages[k] = stages.get(k, 0.0) + v / n / len(ranks)
+        for k, v in r.get("stages_cpu_s", {}).items():
+            cpu[k] = cpu.get(k, 0.0) + v / n / len(ranks)
+        cpu_s += float(r.get("cpu_s", 0.0)) / n / len(ranks)
         for k, v in r.get("network_bytes", {}).items():
             nbytes[k] = nbytes.get(k, 0.0) + v / n / len(ranks)
     from nestpipe.datasets.shards import load_manifest
@@ -241,12 +263,14 @@ def read_run(run: str) -> RunMeasurement:
     if med:
         stages = {k: v * med / mean for k, v in stages.items()}
     return RunMeasurement(run, m["pipeline"], int(m["world"]), man.micro_batches, med or mean, stages, nbytes, cfg,
-                          mean)
+                          mean, cpu, cpu_s)
 
 
-def _collective_points(meas: RunMeasurement, n: int):
-    st, by = meas.stages, meas.bytes
-    pts = []  # (calls per step, bytes per call, seconds per call)
+def _collective_points(meas: RunMeasurement, n: int, st: Optional[Dict[str, float]] = None):
+    """(calls per step, bytes per call, seconds per call) of each collective kind; ``st``: which seconds (default:
+    the stage times; ``meas.stages_cpu``: their CPU)."""
+    st, by = meas.stages if st is None else st, meas.bytes
+    pts = []
     for name, stage, calls in (("route", "route.comm", ROUTE_CALLS), ("embed", "embed.comm", n),
                                ("grad", "grad.comm", n), ("dense.allreduce", "dense.allreduce.comm", 1)):
         if st.get(stage, 0.0) > 0 and calls > 0:
@@ -254,8 +278,35 @@ def _collective_points(meas: RunMeasurement, n: int):
     return pts
 
 
-def fit_hardware(meas: RunMeasurement, wl: LocalWorkload, cores: Optional[int] = None) -> LocalHardware:
-    """Fit :class:`LocalHardware` to one ``--pipeline off`` run (every stage on the compute thread)."""
+def _fit_line(pts) -> Tuple[float, float]:
+    """Weighted least squares ``y = a + b x`` with ``a, b >= 0`` (weights: calls per step, i.e. time share)."""
+    w = np.array([p[0] for p in pts], dtype=float)
+    x = np.array([p[1] for p in pts], dtype=float)
+    y = np.array([p[2] for p in pts], dtype=float)
+    A = np.stack([np.ones_like(x), x], 1) * np.sqrt(w)[:, None]
+    a, b = np.linalg.lstsq(A, y * np.sqrt(w), rcond=None)[0]
+    if b < 0:
+        a, b = float(np.average(y, weights=w)), 0.0
+    elif a < 0:
+        a, b = 0.0, float((w * x * y).sum() / (w * x * x).sum())
+    return float(a), float(b)
+
+
+def scheduler_slice_s(cores: int) -> float:
+    """The Linux scheduler's base slice: ``/sys/kernel/debug/sched/base_slice_ns`` where readable, else the
+    kernel's default (0.75 ms scaled by 1 + log2 of the CPU count, at most 8 CPUs counted: EEVDF, Linux >= 6.6)."""
+    try:
+        with open("/sys/kernel/debug/sched/base_slice_ns") as f:
+            return int(f.read().strip()) * 1e-9
+    except (OSError, ValueError):
+        return 0.75e-3 * (1 + int(np.log2(max(1, min(int(cores), 8)))))
+
+
+def fit_hardware(meas: RunMeasurement, wl: LocalWorkload, cores: Optional[int] = None,
+                 dense_probe: Optional[Dict] = None) -> LocalHardware:
+    """Fit :class:`LocalHardware` to one ``--pipeline off`` run (every stage on the compute thread).
+    ``dense_probe``: :func:`nestpipe.planning.dense_probe.probe_call_seconds` of the run (None: the dense time is
+    taken as proportional to FLOPs at every micro-batch count)."""
     where = os.path.join(meas.run, "metrics.json")
     if meas.pipeline != "off":
         raise RunError(f"{where}: calibration needs a --pipeline off run (got {meas.pipeline!r}): in the pipelined "
@@ -266,16 +317,9 @@ def fit_hardware(meas: RunMeasurement, wl: LocalWorkload, cores: Optional[int] =
     pts = _collective_points(meas, n)
     if len(pts) < 2:
         raise RunError(f"{where}: fewer than two collective kinds with time and bytes: {sorted(st)}")
-    w = np.array([p[0] for p in pts], dtype=float)
-    x = np.array([p[1] for p in pts], dtype=float)
-    y = np.array([p[2] for p in pts], dtype=float)
-    # weighted least squares y = a + b x with a, b >= 0 (weights: calls per step, i.e. time share)
-    A = np.stack([np.ones_like(x), x], 1) * np.sqrt(w)[:, None]
-    a, b = np.linalg.lstsq(A, y * np.sqrt(w), rcond=None)[0]
-    if b < 0:
-        a, b = float(np.average(y, weights=w)), 0.0
-    elif a < 0:
-        a, b = 0.0, float((w * x * y).sum() / (w * x * x).sum())
+    a, b = _fit_line(pts)
+    cpu_pts = _collective_points(meas, n, meas.stages_cpu)
+    ca, cb = _fit_line(cpu_pts) if len(cpu_pts) >= 2 else (0.0, 0.0)  # runs of older trainers lack the CPU
     remote = wl.remote
     mb_remote = wl.exchanged_rows * remote
     lookup = st.get("retrieve", 0.0) + st.get("embed.owner", 0.0)
@@ -293,13 +337,16 @@ def fit_hardware(meas: RunMeasurement, wl: LocalWorkload, cores: Optional[int] =
         row_s=exch / max(wl.exchanged_rows, 1e-9),
         coll_latency_s=float(a), coll_s_per_byte=float(b),
         dense_flops=wl.flops_per_sample * wl.batch / dense,
+        dense_call_s=float((dense_probe or {}).get("call_s", 0.0)),
+        dense_probe_s=dict((dense_probe or {}).get("batch_s", {})), calib_micro_batches=n,
         token_s=data / max(wl.tokens, 1e-9),
         step_overhead_s=max(meas.step_s - known, 0.0) + st.get("update.sparse", 0.0) + st.get("update.dense", 0.0),
         embed_bytes_per_row=meas.bytes.get("embed", 0.0) / max(mb_remote, 1e-9),
         grad_bytes_per_row=meas.bytes.get("grad", 0.0) / max(mb_remote, 1e-9),
         route_bytes_per_key=meas.bytes.get("route", 0.0) / max(route_keys, 1e-9),
         allreduce_bytes=meas.bytes.get("dense.allreduce", 0.0),
-        calib_world=meas.world, cores=int(cores or os.cpu_count() or 1), source=meas.run)
+        calib_world=meas.world, cores=int(cores or os.cpu_count() or 1), source=meas.run,
+        coll_cpu_s=ca, coll_cpu_s_per_byte=cb)
 
 
 # -- prediction ----------------------------------------------------------------------------------------------------
@@ -320,8 +367,29 @@ class LocalPrediction:
         return dataclasses.asdict(self)
 
 
+def dense_scale(hw: LocalHardware, micro_batches: int) -> float:
+    """Dense batch time at ``micro_batches`` over the calibration's, from the probe (piecewise linear in the count,
+    extended linearly past its ends); 1 without a probe."""
+    pts = sorted((int(k), float(v)) for k, v in hw.dense_probe_s.items())
+    if len(pts) < 2 or not hw.calib_micro_batches:
+        return 1.0
+    x = np.array([p[0] for p in pts], dtype=float)
+    y = np.array([p[1] for p in pts])
+
+    def at(n):
+        if n <= x[0]:
+            return y[0] + (n - x[0]) * (y[1] - y[0]) / (x[1] - x[0])
+        if n >= x[-1]:
+            return y[-1] + (n - x[-1]) * (y[-1] - y[-2]) / (x[-1] - x[-2])
+        return float(np.interp(n, x, y))
+
+    return max(at(micro_batches), 0.1 * y.min()) / at(hw.calib_micro_batches)
+
+
 def _collective(hw: LocalHardware, nbytes: float, world: int, link_bit_per_s: Optional[float], mtu: int) -> float:
     t = hw.coll_latency_s + nbytes * hw.coll_s_per_byte
+    if world > hw.cores:
+        t += scheduler_slice_s(hw.cores)
     if link_bit_per_s:
         wire = nbytes * mtu / (mtu - TCP_IP_HEADER)
         t = max(t, hw.coll_latency_s + world * wire * 8.0 / link_bit_per_s)
@@ -339,21 +407,34 @@ def step_costs_local(hw: LocalHardware, wl: LocalWorkload, pipeline: str, link_b
     def coll(b):
         return _collective(hw, b, W, link_bit_per_s, mtu) if W > 1 else 0.0
 
+    peers = (W - 1) / max(hw.calib_world - 1, 1)
+
+    def coll_cpu(b, calls):  # the per-call part is per peer: gloo exchanges pairwise with each of W - 1 peers
+        return calls * (hw.coll_cpu_s * peers + b * hw.coll_cpu_s_per_byte) if W > 1 else 0.0
+
     s = stretch
     rows_cpu = hw.row_s * wl.exchanged_rows / n
-    dense = wl.flops_per_sample * wl.batch / n / hw.dense_flops
+    dense = wl.flops_per_sample * wl.batch / n / hw.dense_flops * dense_scale(hw, n)
+    route_b = hw.route_bytes_per_key * (wl.batch_unique + wl.exchanged_rows) * remote / ROUTE_CALLS
+    comm_cpu = (coll_cpu(route_b, ROUTE_CALLS) + coll_cpu(hw.embed_bytes_per_row * mb_rows, n)
+                + coll_cpu(hw.grad_bytes_per_row * mb_rows, n) + coll_cpu(allreduce, 1))
+    fwd_b, bwd_b = hw.embed_bytes_per_row * mb_rows, hw.grad_bytes_per_row * mb_rows
+    # the exchange work runs on the communication threads, in the chain of its All2All; it and the collectives'
+    # own CPU also count against the rank's share of the cores (``cpu_s``, the floor in :func:`predict`)
+    fwd = [coll(fwd_b) + 0.5 * rows_cpu * s] * n
+    bwd = [coll(bwd_b) + 0.5 * rows_cpu * s] * n
+    compute = [dense * s] * n
     return StepCosts(
         data=hw.token_s * wl.tokens * s, h2d=0.0,
-        route=ROUTE_CALLS * coll(hw.route_bytes_per_key * (wl.batch_unique + wl.exchanged_rows) * remote / ROUTE_CALLS),
+        route=ROUTE_CALLS * coll(route_b),
         gather=hw.key_s * (wl.batch_unique + wl.neg_unique) * s, copy=0.0,
-        fwd=[coll(hw.embed_bytes_per_row * mb_rows) + 0.5 * rows_cpu * s] * n,
-        compute=[dense * s] * n,
-        bwd=[coll(hw.grad_bytes_per_row * mb_rows) + 0.5 * rows_cpu * s] * n,
+        fwd=fwd, compute=compute, bwd=bwd,
         replica=0.0,
         update=hw.step_overhead_s * s + coll(allreduce),
         writeback=0.0, sync=0.0,
         info={"cpu_s": hw.token_s * wl.tokens + hw.key_s * (wl.batch_unique + wl.neg_unique)
-              + hw.row_s * wl.exchanged_rows + dense * n + hw.step_overhead_s})
+              + hw.row_s * wl.exchanged_rows + dense * n + hw.step_overhead_s + comm_cpu,
+              "comm_s": ROUTE_CALLS * coll(route_b) + n * (coll(fwd_b) + coll(bwd_b)) + coll(allreduce)})
 
 
 MODES_LOCAL = ("off", "dbp", "fwp", "nested")
@@ -382,16 +463,24 @@ def predict(hw: LocalHardware, wl: LocalWorkload, pipeline: str, link_bit_per_s:
     costs, sched = run(stretch)
     cpu = costs.info["cpu_s"]
     floor = wl.world * cpu / hw.cores
-    comm = (sum(costs.fwd) + sum(costs.bwd) - hw.row_s * wl.exchanged_rows * stretch + costs.route
-            + costs.update - hw.step_overhead_s * stretch)
+    comm = costs.info["comm_s"]
     return LocalPrediction(pipeline, wl.world, wl.micro_batches, link_bit_per_s, max(sched.step_time, floor), stretch,
                            sched.exposed["comm"], sched.exposed["lookup"], comm, cpu)
 
 
-def calibrate_run(run: str, cores: Optional[int] = None, steps: int = 8):
-    """(hardware, workload, measurement) of a ``--pipeline off`` run directory."""
+def calibrate_run(run: str, cores: Optional[int] = None, steps: int = 8, probe: bool = True):
+    """(hardware, workload, measurement) of a ``--pipeline off`` run directory. ``probe``: time the run's dense
+    model at N / 2, N and 2 N micro-batches for its per-call cost (about a second; ``False``: no per-call cost)."""
     meas = read_run(run)
     wl = workload_from_shards(meas.shards, meas.cfg, meas.world, steps)
     if wl.micro_batches != meas.micro_batches:
         raise RunError(f"{run}: micro-batches differ between shards and run")
-    return fit_hardware(meas, wl, cores), wl, meas
+    res = None
+    if probe and meas.pipeline == "off":
+        from nestpipe.datasets.shards import load_manifest
+
+        from .dense_probe import first_record, probe_call_seconds
+
+        res = probe_call_seconds(meas.cfg, load_manifest(meas.shards), first_record(meas.shards), wl.micro_batches,
+                                 threads=int(meas.cfg.get("threads", 1)))
+    return fit_hardware(meas, wl, cores, dense_probe=res), wl, meas

@@ -98,13 +98,13 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
 
     # steady state: the figures in metrics.json leave out the first ``warm`` steps (pipeline fill, first contact)
     warm = 2 if steps - start > 4 else 0
-    snap, t_warm = state.timer.snapshot(), t_start
+    snap, t_warm, cpu_warm = state.timer.snapshot(), t_start, time.process_time()
     records = stream.records(start)
     for seg_start, seg_stop in segments(start, steps, cfg.checkpoint_every):
         for step, loss in runner.run(records, seg_start, seg_stop, before_step):
             done += 1
             if done == warm:
-                snap, t_warm = state.timer.snapshot(), time.perf_counter()
+                snap, t_warm, cpu_warm = state.timer.snapshot(), time.perf_counter(), time.process_time()
             if rank == 0:
                 el = time.perf_counter() - t_start
                 sps = done * B * world / max(el, 1e-9)
@@ -117,6 +117,7 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
         if seg_stop < steps:
             checkpoint.save(cfg.out, state, seg_stop, cfg.debug_checkpoint_sleep_s)
     elapsed = time.perf_counter() - t_start
+    steady_cpu_s = time.process_time() - cpu_warm
     if bar:
         bar.close()
     checkpoint.save(cfg.out, state, steps)
@@ -126,7 +127,8 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
     mine = {"rank": rank, "samples_per_s": steady * B / max(steady_s, 1e-9), "elapsed_s": elapsed, "steps": done,
             "measured_steps": steady, "measured_s": steady_s, "warmup_steps": done - steady,
             "step_s": steady_s / max(steady, 1),
-            "stages_s": t.summary(), "exposed_communication_s": t.exposed_communication(),
+            "stages_s": t.summary(), "cpu_s": steady_cpu_s,
+            "stages_cpu_s": {k: round(v, 6) for k, v in sorted(t.cpu.items())}, "exposed_communication_s": t.exposed_communication(),
             "exposed_lookup_s": t.exposed_lookup(), "communication_total_s": t.communication_total(),
             "lookup_total_s": t.lookup_total(), "dbp_rows_synced": runner.rows_synced,
             **sparse_groups.metrics(state.emb),

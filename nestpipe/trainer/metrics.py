@@ -26,6 +26,9 @@ class StageTimer:
         self.count: Dict[str, int] = collections.defaultdict(int)
         self.exposed: Dict[str, float] = collections.defaultdict(float)
         self.bytes: Dict[str, int] = collections.defaultdict(int)  # payload bytes sent to other ranks, per stage
+        # process CPU seconds (every thread) while a stage ran: the CPU a collective costs, where nothing else runs
+        # beside it (``--pipeline off``); in the pipelined modes other threads' work is counted too
+        self.cpu: Dict[str, float] = collections.defaultdict(float)
         self.compute_thread = threading.get_ident()
         self._lock = threading.Lock()
 
@@ -43,6 +46,10 @@ class StageTimer:
             self.total[name] += total_s
             self.count[name] += 1
             self.exposed[name] += exposed_s
+
+    def add_cpu(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self.cpu[name] += seconds
 
     def add_bytes(self, name: str, n: int) -> None:
         with self._lock:
@@ -65,6 +72,7 @@ class StageTimer:
             self.total.clear()
             self.count.clear()
             self.exposed.clear()
+            self.cpu.clear()
 
     def snapshot(self) -> "StageTimer":
         """A copy of the sums so far (steady-state figures are final minus a snapshot taken after warm-up)."""
@@ -74,6 +82,7 @@ class StageTimer:
             c.count.update(self.count)
             c.exposed.update(self.exposed)
             c.bytes.update(self.bytes)
+            c.cpu.update(self.cpu)
         return c
 
     def minus(self, earlier: "StageTimer") -> "StageTimer":
@@ -85,6 +94,8 @@ class StageTimer:
                 c.exposed[k] = v - earlier.exposed.get(k, 0.0)
             for k, v in self.bytes.items():
                 c.bytes[k] = v - earlier.bytes.get(k, 0)
+            for k, v in self.cpu.items():
+                c.cpu[k] = v - earlier.cpu.get(k, 0.0)
         return c
 
     def summary(self) -> Dict[str, float]:

@@ -180,7 +180,7 @@ def update_begin(state: StepState, loss: torch.Tensor, async_op: bool = False) -
     rep = state.emb.replicated_grads()
     flat = torch.cat([g.reshape(-1) for g in grads + rep] + [loss.to(flat_dtype(grads, rep)).reshape(1).to(state.device)])
     red = DenseReduce(params, grads, rep, flat)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if state.world > 1:
         red.work = dist.all_reduce(flat, group=_group(state, "dense"), async_op=async_op)
         if not async_op:
@@ -190,6 +190,7 @@ def update_begin(state: StepState, loss: torch.Tensor, async_op: bool = False) -
     red.t_issue = t0
     if red.work is None:
         state.timer.add("dense.allreduce.comm", time.perf_counter() - t0)
+        state.timer.add_cpu("dense.allreduce.comm", time.process_time() - c0)
     return red
 
 

@@ -196,10 +196,11 @@ class ShardedEmbeddingCollection:
              group=None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if out is None:
             out = send.new_empty(sum(recv_splits))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         dist.all_to_all_single(out, send, recv_splits, send_splits, group=group if group is not None else self.group)
         self.timer.add_bytes(stage, (sum(send_splits) - send_splits[self.rank]) * send.element_size())
         self.timer.add(stage + ".comm", time.perf_counter() - t0)
+        self.timer.add_cpu(stage + ".comm", time.process_time() - c0)
         return out
 
     def _slot_keys(self, batch: PreparedBatch, slot: str) -> np.ndarray:

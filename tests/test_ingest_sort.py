@@ -30,3 +30,13 @@ def test_sort_interactions_negative_control_overlapping_fields_break_the_order(m
     monkeypatch.setattr(gr, "TIME_BITS", 8)  # times >= 2**8 now spill into the user bits
     monkeypatch.setattr(gr, "_packable", lambda _df: True)  # as if the range check were missing
     assert not gr.sort_interactions(df).equals(df.sort(gr.SORT_KEYS))
+
+
+def test_byte_counts_equal_bytes_count_across_block_edges():
+    from nestpipe.ingest import parse
+
+    rng = np.random.default_rng(3)
+    for n in (0, 1, parse._COUNT_BLOCK - 1, parse._COUNT_BLOCK, 2 * parse._COUNT_BLOCK + 17):
+        data = bytes(rng.choice(np.frombuffer(b'ab,\n"', dtype=np.uint8), n).tolist())
+        assert parse.byte_counts(data, (10, 44, 34)) == [data.count(b"\n"), data.count(b","), data.count(b'"')]
+        assert parse.count_lines(data) == data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)

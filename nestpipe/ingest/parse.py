@@ -85,9 +85,30 @@ def line_starts(data: bytes) -> np.ndarray:
     return np.concatenate([[0], ends]).astype(np.int64)
 
 
+_COUNT_BLOCK = 1 << 20
+
+
+def byte_counts(data: bytes, values: Sequence[int]) -> List[int]:
+    """How often each byte value occurs in ``data``, in one pass over 1 MiB blocks.
+
+    Blocked because a whole-chunk comparison (``buf == x``) allocates a chunk-sized temporary per value: fresh
+    pages to fault in every time, and a pass through memory each. One cache-sized scratch reused for every block
+    and value measured 3x faster here for three values over a 64 MB chunk (21 vs 61-68 ms)."""
+    buf = np.frombuffer(data, dtype=np.uint8)
+    out = [0] * len(values)
+    scratch = np.empty(min(len(buf), _COUNT_BLOCK), dtype=bool)
+    for i in range(0, len(buf), _COUNT_BLOCK):
+        block = buf[i:i + _COUNT_BLOCK]
+        hit = scratch[:len(block)]
+        for k, v in enumerate(values):
+            np.equal(block, v, out=hit)
+            out[k] += int(np.count_nonzero(hit))
+    return out
+
+
 def count_lines(data: bytes) -> int:
     """Lines in ``data`` (a final line without newline counts), without materialising their offsets."""
-    n = int(np.count_nonzero(np.frombuffer(data, dtype=np.uint8) == _NL))  # twice as fast as bytes.count here
+    n = byte_counts(data, (_NL,))[0]
     return n + (1 if len(data) and data[-1] != _NL else 0)
 
 
@@ -115,16 +136,15 @@ def parse_chunk(data: bytes, spec: ColumnSpec, *, path: str, first_line: int) ->
     ``first_line`` is the file line number of the chunk's first line.
     """
     keep = list(spec.keep or spec.columns)
-    buf = np.frombuffer(data, dtype=np.uint8)
-    n_lines = count_lines(data)
+    newlines, total_commas, n_quotes = byte_counts(data, (_NL, _COMMA, _QUOTE))
+    n_lines = newlines + (1 if len(data) and data[-1] != _NL else 0)
     if n_lines == 0:
         empty = pl.DataFrame(schema={**{c: spec.dtypes[c] for c in keep}, "line": pl.Int64})
         return empty, []
     ncols = len(spec.columns)
     if spec.quoted_any:
         return _parse_csv_module(data, line_starts(data), spec, path=path, first_line=first_line, keep=keep)
-    is_quote = buf == _QUOTE
-    has_quotes = bool(is_quote.any())
+    has_quotes = n_quotes > 0
     offsets: Optional[np.ndarray] = None
     if has_quotes and not spec.quoted_last:
         fast = False
@@ -133,8 +153,7 @@ def parse_chunk(data: bytes, spec: ColumnSpec, *, path: str, first_line: int) ->
         # and the total separator count equals (ncols - 1) per line, no line can have too few either. Separators
         # inside the quoted last column are the commas of its parsed values; any other string column holding a
         # comma (a quoted field elsewhere) sends the chunk to the validating path.
-        fast = not has_quotes or int(np.count_nonzero(is_quote)) % 2 == 0
-    total_commas = int(np.count_nonzero(buf == _COMMA)) if fast else 0
+        fast = not has_quotes or n_quotes % 2 == 0
     if fast:
         try:
             df = pl.read_csv(

@@ -454,3 +454,38 @@ def test_shard_group_keys_equal_per_batch_unique_keys(spans, max_len, negative):
         assert np.array_equal(mo, np.stack([r[3] for r in ref]))
         cur += nnz
     assert cur == len(g.inverse)
+
+
+def test_gr_authors_first_row_wins_and_missing_videos_are_counted(raw, tmp_path):
+    """The GR author comes from the first row of the video in file order; a video without a features row gets
+    author -1 and is counted. Negative controls: the dropped video's author is no longer served, and the
+    duplicate's (later) author never is."""
+    src = _copy_raw(raw, str(tmp_path / "raw"))
+    vb = os.path.join(src, "video_features_basic_27k.csv")
+    lines = open(vb).read().splitlines()
+    header, body = lines[0], lines[1:]
+    cols = header.split(",")
+    vi, ai = cols.index("video_id"), cols.index("author_id")
+    logs = pl.concat([pl.read_csv(os.path.join(raw, n), schema=K.LOG_DTYPES)
+                      for n in K.FILE_KINDS_BY_NAME["log_standard"].names["27k"]
+                      + K.FILE_KINDS_BY_NAME["log_random"].names["27k"]])
+    counts = logs["video_id"].value_counts()
+    by_id = {int(ln.split(",")[vi]): ln for ln in body}
+    hot = [int(v) for v in counts.sort("count", descending=True)["video_id"].to_list() if int(v) in by_id][:2]
+    dropped, duplicated = hot
+    dup = by_id[duplicated].split(",")
+    first_author = int(dup[ai])
+    dup[ai] = str(first_author + 1_000)
+    body = [ln for ln in body if int(ln.split(",")[vi]) != dropped] + [",".join(dup)]
+    open(vb, "w").write("\n".join([header] + body) + "\n")
+    out = str(tmp_path / "o")
+    m = ingest(_cfg(src, out, batches_per_shard=100))
+    assert m.stats["duplicate_video_rows"] == 1
+    assert m.stats["missing_video_features"] == int(counts.filter(pl.col("video_id") == dropped)["count"][0])
+    seen = {dropped: set(), duplicated: set()}
+    for split in ("train", "eval"):
+        for entry in m.sets[split]:
+            for b in S.iter_shard(os.path.join(out, entry.path)):
+                for v in seen:
+                    seen[v] |= set(b["author.values"][b["item.values"] == v].tolist())
+    assert seen[dropped] == {-1} and seen[duplicated] == {first_author}

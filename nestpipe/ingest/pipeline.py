@@ -157,7 +157,9 @@ def _unit_parse(args: Tuple[str, str, str, int, str, int, int, int, int, int]) -
     with open(out + ".stats.json.tmp", "w") as f:
         json.dump(stats, f)
     os.replace(out + ".stats.json.tmp", out + ".stats.json")
-    if kind == "user_features":
+    if kind == "user_features" or (task == "gr" and kind.startswith("log_")):
+        # GR logs go straight to their user partition: their one video feature (the author) is looked up from a
+        # dense table at the samples stage, so they need no join by video
         df = df.with_columns((pl.col("user_id") % num_parts).alias("_part"))
     else:
         df = df.with_columns((pl.col("video_id") % num_parts).alias("_part"))
@@ -204,6 +206,62 @@ def _unit_join(args: Tuple[str, str, int, int]) -> Dict[str, Any]:
     return stats
 
 
+AUTHORS = "authors.npy"
+
+
+def _authors_table(work: str, n_videos: int, max_author: int) -> str:
+    """Create (once) the dense video -> author table the GR authors units fill: ``author_id + 1`` per video id, 0
+    where the video has no features row. A sparse file of zeros: untouched pages cost no disk and no memory."""
+    path = os.path.join(work, "s2", AUTHORS)
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        dtype = np.int32 if max_author + 1 < np.iinfo(np.int32).max else np.int64
+        tmp = path + ".tmp.npy"
+        np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(max(n_videos, 1),)).flush()
+        os.replace(tmp, path)
+    return path
+
+
+def _unit_authors(args: Tuple[str, int]) -> Dict[str, Any]:
+    """GR: the authors of the videos of partition ``p`` into the dense table. Units write disjoint entries
+    (video_id % P == p) and rewriting one gives the same values, so an interrupted unit is simply redone."""
+    work, p = args
+    done = os.path.join(work, "s2", f"authors-{p:05d}.stats.json")
+    if os.path.exists(done):
+        with open(done) as f:
+            return json.load(f)
+    videos = read_partition(sorted(glob.glob(os.path.join(work, "s1", "video_features_basic-*.arrow"))), p)
+    dup = 0
+    if len(videos):
+        n0 = len(videos)
+        # the first row of a video (file order) wins, as in the CTR join
+        videos = videos.sort(["video_id", "src", "line"]).unique(subset="video_id", keep="first", maintain_order=True)
+        dup = n0 - len(videos)
+        table = np.load(os.path.join(work, "s2", AUTHORS), mmap_mode="r+")
+        vid = videos["video_id"].to_numpy()
+        author = videos["author_id"].fill_null(-1).to_numpy()
+        table[vid] = (author + 1).astype(table.dtype)
+        table.flush()
+        del table
+    stats = {"rows": len(videos), "duplicate_video_rows": dup, "missing_video_features": 0}
+    with open(done + ".tmp", "w") as f:
+        json.dump(stats, f)
+    os.replace(done + ".tmp", done)
+    return stats
+
+
+def _gr_rows_with_authors(work: str, q: int) -> Tuple[pl.DataFrame, int]:
+    """The log rows of user partition ``q`` with ``author_id`` from the dense table (-1 where the video has no
+    features row), and how many rows had none."""
+    rows = read_partition(sorted(glob.glob(os.path.join(work, "s1", "log_*.arrow"))), q)
+    table = np.load(os.path.join(work, "s2", AUTHORS), mmap_mode="r")
+    vid = rows["video_id"].to_numpy() if len(rows) else np.zeros(0, np.int64)
+    ok = (vid >= 0) & (vid < len(table))
+    author = np.full(len(vid), -1, np.int64)
+    author[ok] = table[vid[ok]].astype(np.int64) - 1
+    return rows.with_columns(pl.Series("author_id", author)), int(np.count_nonzero(author < 0))
+
+
 def _unit_samples(args: Tuple[str, str, int, Dict[str, Any]]) -> Dict[str, Any]:
     work, task, q, opts = args
     # One directory of .npy files per partition (renamed into place when whole), so the shard stage memory-maps
@@ -212,10 +270,12 @@ def _unit_samples(args: Tuple[str, str, int, Dict[str, Any]]) -> Dict[str, Any]:
     if os.path.exists(out):
         with open(os.path.join(out, "stats.json")) as f:
             return json.load(f)
-    rows = read_partition(sorted(glob.glob(os.path.join(work, "s2", "joined-*.arrow"))), q)
     if task == "gr":
+        rows, missing = _gr_rows_with_authors(work, q)
         arrays, stats = gr.build_partition(rows, opts["max_seq_len"])
+        stats["missing_video_features"] = missing
     else:
+        rows = read_partition(sorted(glob.glob(os.path.join(work, "s2", "joined-*.arrow"))), q)
         users = read_partition(sorted(glob.glob(os.path.join(work, "s1", "user_features-*.arrow"))), q)
         arrays, stats = ctr.build_partition(rows, users, opts)
     tmp = out + ".tmp"
@@ -636,8 +696,12 @@ def _ingest_stages(cfg: IngestConfig, ex: "_Executor", found, inputs, fps, num_p
         for k, v in s["max"].items():
             maxima[k] = max(maxima.get(k, -1), v)
 
-    # 2. join
-    s2 = ex.run(_unit_join, [(work, cfg.task, p, num_parts) for p in range(num_parts)], cfg, "2/4 join")
+    # 2. join (CTR: logs x video tables per video partition; GR: only the author, into a dense table by video id)
+    if cfg.task == "gr":
+        _authors_table(work, maxima.get("video_id", -1) + 1, maxima.get("author_id", 0))
+        s2 = ex.run(_unit_authors, [(work, p) for p in range(num_parts)], cfg, "2/4 authors")
+    else:
+        s2 = ex.run(_unit_join, [(work, cfg.task, p, num_parts) for p in range(num_parts)], cfg, "2/4 join")
     # 3. samples
     opts = {"max_seq_len": cfg.max_seq_len, "history_len": cfg.history_len, "ctr_eval_days": cfg.ctr_eval_days,
             "max_date": maxima.get("date", 0)}
@@ -679,7 +743,7 @@ def _ingest_stages(cfg: IngestConfig, ex: "_Executor", found, inputs, fps, num_p
         "fingerprint": fingerprint,
         "input_rows": rows,
         "partitions": num_parts,
-        "missing_video_features": sum(s["missing_video_features"] for s in s2),
+        "missing_video_features": sum(s.get("missing_video_features", 0) for s in s2 + s3),
         "duplicate_video_rows": sum(s["duplicate_video_rows"] for s in s2),
         "samples": {split: int(sum(s[f"{split}_samples"] for s in s3)) for split in ("train", "eval")},
         "resumed_shards": sum(1 for r in s4 if r.get("resumed")),

@@ -95,9 +95,9 @@ def _dense_or_sorted_unique(g: np.ndarray, span: int) -> Tuple[np.ndarray, np.nd
         present = np.zeros(span, bool)
         present[g] = True
         distinct = np.flatnonzero(present)
-        rank = np.empty(span, np.int64)
+        rank = np.empty(span, np.int32 if len(distinct) < (1 << 31) else np.int64)  # half the pages to touch
         rank[distinct] = np.arange(len(distinct))
-        return distinct, rank[g]
+        return distinct, rank[g].astype(np.int64)
     return unique_inverse(g)
 
 
@@ -117,20 +117,24 @@ def unique_keys_packed(
     a, n = check_assignment(assignment, b, num_micro_batches)
     n = max(n, 1)
     vals, mbs, los, spans = [], [], [], []
+    prev = None
     for t, (values, offsets) in enumerate(tables):
         values, offsets = check_batch(values, offsets)
         if len(offsets) - 1 != b:
             raise ValueError(f"table {t} has {len(offsets) - 1} samples, expected {b}")
         vals.append(values)
-        mbs.append(a[np.repeat(np.arange(b), np.diff(offsets))] if len(values) != b or not np.array_equal(
-            offsets, np.arange(b + 1)) else a)
+        if prev is not None and np.array_equal(offsets, prev[0]):
+            mbs.append(prev[1])  # tables of equal lengths (the GR tables) share one expansion
+        else:
+            mbs.append(a[np.repeat(np.arange(b), np.diff(offsets))] if len(values) != b or not np.array_equal(
+                offsets, np.arange(b + 1)) else a)
+        prev = (offsets, mbs[-1])
         lo = int(values.min()) if len(values) else 0
         los.append(lo)
         spans.append(int(values.max()) - lo + 1 if len(values) else 0)
     nnz = np.array([len(v) for v in vals], np.int64)
     v_off = np.concatenate([[0], np.cumsum(nnz)])
     base = np.concatenate([[0], np.cumsum(spans, dtype=object)]).tolist()  # Python ints: no overflow
-    mb = np.concatenate(mbs).astype(np.int64, copy=False)
     if base[-1] < (1 << 62):
         g = np.concatenate([v - np.int64(lo) + np.int64(bs) for v, lo, bs in zip(vals, los, base[:-1])])
         distinct, global_key = _dense_or_sorted_unique(g, int(base[-1]))
@@ -153,9 +157,13 @@ def unique_keys_packed(
         table_start = np.searchsorted(st[new], np.arange(len(tables) + 1))
     k_of = np.diff(table_start).astype(np.int64)
     # table-major codes: table t owns [N * table_start[t], N * table_start[t + 1]), ordered by (micro-batch, key)
-    tid = np.repeat(np.arange(len(tables), dtype=np.int64), nnz)
     ts = table_start[:-1].astype(np.int64)
-    codes = ts[tid] * n + mb * k_of[tid] + (global_key - ts[tid])
+    codes = np.empty(len(global_key), np.int64)
+    for t in range(len(tables)):  # per table with scalars: no [nnz] gathers of per-table constants
+        sl = slice(v_off[t], v_off[t + 1])
+        np.multiply(mbs[t], k_of[t], out=codes[sl], casting="unsafe")
+        codes[sl] += global_key[sl]
+        codes[sl] += ts[t] * (n - 1)
     distinct_codes_, _ = _dense_or_sorted_unique(codes, int(table_start[-1]) * n) if len(codes) else (codes, None)
     out = []
     for t in range(len(tables)):

@@ -288,6 +288,25 @@ def test_balanced_argmax_respects_capacities_and_prefers_high_scores():
     assert np.array_equal(np.bincount(balanced_argmax(crowded, caps), minlength=5), caps)
 
 
+def test_balanced_argmax_compiled_equals_the_numpy_reference():
+    from nestpipe.clustering import balance
+
+    balance._compiled()  # load the compiled path (it runs wherever Numba is loaded)
+    rng = np.random.default_rng(5)
+    cases = [rng.random((512, 8)), rng.integers(0, 3, (200, 7)).astype(float),  # many exact ties
+             np.zeros((33, 4)), np.where(rng.random((64, 8)) < 0.3, -np.inf, rng.random((64, 8))),
+             rng.random((9, 9)).astype(np.float32), np.full((10, 3), -0.0)]
+    for score in cases:
+        caps = capacities(score.shape[0], score.shape[1])
+        ref = balance.balanced_argmax_numpy(score, caps)
+        assert np.array_equal(balance.balanced_argmax(score, caps), ref)
+    # negative control: breaking ties by the last row instead of the first changes the result
+    tied = rng.integers(0, 2, (100, 4)).astype(float)
+    caps = capacities(100, 4)
+    flipped = balance.balanced_argmax(tied[::-1].copy(), caps)[::-1]
+    assert not np.array_equal(flipped, balance.balanced_argmax_numpy(tied, caps))
+
+
 # ---------------------------------------------------------------- planted optimum
 
 @pytest.mark.parametrize("method", CLUSTER_METHODS)

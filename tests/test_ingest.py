@@ -423,9 +423,14 @@ def test_user_features_with_quoted_ranges_parse_and_reject(raw, tmp_path):
     ([2**61, 3, 1, 7], 3, True),  # ids too far apart for one code space: lexsort
     ([10**12, 5], 4, True),
 ])
-def test_shard_group_keys_equal_per_batch_unique_keys(spans, max_len, negative):
+@pytest.mark.parametrize("path", ["compiled", "numpy"])
+def test_shard_group_keys_equal_per_batch_unique_keys(spans, max_len, negative, path, monkeypatch):
     from nestpipe.clustering import unique_keys_packed
-    from nestpipe.ingest.shardkeys import group_keys
+    from nestpipe.ingest import shardkeys
+
+    group_keys = shardkeys.group_keys if path == "compiled" else shardkeys.group_keys_numpy
+    if path == "compiled":  # the compiled path must be the one that runs (occurrences grouped by batch, table)
+        monkeypatch.setattr(shardkeys, "group_keys_numpy", lambda *a: pytest.fail("fell back to numpy"))
 
     rng = np.random.default_rng(3)
     nb, b, n, T = 6, 24, 4, len(spans)
@@ -454,6 +459,7 @@ def test_shard_group_keys_equal_per_batch_unique_keys(spans, max_len, negative):
         assert np.array_equal(mo, np.stack([r[3] for r in ref]))
         cur += nnz
     assert cur == len(g.inverse)
+    assert np.array_equal(g.mt, np.concatenate([[0], np.cumsum(g.mb_counts.reshape(nb, -1).sum(1))]))
 
 
 def test_gr_authors_first_row_wins_and_missing_videos_are_counted(raw, tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 
@@ -23,6 +25,76 @@ def chunk_order(order: np.ndarray, caps: np.ndarray) -> np.ndarray:
 def balanced_argmax(score: np.ndarray, caps: np.ndarray) -> np.ndarray:
     """Assign each row of ``score`` [B, N] to a column, column j taking exactly ``caps[j]`` rows.
 
+    The compiled loop (:func:`_balanced_argmax_compiled`) and :func:`balanced_argmax_numpy` make the same
+    proposals and acceptances, so they return the same assignment (tests/test_clustering.py); the compiled one
+    is about ten times faster on a 512 x 8 score (8 calls per clustered batch). It runs where Numba is loaded
+    already (the CTR shard stage, the trainer): loading it costs a process about 0.2 s, more than a GR ingest
+    of a few hundred batches saves with it.
+    """
+    if int(caps.sum()) != score.shape[0]:
+        raise ValueError(f"capacities sum to {int(caps.sum())}, expected {score.shape[0]}")
+    if np.isnan(score).any() or (_KERNEL is None and "numba" not in sys.modules):
+        return balanced_argmax_numpy(score, caps)
+    return _compiled()(np.ascontiguousarray(score, dtype=np.float64), caps.astype(np.int64))
+
+
+_KERNEL = None
+
+
+def _compiled():
+    global _KERNEL
+    if _KERNEL is None:
+        import numba
+
+        @numba.njit(nogil=True, cache=True)
+        def _balanced_argmax_compiled(score, caps):  # pragma: no cover - compiled
+            b, n = score.shape
+            out = np.full(b, -1, np.int64)
+            room = caps.copy()
+            pending = np.arange(b)
+            choice = np.empty(b, np.int64)
+            neg = np.empty(b, np.float64)
+            while len(pending) > 0:
+                m = len(pending)
+                for i in range(m):  # best column with room; the first of equal scores, as np.argmax
+                    r = pending[i]
+                    best, bj = -np.inf, -1
+                    for j in range(n):
+                        if room[j] <= 0:
+                            continue
+                        v = score[r, j]
+                        if bj < 0 or v > best:
+                            best, bj = v, j
+                    choice[i] = bj
+                    neg[i] = -best
+                # order by (column, -score, row): pending is ascending, and stable sorts keep it within ties
+                o1 = np.argsort(neg[:m], kind="mergesort")
+                o2 = np.argsort(choice[:m][o1], kind="mergesort")
+                order = o1[o2]
+                taken = np.zeros(n, np.int64)
+                keep = np.empty(m, np.int64)
+                nk = 0
+                for q in range(m):
+                    i = order[q]
+                    j = choice[i]
+                    if taken[j] < room[j]:
+                        out[pending[i]] = j
+                        taken[j] += 1
+                    else:
+                        keep[nk] = pending[i]
+                        nk += 1
+                for j in range(n):
+                    room[j] -= taken[j]
+                pending = np.sort(keep[:nk])
+            return out
+
+        _KERNEL = _balanced_argmax_compiled
+    return _KERNEL
+
+
+def balanced_argmax_numpy(score: np.ndarray, caps: np.ndarray) -> np.ndarray:
+    """:func:`balanced_argmax` in vectorised NumPy (the reference; also the path for scores holding NaN).
+
     Greedy deferred proposals, vectorised per round: every unassigned row proposes to its best column that still
     has room; each column accepts its highest-scoring proposers up to its remaining room. A round either assigns
     every proposer or fills at least one column, so there are at most N + 1 rounds. Requires caps.sum() == B.
@@ -39,6 +111,8 @@ def balanced_argmax(score: np.ndarray, caps: np.ndarray) -> np.ndarray:
         sub = masked[pending]
         choice = np.argmax(sub, axis=1)
         value = sub[np.arange(len(pending)), choice]
+        # a row scoring -inf on every column with room takes the first of them (argmax would name a full one)
+        choice = np.where(np.isneginf(value), int(np.argmax(room > 0)), choice)
         order = np.lexsort((pending, -value, choice))
         chosen = choice[order]
         run_start = np.searchsorted(chosen, chosen, side="left")

@@ -154,14 +154,25 @@ def gather(pieces: List[Tuple[Dict[str, np.ndarray], np.ndarray]], split: str, h
 
     for arrays, ix in pieces:
         rows = np.asarray(arrays[f"{split}_rows"][ix])
-        add("single", np.asarray(arrays["single"][rows]))
-        tv, tl = _gather_jagged(arrays["tag_values"], arrays["tag_offsets"][rows], arrays["tag_offsets"][rows + 1])
+        # The arrays are memory-mapped: reading the rows in ascending order touches each page once, in file order
+        # (the kernel maps its neighbours at the same fault), then the rows are put back in sample order.
+        # Measured: 22 ms instead of 47-107 ms for 51,200 random rows of a 550k-row partition.
+        order = np.argsort(rows, kind="stable")
+        back = np.empty_like(order)
+        back[order] = np.arange(len(order))
+        srows = rows[order]
+
+        def take(a, r=srows):
+            return np.asarray(a[r])[back]
+
+        add("single", take(arrays["single"]))
+        tv, tl = _gather_jagged(arrays["tag_values"], take(arrays["tag_offsets"]), take(arrays["tag_offsets"], srows + 1))
         add("tag.values", tv)
         add("tag.lengths", tl.astype(np.int64))
-        hs = np.maximum(arrays["ustart"][rows], rows - H)
+        hs = np.maximum(take(arrays["ustart"]), rows - H)
         hv, hl = _gather_jagged(arrays["video_id"], hs, rows)
         add("history.values", hv)
         add("history.lengths", hl.astype(np.int64))
-        add("dense", np.asarray(arrays["dense"][rows]))
-        add("labels", np.asarray(arrays["labels"][rows]))
+        add("dense", take(arrays["dense"]))
+        add("labels", take(arrays["labels"]))
     return {k: np.concatenate(v) for k, v in out.items()}

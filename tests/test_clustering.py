@@ -291,7 +291,7 @@ def test_balanced_argmax_respects_capacities_and_prefers_high_scores():
 def test_balanced_argmax_compiled_equals_the_numpy_reference():
     from nestpipe.clustering import balance
 
-    balance._compiled()  # load the compiled path (it runs wherever Numba is loaded)
+    balance.load_kernel()  # load the compiled path (it runs wherever Numba is loaded)
     rng = np.random.default_rng(5)
     cases = [rng.random((512, 8)), rng.integers(0, 3, (200, 7)).astype(float),  # many exact ties
              np.zeros((33, 4)), np.where(rng.random((64, 8)) < 0.3, -np.inf, rng.random((64, 8))),

@@ -35,13 +35,13 @@ def balanced_argmax(score: np.ndarray, caps: np.ndarray) -> np.ndarray:
         raise ValueError(f"capacities sum to {int(caps.sum())}, expected {score.shape[0]}")
     if np.isnan(score).any() or (_KERNEL is None and "numba" not in sys.modules):
         return balanced_argmax_numpy(score, caps)
-    return _compiled()(np.ascontiguousarray(score, dtype=np.float64), caps.astype(np.int64))
+    return load_kernel()(np.ascontiguousarray(score, dtype=np.float64), caps.astype(np.int64))
 
 
 _KERNEL = None
 
 
-def _compiled():
+def load_kernel():
     global _KERNEL
     if _KERNEL is None:
         import numba

@@ -427,9 +427,9 @@ def _ctr_shard_records(cache: "_PartitionCache", parts: np.ndarray, idxs: np.nda
     ``bags``. Every batch is clustered on its own, exactly as :func:`cluster_fields` would; the unique keys of all
     batches come from one pass per group (:mod:`nestpipe.ingest.shardkeys`)."""
     from nestpipe import clustering
-    from nestpipe.ingest.shardkeys import _compiled, group_keys
+    from nestpipe.ingest.shardkeys import group_keys, load_kernel
 
-    _compiled()  # Numba now, so the clustering's compiled assignment runs from the first batch (same results)
+    load_kernel()  # Numba now, so the clustering's compiled assignment runs from the first batch (same results)
 
     B, n, nb = opts["batch_size"], opts["micro_batches"], n_batches
     M = nb * B

@@ -93,7 +93,7 @@ def group_keys(values: np.ndarray, batch: np.ndarray, table: np.ndarray, mb: np.
     if len(bt) and not np.all(bt[1:] >= bt[:-1]):
         return group_keys_numpy(values, batch, table, mb, nb, num_tables, n)
     seg = np.searchsorted(bt, np.arange(nb * num_tables + 1)).astype(np.int64)
-    kernel = _compiled()
+    kernel = load_kernel()
     unique, ut, inverse, pos, mb_counts = kernel(values.astype(np.int64, copy=False), seg,
                                                  mb.astype(np.int64, copy=False), n)
     mt = np.concatenate([[0], np.cumsum(mb_counts.reshape(nb, -1).sum(axis=1))]).astype(np.int64)
@@ -103,7 +103,7 @@ def group_keys(values: np.ndarray, batch: np.ndarray, table: np.ndarray, mb: np.
 _KERNEL = None
 
 
-def _compiled():
+def load_kernel():
     """The Numba kernel, compiled (or loaded from the on-disk cache) on first use: the parse and join workers
     never import Numba."""
     global _KERNEL

@@ -91,16 +91,19 @@ def test_reduction_plan_keeps_value_order_per_owner():
     lens = rng.integers(0, 30, 64)
     value_sample = np.repeat(np.arange(64), lens)
     value_key = rng.integers(0, keys, len(value_sample))
-    lists = ReductionBased.plan(dest, pos, value_key, value_sample, world)
+    lists = ReductionBased.plan(dest, pos, value_key, value_sample, world, num_samples=64)
     total = 0
     for r, lst in enumerate(lists):
-        h = len(lst) // 2
-        s, e = lst[:h], lst[h:]
+        assert len(lst) == 64 + int((dest[value_key] == r).sum())  # one count per sample, one entry per value
+        s, e = ReductionBased.segments(lst, 64)
         assert np.all(np.diff(s) >= 0)
         sel = dest[value_key] == r
         assert np.array_equal(s, value_sample[sel]) and np.array_equal(e, pos[value_key[sel]])
-        total += h
+        total += len(e)
     assert total == len(value_key)
+    # values out of sample order cannot be sent as counts: refused, not silently regrouped
+    with pytest.raises(ValueError, match="sample order"):
+        ReductionBased.plan(dest, pos, value_key, value_sample[::-1].copy(), world)
 
 
 def test_reduction_plan_single_owner_shortcut_equals_general():
@@ -119,7 +122,7 @@ def test_reduction_plan_single_owner_shortcut_equals_general():
         assert len(short) == world
         for a, b in zip(general, short):
             assert a.dtype == b.dtype and np.array_equal(a, b)
-        assert len(short[owner]) == 2 * len(value_key)
+        assert len(short[owner]) == 64 + len(value_key)
         # negative control: the check catches lists handed to the wrong owner
         wrong = ReductionBased.plan(dest, pos, value_key, value_sample, world, (owner + 1) % world)
         assert not all(np.array_equal(a, b) for a, b in zip(general, wrong))

@@ -241,7 +241,7 @@ class ShardedEmbeddingCollection:
                     unperm.append(torch.from_numpy(up).to(self.device))
                 else:
                     lists = ReductionBased.plan(dest, pos_in_dest, mbd.value_key[slot], mbd.value_sample[slot], W,
-                                                one)
+                                                one, num_samples=len(mbd.samples))
                     unperm.append(None)
                 mb_lists.append(lists)
             req[slot] = _ReqSlot(dest, pos_in_dest, send_rows, mb_lists, unperm)
@@ -353,10 +353,10 @@ class ShardedEmbeddingCollection:
                     b0 = base[(r, slot)]
                     at = block_off[i][(r, slot)]
                     if pooled:
-                        h = len(lst) // 2
                         b = own_b[i][r]
-                        p_seg.append(lst[:h].astype(np.int64) + n_seg)
-                        p_entry.append(lst[h:].astype(np.int64) + b0)
+                        seg_r, entries_r = ReductionBased.segments(lst, b)
+                        p_seg.append(seg_r + n_seg)
+                        p_entry.append(entries_r + b0)
                         seg_out.append(at + dim * np.arange(b, dtype=np.int64))
                         n_seg += b
                     else:

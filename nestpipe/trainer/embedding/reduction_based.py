@@ -31,20 +31,38 @@ class ReductionBased:
 
     @staticmethod
     def plan(dest: np.ndarray, pos_in_dest: np.ndarray, value_key: np.ndarray, value_sample: np.ndarray,
-             world: int, owner: Optional[int] = None) -> List[np.ndarray]:
-        """Per-owner flat int64 lists ``[samples..., entries...]`` for one micro-batch. ``owner``: the one rank
-        every key of the table goes to (a table-wise layout), where the stable owner sort is the identity."""
+             world: int, owner: Optional[int] = None, num_samples: Optional[int] = None) -> List[np.ndarray]:
+        """Per-owner flat int64 lists ``[counts..., entries...]`` for one micro-batch of ``num_samples`` samples
+        (default: the largest sample index + 1): ``counts[s]`` is how many of sample s's values the owner holds,
+        ``entries`` their rows in the owner's list, sample after sample in value order. The owner rebuilds each
+        entry's sample as ``repeat(arange(b), counts)``: one number per sample on the wire instead of one per
+        value (a bag of 20 values: about half the routing bytes). Requires ``value_sample`` non-decreasing (values
+        in sample order, as the shards store them); the stable owner sort keeps that order within every list.
+        ``owner``: the one rank every key of the table goes to (a table-wise layout), where the stable owner sort
+        is the identity."""
+        if len(value_sample) > 1 and not bool((value_sample[1:] >= value_sample[:-1]).all()):
+            raise ValueError("reduction plan: values must come in sample order")
+        b = int(num_samples) if num_samples is not None else (int(value_sample[-1]) + 1 if len(value_sample) else 0)
         if owner is not None:
-            samples, entries = value_sample, pos_in_dest[value_key]
-            return [np.concatenate([samples, entries]) if r == owner else np.concatenate([samples[:0], entries[:0]])
+            counts = np.bincount(value_sample, minlength=b).astype(np.int64)
+            entries = pos_in_dest[value_key]
+            empty = np.zeros(b, np.int64)
+            return [np.concatenate([counts, entries]) if r == owner else np.concatenate([empty, entries[:0]])
                     for r in range(world)]
         d = dest[value_key]
         order = owner_order(d, world)
         bounds = owner_bounds(d, world)
         samples = value_sample[order]
         entries = pos_in_dest[value_key[order]]
-        return [np.concatenate([samples[bounds[r]:bounds[r + 1]], entries[bounds[r]:bounds[r + 1]]])
+        return [np.concatenate([np.bincount(samples[bounds[r]:bounds[r + 1]], minlength=b).astype(np.int64),
+                                entries[bounds[r]:bounds[r + 1]]])
                 for r in range(world)]
+
+    @staticmethod
+    def segments(lst: np.ndarray, num_samples: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Owner side: (sample of every entry, entries) from a list of :meth:`plan`."""
+        counts = lst[:num_samples].astype(np.int64)
+        return np.repeat(np.arange(num_samples, dtype=np.int64), counts), lst[num_samples:].astype(np.int64)
 
     @staticmethod
     def unpack(pieces: List[torch.Tensor]) -> torch.Tensor:

@@ -4,7 +4,9 @@ For pooled multi-hot features (a bag of ~20 ids per sample, ``kind = pooled``): 
 sum per owner instead of the bag's rows is about ``ids per bag`` times fewer bytes.
 
 - input_dist (once per batch, inside the fused routing): for every micro-batch the requester sends each owner the
-  (sample within the micro-batch, entry) pairs of the values that owner holds, in value order.
+  (sample within the micro-batch, entry) pairs of the values that owner holds, in value order, as one count per
+  sample followed by the entries (the samples of the pairs are ``repeat(arange(b), counts)``: values come in
+  sample order).
 - compute (owner): ``partial[sample] = sum of buffer[entry]`` over its pairs, in value order starting from zero.
   The pairs of one owner arrive sorted by sample (the requester's stable bucketing keeps value order, which is
   sample order), so on CPU float32 this is ``nestpipe.kernels.pooled_lookup``'s ordered segment sum (one pass,

@@ -39,7 +39,7 @@ from nestpipe.datasets import kuairand as K
 from nestpipe.datasets import shards as S
 from nestpipe.ingest import ctr, gr
 from nestpipe.ingest.config import IngestConfig
-from nestpipe.ingest.parse import ColumnSpec, Reject, count_lines, parse_chunk, plan_chunks, read_chunk_bytes
+from nestpipe.ingest.parse import ColumnSpec, Reject, parse_chunk, plan_chunks, read_chunk_bytes
 from nestpipe.ingest.spill import read_partition, write_partitioned
 
 WORK = "_work"
@@ -136,7 +136,7 @@ def _unit_parse(args: Tuple[str, str, str, int, str, int, int, int, int, int]) -
 
     data = read_chunk_bytes(Chunk(path, chunk_idx, start, end, first_line))
     df, rejects = parse_chunk(data, _spec_for(kind, task), path=path, first_line=first_line)
-    n_lines = count_lines(data)
+    n_lines = len(df) + len(rejects)  # parse_chunk returns every line of the chunk as a row or as a reject
     df = df.with_columns(
         pl.lit(file_idx, dtype=pl.Int16).alias("src"),
         *[pl.col(c).clip(0, 1).cast(t) for c, t in NARROW.items() if c in df.columns and kind.startswith("log_")],

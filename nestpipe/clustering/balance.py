@@ -25,7 +25,7 @@ def chunk_order(order: np.ndarray, caps: np.ndarray) -> np.ndarray:
 def balanced_argmax(score: np.ndarray, caps: np.ndarray) -> np.ndarray:
     """Assign each row of ``score`` [B, N] to a column, column j taking exactly ``caps[j]`` rows.
 
-    The compiled loop (:func:`_balanced_argmax_compiled`) and :func:`balanced_argmax_numpy` make the same
+    The compiled loop (:mod:`nestpipe.clustering._compiled`) and :func:`balanced_argmax_numpy` make the same
     proposals and acceptances, so they return the same assignment (tests/test_clustering.py); the compiled one
     is about ten times faster on a 512 x 8 score (8 calls per clustered batch). It runs where Numba is loaded
     already (the CTR shard stage, the trainer): loading it costs a process about 0.2 s, more than a GR ingest
@@ -33,63 +33,16 @@ def balanced_argmax(score: np.ndarray, caps: np.ndarray) -> np.ndarray:
     """
     if int(caps.sum()) != score.shape[0]:
         raise ValueError(f"capacities sum to {int(caps.sum())}, expected {score.shape[0]}")
-    if np.isnan(score).any() or (_KERNEL is None and "numba" not in sys.modules):
+    if np.isnan(score).any() or "numba" not in sys.modules:
         return balanced_argmax_numpy(score, caps)
     return load_kernel()(np.ascontiguousarray(score, dtype=np.float64), caps.astype(np.int64))
 
 
-_KERNEL = None
-
-
 def load_kernel():
-    global _KERNEL
-    if _KERNEL is None:
-        import numba
+    """The compiled assignment (:mod:`nestpipe.clustering._compiled`; importing it loads Numba)."""
+    from nestpipe.clustering._compiled import balanced_argmax_compiled
 
-        @numba.njit(nogil=True, cache=True)
-        def _balanced_argmax_compiled(score, caps):  # pragma: no cover - compiled
-            b, n = score.shape
-            out = np.full(b, -1, np.int64)
-            room = caps.copy()
-            pending = np.arange(b)
-            choice = np.empty(b, np.int64)
-            neg = np.empty(b, np.float64)
-            while len(pending) > 0:
-                m = len(pending)
-                for i in range(m):  # best column with room; the first of equal scores, as np.argmax
-                    r = pending[i]
-                    best, bj = -np.inf, -1
-                    for j in range(n):
-                        if room[j] <= 0:
-                            continue
-                        v = score[r, j]
-                        if bj < 0 or v > best:
-                            best, bj = v, j
-                    choice[i] = bj
-                    neg[i] = -best
-                # order by (column, -score, row): pending is ascending, and stable sorts keep it within ties
-                o1 = np.argsort(neg[:m], kind="mergesort")
-                o2 = np.argsort(choice[:m][o1], kind="mergesort")
-                order = o1[o2]
-                taken = np.zeros(n, np.int64)
-                keep = np.empty(m, np.int64)
-                nk = 0
-                for q in range(m):
-                    i = order[q]
-                    j = choice[i]
-                    if taken[j] < room[j]:
-                        out[pending[i]] = j
-                        taken[j] += 1
-                    else:
-                        keep[nk] = pending[i]
-                        nk += 1
-                for j in range(n):
-                    room[j] -= taken[j]
-                pending = np.sort(keep[:nk])
-            return out
-
-        _KERNEL = _balanced_argmax_compiled
-    return _KERNEL
+    return balanced_argmax_compiled
 
 
 def balanced_argmax_numpy(score: np.ndarray, caps: np.ndarray) -> np.ndarray:

@@ -86,7 +86,7 @@ def group_keys(values: np.ndarray, batch: np.ndarray, table: np.ndarray, mb: np.
     batch (0..nb-1), table (0..T-1) and micro-batch (0..n-1), all int64 of the same length.
 
     Occurrences grouped by (batch, table), as the shard stage lays them out, take the compiled path
-    (:func:`_segment_keys`: each (batch, table) segment sorted on its own, a few hundred values, instead of one
+    (:func:`nestpipe.ingest._compiled.segment_keys`: each (batch, table) segment sorted on its own, a few hundred values, instead of one
     sort of the whole shard's composite codes; 5-10x faster here); any other order takes :func:`group_keys_numpy`.
     Both give the same arrays (tests/test_ingest.py)."""
     bt = batch.astype(np.int64, copy=False) * num_tables + table
@@ -100,64 +100,12 @@ def group_keys(values: np.ndarray, batch: np.ndarray, table: np.ndarray, mb: np.
     return GroupKeys(unique, ut, inverse, pos, mt, mb_counts.reshape(nb, num_tables, n))
 
 
-_KERNEL = None
-
-
 def load_kernel():
-    """The Numba kernel, compiled (or loaded from the on-disk cache) on first use: the parse and join workers
-    never import Numba."""
-    global _KERNEL
-    if _KERNEL is None:
-        import numba
+    """The compiled per-segment keys (:mod:`nestpipe.ingest._compiled`; importing it loads Numba, which the parse
+    and join workers never do)."""
+    from nestpipe.ingest._compiled import segment_keys
 
-        @numba.njit(nogil=True, cache=True)
-        def _segment_keys(values, seg, mb, n):  # pragma: no cover - compiled
-            total = values.shape[0]
-            nseg = seg.shape[0] - 1
-            unique = np.empty(total, np.int64)
-            ut = np.zeros(nseg + 1, np.int64)
-            inverse = np.empty(total, np.int64)
-            pos = np.empty(total, np.int64)
-            mb_counts = np.zeros(nseg * n, np.int64)
-            width = 0
-            for s in range(nseg):
-                width = max(width, seg[s + 1] - seg[s])
-            mark = np.zeros(n * max(width, 1), np.bool_)
-            k_total = 0
-            p_total = 0
-            for s in range(nseg):
-                a, b = seg[s], seg[s + 1]
-                ut[s] = k_total
-                if b == a:
-                    continue
-                order = np.argsort(values[a:b], kind="mergesort")
-                k = -1
-                prev = 0
-                for i in range(b - a):
-                    v = values[a + order[i]]
-                    if i == 0 or v != prev:
-                        k += 1
-                        unique[k_total + k] = v
-                        prev = v
-                    inverse[a + order[i]] = k
-                k += 1
-                for i in range(a, b):
-                    mark[mb[i] * k + inverse[i]] = True
-                for g in range(n):  # distinct positions of each micro-batch, ascending, micro-batch after micro-batch
-                    c = 0
-                    for q in range(k):
-                        if mark[g * k + q]:
-                            pos[p_total] = q
-                            p_total += 1
-                            c += 1
-                            mark[g * k + q] = False
-                    mb_counts[s * n + g] = c
-                k_total += k
-            ut[nseg] = k_total
-            return unique[:k_total].copy(), ut, inverse, pos[:p_total].copy(), mb_counts
-
-        _KERNEL = _segment_keys
-    return _KERNEL
+    return segment_keys
 
 
 def group_keys_numpy(values: np.ndarray, batch: np.ndarray, table: np.ndarray, mb: np.ndarray, nb: int,

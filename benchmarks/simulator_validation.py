@@ -82,7 +82,8 @@ def main(argv=None):
           f"average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} cores")
     print(f"calibrated on {calib.tag} (its fastest repeat): lookup {hw.key_s * 1e6:.2f} us/key, exchange "
           f"{hw.row_s * 1e6:.2f} us/row, collective {hw.coll_latency_s * 1e3:.2f} ms + {hw.coll_s_per_byte * 1e9:.2f} "
-          f"ns/B, dense {hw.dense_flops / 1e9:.1f} GFLOP/s + {hw.dense_call_s * 1e3:.2f} ms/call, data {hw.token_s * 1e9:.0f} ns/token, overhead "
+          f"ns/B, dense {hw.dense_flops / 1e9:.1f} GFLOP/s + {hw.dense_call_s * 1e3:.2f} ms/call, data "
+          f"{hw.token_s * 1e9:.0f} ns/token, overhead "
           f"{hw.step_overhead_s * 1e3:.1f} ms, {hw.cores} cores")
     lines = v.format_rows(rows).split("\n")
     print(lines[0] + "   measured repeats (ms)")

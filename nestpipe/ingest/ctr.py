@@ -166,7 +166,8 @@ def gather(pieces: List[Tuple[Dict[str, np.ndarray], np.ndarray]], split: str, h
             return np.asarray(a[r])[back]
 
         add("single", take(arrays["single"]))
-        tv, tl = _gather_jagged(arrays["tag_values"], take(arrays["tag_offsets"]), take(arrays["tag_offsets"], srows + 1))
+        tv, tl = _gather_jagged(arrays["tag_values"], take(arrays["tag_offsets"]),
+                                take(arrays["tag_offsets"], srows + 1))
         add("tag.values", tv)
         add("tag.lengths", tl.astype(np.int64))
         hs = np.maximum(take(arrays["ustart"]), rows - H)

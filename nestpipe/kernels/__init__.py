@@ -235,7 +235,8 @@ def dual_buffer_sync(
 
 def dual_buffer_sync_rows(
     active_keys: torch.Tensor, prefetch_keys: torch.Tensor, src_weight: torch.Tensor,
-    src_state: Optional[torch.Tensor], dst_weight: torch.Tensor, dst_state: Optional[torch.Tensor], from_store: bool = False,
+    src_state: Optional[torch.Tensor], dst_weight: torch.Tensor, dst_state: Optional[torch.Tensor],
+    from_store: bool = False,
 ) -> int:
     """The trainer's dual-buffer sync: weights and AdaGrad state of keys(t) ∩ keys(t+1) in one merge. Keys are the
     owner's local rows of batches t and t+1 (strictly ascending). Source: the active buffer (row ``i`` belongs to

@@ -165,7 +165,8 @@ def _simulate_measured(args) -> int:
           f"step {meas.step_s * 1e3:.1f} ms")
     print(f"  lookup {hw.key_s * 1e6:.3f} us/key, exchange work {hw.row_s * 1e6:.3f} us/row, collective "
           f"{hw.coll_latency_s * 1e3:.3f} ms + {hw.coll_s_per_byte * 1e9:.3f} ns/B, dense {hw.dense_flops / 1e9:.2f} "
-          f"GFLOP/s + {hw.dense_call_s * 1e3:.2f} ms per call, data {hw.token_s * 1e9:.1f} ns/token, step overhead {hw.step_overhead_s * 1e3:.2f} ms, "
+          f"GFLOP/s + {hw.dense_call_s * 1e3:.2f} ms per call, data {hw.token_s * 1e9:.1f} ns/token, step overhead "
+          f"{hw.step_overhead_s * 1e3:.2f} ms, "
           f"{hw.cores} cores")
     head = f"{'pipeline':<8} {'world':>5} {'N':>3} {'step ms':>9} {'exp.comm ms':>11} {'exp.lookup ms':>13}"
     print(head)

@@ -6,8 +6,9 @@ forward + backward pays a fixed dispatch cost per call (tens of autograd nodes a
 on top of its arithmetic, so doubling the micro-batches of a batch adds about that cost per extra call while the
 FLOPs stay the same. The probe times the dense model alone (built from the run's config, the shards' sample
 lengths, random embeddings) for one batch at ``N / 2``, ``N`` and ``2 N`` micro-batches in the thread setting the
-trainer uses, and the slope of a least-squares line through (calls, seconds) is the per-call cost. Only that slope
-is used: the level (how fast the machine ran the dense model during the run) stays the calibration run's.
+trainer uses. The model uses only the ratios of those batch times (:func:`nestpipe.planning.measured.dense_scale`):
+the level (how fast the machine ran the dense model during the run) stays the calibration run's. The slope of a
+least-squares line through (calls, seconds), the per-call cost, is reported beside them.
 
 It measures the machine running the dense model, as simulators profile an operator at the shapes they need; no
 step time of any other configuration enters.
@@ -50,7 +51,8 @@ def _micro_batch_inputs(cfg, manifest, record: Dict, model, dims: Dict[str, int]
         for g in range(n):
             m = int(caps[g])
             emb = {"leaves": {t: torch.randn(m, dims[t], generator=rng) for t in model.tables}}  # pooled: one each
-            feats = {"dense": torch.rand(m, nd, generator=rng), "labels": torch.randint(0, 2, (m,), generator=rng).float()}
+            feats = {"dense": torch.rand(m, nd, generator=rng),
+                     "labels": torch.randint(0, 2, (m,), generator=rng).float()}
             out.append((emb, feats))
     return out
 

@@ -416,25 +416,23 @@ def step_costs_local(hw: LocalHardware, wl: LocalWorkload, pipeline: str, link_b
     rows_cpu = hw.row_s * wl.exchanged_rows / n
     dense = wl.flops_per_sample * wl.batch / n / hw.dense_flops * dense_scale(hw, n)
     route_b = hw.route_bytes_per_key * (wl.batch_unique + wl.exchanged_rows) * remote / ROUTE_CALLS
-    comm_cpu = (coll_cpu(route_b, ROUTE_CALLS) + coll_cpu(hw.embed_bytes_per_row * mb_rows, n)
-                + coll_cpu(hw.grad_bytes_per_row * mb_rows, n) + coll_cpu(allreduce, 1))
     fwd_b, bwd_b = hw.embed_bytes_per_row * mb_rows, hw.grad_bytes_per_row * mb_rows
-    # the exchange work runs on the communication threads, in the chain of its All2All; it and the collectives'
-    # own CPU also count against the rank's share of the cores (``cpu_s``, the floor in :func:`predict`)
-    fwd = [coll(fwd_b) + 0.5 * rows_cpu * s] * n
-    bwd = [coll(bwd_b) + 0.5 * rows_cpu * s] * n
-    compute = [dense * s] * n
+    route, fwd, bwd, reduce = ROUTE_CALLS * coll(route_b), coll(fwd_b), coll(bwd_b), coll(allreduce)
+    # the collectives' own CPU counts against the rank's share of the cores (``cpu_s``, the floor in :func:`predict`)
+    comm_cpu = coll_cpu(route_b, ROUTE_CALLS) + coll_cpu(fwd_b, n) + coll_cpu(bwd_b, n) + coll_cpu(allreduce, 1)
     return StepCosts(
         data=hw.token_s * wl.tokens * s, h2d=0.0,
-        route=ROUTE_CALLS * coll(route_b),
+        route=route,
         gather=hw.key_s * (wl.batch_unique + wl.neg_unique) * s, copy=0.0,
-        fwd=fwd, compute=compute, bwd=bwd,
+        fwd=[fwd + 0.5 * rows_cpu * s] * n,
+        compute=[dense * s] * n,
+        bwd=[bwd + 0.5 * rows_cpu * s] * n,
         replica=0.0,
-        update=hw.step_overhead_s * s + coll(allreduce),
+        update=hw.step_overhead_s * s + reduce,
         writeback=0.0, sync=0.0,
         info={"cpu_s": hw.token_s * wl.tokens + hw.key_s * (wl.batch_unique + wl.neg_unique)
               + hw.row_s * wl.exchanged_rows + dense * n + hw.step_overhead_s + comm_cpu,
-              "comm_s": ROUTE_CALLS * coll(route_b) + n * (coll(fwd_b) + coll(bwd_b)) + coll(allreduce)})
+              "comm_s": route + n * (fwd + bwd) + reduce})
 
 
 MODES_LOCAL = ("off", "dbp", "fwp", "nested")

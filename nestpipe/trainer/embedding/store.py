@@ -9,9 +9,9 @@ Invariants
 - A row is materialised on first touch from ``init_rows(seed, table, id)``; until then its memory is never read
   (``host_empty``/``host_zeros`` pages are not touched, so a 32M-row table costs nothing until used). Stores
   initialised whole (below) sit on transparent huge pages where Linux offers them (``embedding.huge_pages``, see
-  :mod:`nestpipe.kernels.memory`); lazily initialised ones keep 4 KiB pages, so memory follows the touched rows. Stores of at
-  most ``eager_rows`` rows are materialised whole at construction instead (the same values: initialisation is a
-  pure function of (seed, table, id)), so steady-state steps never pay for first touches.
+  :mod:`nestpipe.kernels.memory`); lazily initialised ones keep 4 KiB pages, so memory follows the touched rows.
+  Stores of at most ``eager_rows`` rows are materialised whole at construction instead (the same values:
+  initialisation is a pure function of (seed, table, id)), so steady-state steps never pay for first touches.
 """
 
 from __future__ import annotations

@@ -307,13 +307,13 @@ def test_manifest_checksums_detect_corruption(raw, tmp_path):
     assert not rep["ok"] and m.sets["train"][0].path in rep["errors"][0]
 
 
-def _run_subprocess(raw, out, crash_at=None):
+def _run_subprocess(raw, out, crash_at=None, workers=1):
     env = dict(os.environ)
     if crash_at:
         env["NESTPIPE_INGEST_CRASH_AT"] = crash_at
     cmd = [sys.executable, "-m", "nestpipe", "ingest", "--raw", raw, "--out", out, "--task", "gr",
            "--batch-size", "64", "--micro-batches", "4", "--max-seq-len", "32", "--batches-per-shard", "3",
-           "--quiet", "--chunk-mb", "1"]
+           "--quiet", "--chunk-mb", "1", "--workers", str(workers)]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -343,6 +343,21 @@ def test_sigkill_and_resume_gives_same_shards_without_redoing_finished_ones(raw,
     # a complete output is recognised and left alone
     r = _run_subprocess(raw, out)
     assert r.returncode == 0 and "already complete" in r.stderr
+
+
+def test_killed_worker_process_fails_clearly_and_resume_gives_same_shards(raw, tmp_path):
+    """With two workers a SIGKILL hits one worker (here: in the middle of shard 1): the command fails with a message
+    naming the stage and how to resume, and the rerun gives the reference shards."""
+    ref = str(tmp_path / "ref")
+    assert _run_subprocess(raw, ref).returncode == 0
+    out = str(tmp_path / "o")
+    r = _run_subprocess(raw, out, crash_at="shard:1:mid", workers=2)
+    assert r.returncode == 1, r.stderr
+    assert "stage '4/4 shards': a worker process died" in r.stderr and "rerun the same command" in r.stderr
+    assert not os.path.exists(os.path.join(out, "train-000001.tar"))
+    r = _run_subprocess(raw, out, workers=2)
+    assert r.returncode == 0, r.stderr
+    assert _shard_bytes(out) == _shard_bytes(ref)
 
 
 def test_cli_help_and_error_exit(raw, tmp_path):

@@ -1,6 +1,15 @@
 """Streaming ingest: raw KuaiRand-format logs -> clustered WebDataset batch shards with a manifest."""
 
 from nestpipe.ingest.config import IngestConfig
-from nestpipe.ingest.pipeline import IngestError, ingest
 
 __all__ = ["IngestConfig", "IngestError", "ingest"]
+
+
+def __getattr__(name):
+    # The pipeline (Polars, NumPy) is imported on first use, so `nestpipe ingest` can start its worker pool first
+    # (nestpipe.ingest.executor) and let the workers import it alongside this process.
+    if name in ("IngestError", "ingest"):
+        from nestpipe.ingest import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module 'nestpipe.ingest' has no attribute {name!r}")

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def add_parser(sub) -> None:
@@ -32,7 +40,10 @@ def add_parser(sub) -> None:
     p.add_argument("--history-len", type=int, default=20, help="ctr: recent-history window length")
     p.add_argument("--max-reject-fraction", type=float, default=0.001,
                    help="fail when more than this fraction of input rows is malformed")
-    p.add_argument("--workers", type=int, default=1, help="worker processes (output does not depend on it)")
+    p.add_argument("--workers", type=int, default=usable_cores(),
+                   help="worker processes, each parsing one chunk or building one partition or shard at a time "
+                        "(memory grows with it); the output does not depend on it. The default is the number of "
+                        "usable cores")
     p.add_argument("--force", action="store_true", help="replace an existing output directory of another run")
     p.add_argument("--seed", type=int, default=0, help="seed of the sample order and the clustering")
     p.add_argument("--partitions", type=int, default=None,
@@ -59,7 +70,8 @@ def add_parser(sub) -> None:
 
 
 def run_ingest(args) -> int:
-    from nestpipe.ingest import IngestConfig, ingest
+    from nestpipe.ingest.config import IngestConfig
+    from nestpipe.ingest.executor import Executor
 
     cfg = IngestConfig(
         raw=args.raw, out=args.out, task=args.task, batch_size=args.batch_size, micro_batches=args.micro_batches,
@@ -68,7 +80,11 @@ def run_ingest(args) -> int:
         batches_per_shard=args.batches_per_shard, clustering=args.clustering, dim=args.dim,
         ctr_eval_days=args.ctr_eval_days, release=args.release, keep_work=args.keep_work, progress=not args.quiet,
     )
-    m = ingest(cfg)
+    cfg.validate()
+    with Executor(cfg.workers) as ex:  # the workers import the pipeline while this process does
+        from nestpipe.ingest.pipeline import ingest
+
+        m = ingest(cfg, executor=ex)
     t = m.totals()
     print(
         f"{args.out}: task {m.task}, B={m.batch_size}, N={m.micro_batches}: "

@@ -19,13 +19,11 @@ input), never by the whole input. The output depends only on the inputs and the 
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import glob
 import hashlib
 import json
 import math
-import multiprocessing as mp
 import os
 import shutil
 import sys
@@ -39,6 +37,7 @@ from nestpipe.datasets import kuairand as K
 from nestpipe.datasets import shards as S
 from nestpipe.ingest import ctr, gr
 from nestpipe.ingest.config import IngestConfig
+from nestpipe.ingest.executor import Executor
 from nestpipe.ingest.parse import ColumnSpec, Reject, parse_chunk, plan_chunks, read_chunk_bytes
 from nestpipe.ingest.spill import read_partition, write_partitioned
 
@@ -499,81 +498,6 @@ def _ctr_shard_records(cache: "_PartitionCache", parts: np.ndarray, idxs: np.nda
 # ----------------------------------------------------------------------------------------------------------------
 # orchestration
 
-def _progress(total: int, desc: str, enabled: bool, unit: str = "unit"):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, file=sys.stderr, dynamic_ncols=True,
-                mininterval=0.5)
-
-
-class _Executor:
-    """Runs units in order in this process (workers == 1) or on one spawn pool shared by every stage."""
-
-    def __init__(self, workers: int):
-        self.workers = workers
-        self.pool: Optional[cf.ProcessPoolExecutor] = None
-
-    def __enter__(self) -> "_Executor":
-        if self.workers > 1:
-            # Polars sizes its thread pool at import: give each worker process its share of the cores.
-            threads = max(1, (os.cpu_count() or 1) // self.workers)
-            old = os.environ.get("POLARS_MAX_THREADS")
-            os.environ["POLARS_MAX_THREADS"] = str(threads)
-            try:
-                self.pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"))
-                # start the workers now, while the environment holds the thread count
-                list(self.pool.map(_noop, range(self.workers)))
-            finally:
-                if old is None:
-                    os.environ.pop("POLARS_MAX_THREADS", None)
-                else:
-                    os.environ["POLARS_MAX_THREADS"] = old
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(cancel_futures=True)
-
-    def run(self, fn: Callable, units: List[Any], cfg: IngestConfig, desc: str,
-            rows_of: Callable[[Dict[str, Any]], int] = lambda s: s.get("rows", 0),
-            cost: Optional[Callable[[Any], float]] = None) -> List[Dict[str, Any]]:
-        """Results come back in unit order whatever order units finish in. With ``cost`` (an estimate per unit) the
-        pool starts the costliest units first, so the stage does not end on one worker finishing a big unit while
-        the other idles (longest-processing-time-first)."""
-        results: List[Optional[Dict[str, Any]]] = [None] * len(units)
-        bar = _progress(len(units), desc, cfg.progress)
-        t0 = time.time()
-        self.stage_seconds = getattr(self, "stage_seconds", {})
-        rows = 0
-
-        def done(i: int, r: Dict[str, Any]) -> None:
-            nonlocal rows
-            results[i] = r
-            rows += rows_of(r)
-            bar.update(1)
-            bar.set_postfix_str(f"{rows / max(time.time() - t0, 1e-9):,.0f} rows/s")
-
-        try:
-            if self.pool is None or len(units) <= 1:
-                for i, u in enumerate(units):
-                    done(i, fn(u))
-            else:
-                order = range(len(units))
-                if cost is not None:
-                    order = sorted(order, key=lambda i: (-cost(units[i]), i))
-                futs = {self.pool.submit(fn, units[i]): i for i in order}
-                for fut in cf.as_completed(futs):
-                    done(futs[fut], fut.result())
-        finally:
-            bar.close()
-            self.stage_seconds[desc.split(" ", 1)[1]] = round(time.time() - t0, 3)
-        return results  # type: ignore[return-value]
-
-
-def _noop(_: int) -> None:
-    return None
-
-
 def _prepare_out(cfg: IngestConfig, fingerprint: Dict[str, Any]) -> str:
     """Create or reuse the output directory. Returns "fresh", "resume" or "complete"."""
     out = cfg.out
@@ -652,8 +576,9 @@ def _write_rejects(cfg: IngestConfig, work: str, parse_units, s1: List[Dict[str,
     return n, REJECTS
 
 
-def ingest(cfg: IngestConfig) -> S.Manifest:
-    """Run (or resume) the ingest; returns the manifest written beside the shards."""
+def ingest(cfg: IngestConfig, executor: Optional[Executor] = None) -> S.Manifest:
+    """Run (or resume) the ingest; returns the manifest written beside the shards. ``executor``: a started
+    :class:`~nestpipe.ingest.executor.Executor` of ``cfg.workers`` workers (default: one is started here)."""
     cfg.validate()
     t_start = time.time()
     found = K.discover(cfg.raw, cfg.release)
@@ -669,11 +594,13 @@ def ingest(cfg: IngestConfig) -> S.Manifest:
         print(f"{cfg.out}: already complete for these inputs and options; nothing to do", file=sys.stderr)
         return S.load_manifest(cfg.out)
     work = os.path.join(cfg.out, WORK)
-    with _Executor(cfg.workers) as ex:
+    if executor is not None:
+        return _ingest_stages(cfg, executor, found, inputs, fps, num_parts, semantic, fingerprint, work, t_start)
+    with Executor(cfg.workers) as ex:
         return _ingest_stages(cfg, ex, found, inputs, fps, num_parts, semantic, fingerprint, work, t_start)
 
 
-def _ingest_stages(cfg: IngestConfig, ex: "_Executor", found, inputs, fps, num_parts: int, semantic, fingerprint,
+def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_parts: int, semantic, fingerprint,
                    work: str, t_start: float) -> S.Manifest:
     # 1. parse
     parse_units = []

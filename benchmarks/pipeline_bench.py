@@ -267,6 +267,13 @@ def ns(*cmd, check=True):
 LINK_MTU, LINK_BURST, LINK_LATENCY = 1500, "16kb", "500ms"
 
 
+def set_link_mtu(mtu: int) -> None:
+    global LINK_MTU
+    if not 576 <= mtu <= 16384:
+        raise SystemExit(f"--link-mtu {mtu}: must be in [576, 16384] (the token bucket holds 16 KB)")
+    LINK_MTU = mtu
+
+
 def tc_line(rate_bit) -> str:
     return (f"ip link set lo mtu {LINK_MTU}; tc qdisc add dev lo root tbf rate {int(rate_bit)}bit burst {LINK_BURST} "
             f"latency {LINK_LATENCY}")
@@ -356,9 +363,12 @@ def main(argv=None):
     ap.add_argument("--no-pooled", action="store_true", help="skip the pooled workload")
     ap.add_argument("--repeats", type=int, default=1, help="rounds per network; the median round is reported")
     ap.add_argument("--no-cap", action="store_true", help="skip (b)")
+    ap.add_argument("--link-mtu", type=int, default=LINK_MTU,
+                    help="MTU of the capped loopback (the token bucket holds 16 KB, so at most 16384)")
     ap.add_argument("--torchrec-python", default=os.environ.get("TORCHREC_PYTHON"),
                     help="a python with torchrec 1.8 + fbgemm-gpu-cpu 1.8 (e.g. /tmp/torchrec-venv-pipe/bin/python)")
     args = ap.parse_args(argv)
+    set_link_mtu(args.link_mtu)
     if args.torchrec_python and not os.path.exists(args.torchrec_python):
         print(f"--torchrec-python {args.torchrec_python}: not found, TorchRec comparison skipped")
         args.torchrec_python = None

@@ -111,9 +111,10 @@ def runs(tmp_path_factory):
         add(plan4, 4, model, "off", "off", steps=STEPS_2DSP, top=sg)
         add(plan4, 4, model, "nested", "nested", steps=STEPS_2DSP, top=sg)
         add(plan4, 4, model, "own-keys", "nested", steps=STEPS_2DSP, top=sg, debug_replica_refresh_own_keys_only=True)
-    # the alternative FWP layout (one comm thread for both exchange groups, pipe.comm_threads = 1)
+    # the alternative FWP layout (one comm thread for both exchange groups, pipe.comm_threads = 1), also starting two
+    # embedding All2Alls of the next batch at the boundary instead of the default one (pipe.boundary_prime)
     for model in ("hstu", "dlrm"):
-        add(plan2, 2, model, "nested-1t", "nested", comm_threads=1)
+        add(plan2, 2, model, "nested-1t", "nested", comm_threads=1, boundary_prime=2)
     for world, plan in ((2, plan2), (3, plan3), (4, plan4)):
         p = run_plan(plan, world, str(base / f"plan{world}.json"), timeout=400)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
@@ -180,7 +181,8 @@ def test_nested_is_bitwise_equal_to_off_and_overlaps(runs, model, world):
 @pytest.mark.parametrize("model", ["hstu", "dlrm"])
 def test_one_comm_thread_layout_is_bitwise_equal_to_off(runs, model):
     """pipe.comm_threads = 1: one thread issues the embedding and gradient All2Alls on their two groups in one
-    fixed order; same arithmetic, same bits; the trace shows the one thread and the overlap."""
+    fixed order (and pipe.boundary_prime = 2: two of the next batch's embedding All2Alls start at the boundary);
+    same arithmetic, same bits; the trace shows the one thread and the overlap."""
     run = runs[(2, model, "nested-1t")]
     assert _bitwise_diff(_export(runs[(2, model, "off")]), _export(run)) == []
     spans = _spans(run)

@@ -117,11 +117,15 @@ class PipelineConfig:
     PNG Gantt chart of ``gantt_steps`` steps). ``baseline_metrics``: a ``--pipeline off`` run's metrics.json; the
     exposed-time ratios in metrics.json are then measured against it. ``comm_threads``: the Frozen-Window
     Pipeline's communication threads, 2 (one per exchange group: embedding and gradient All2Alls run concurrently)
-    or 1 (both groups from one thread in one fixed order); see ``docs/pipeline.md``.
+    or 1 (both groups from one thread in one fixed order); see ``docs/pipeline.md``. ``boundary_prime``: how many
+    of the next batch's embedding All2Alls start at the batch boundary, while this batch's dense all-reduce is in
+    flight (the rest start as usual, one micro-batch ahead of the compute); a schedule choice, the arithmetic is
+    the same.
     """
 
     depth: int = 2
     comm_threads: int = 2
+    boundary_prime: int = 1
     micro_batching: str = "clustered"  # clustered | random
     trace_steps: int = 64
     gantt_steps: int = 4

@@ -5,14 +5,15 @@ embedding All2All of micro-batch i+1 does not depend on micro-batch i and may ru
 micro-batches (``e i``: micro-batch i's owner send + embedding All2All on group ``embed``; ``g i``: its gradient
 All2All on group ``grad``, received into micro-batch i's slice of the batch's gradient payload), default layout, one thread per exchange group:
 
-    embed-comm:  e0 e1 (primed) | e2                  | e3                  | e4 ...
+    embed-comm:  e0 (primed)    | e1                  | e2                  | e3 ...
     compute:          wait(e0) dense(0)   | wait(e1) dense(1)   | wait(e2) dense(2)   | ...   wait(gN-1)
     grad-comm:                            | g0                  | g1                  | ...   gN-1
 
 After dense(i) the compute thread queues e(i+2) and then g(i): the embedding All2All of micro-batch i+1 was queued
-before dense(i) began and overlaps it, and the gradient All2All of i-1 overlaps dense(i). The first two embedding
-All2Alls of batch t+1 are started by the scheduler (:meth:`prime`) as soon as t+1's buffer is final, while batch
-t's dense all-reduce and AdamW finish.
+before dense(i) began and overlaps it, and the gradient All2All of i-1 overlaps dense(i). The first embedding
+All2All(s) of batch t+1 (``pipe.boundary_prime``, default 1) are started by the scheduler (:meth:`prime`) as soon as
+t+1's buffer is final, while batch t's dense all-reduce and AdamW finish; the others are queued as the window
+advances (e1 when micro-batch 0 starts).
 
 Alternative layout (``pipe.comm_threads = 1``): one ``comm`` thread issues on both groups in the queue order
 above (e0 e1 | e2 g0 | e3 g1 | ...), the same on every rank, so blocking collectives on two groups cannot deadlock
@@ -88,12 +89,13 @@ class FrozenWindow:
         self.lookahead = max(1, int(getattr(state.cfg.pipe, "embed_lookahead", 1)))
         self._primed: Dict[int, Dict[int, concurrent.futures.Future]] = {}  # step -> micro-batch -> future
 
-    def prime(self, routing: Routing) -> None:
-        """Start the batch's first embedding All2Alls now (micro-batches 0..lookahead). Allowed from the moment
-        the batch's buffer is final (retrieved and dual-buffer synced) -- the window is frozen from there on; the
-        scheduler calls it while the previous batch's dense all-reduce is still in flight."""
+    def prime(self, routing: Routing, count: Optional[int] = None) -> None:
+        """Start the batch's first ``count`` embedding All2Alls now (default: micro-batches 0..lookahead). Allowed
+        from the moment the batch's buffer is final (retrieved and dual-buffer synced) -- the window is frozen from
+        there on; the scheduler calls it while the previous batch's dense all-reduce is still in flight."""
         n = len(routing.batch.micro)
-        k = 1 if self.debug_per_mb else min(n, self.lookahead + 1)
+        k = self.lookahead + 1 if count is None else max(1, int(count))
+        k = 1 if self.debug_per_mb else min(n, k)
         self._primed[routing.batch.step] = {i: self.embed_worker.submit(self._embed_job, routing, i) for i in range(k)}
 
     # -- jobs on the comm threads ----------------------------------------------------------------------------

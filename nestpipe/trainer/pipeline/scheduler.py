@@ -288,7 +288,7 @@ class PipelineRunner:
                     # the next batch's buffer is final once synced: its first embedding All2Alls start now,
                     # while this batch's dense all-reduce and AdamW finish
                     nxt = take(step + 1, early=True)
-                    fw.prime(nxt[0])
+                    fw.prime(nxt[0], st.cfg.pipe.boundary_prime)
                 with _span(tl, "update.dense", step):
                     loss = update_dense(st, red)
                 yield step, loss

@@ -121,12 +121,17 @@ def build_partition(rows: pl.DataFrame, users: pl.DataFrame, opts: Dict[str, Any
     else:
         ustart = np.zeros(0, np.int64)
     is_eval = (df["date"].fill_null(0).to_numpy() >= cutoff)
-    # single-id features as one row-major matrix: the shard stage gathers whole rows
-    arrays = {"single": cat.select(SINGLE_TABLES).to_numpy().astype(np.int64).reshape(len(df), len(SINGLE_TABLES)),
+    # Single-id features as one row-major (C-order) matrix: the shard stage gathers whole rows, and a row is then one
+    # run of bytes in the memory-mapped file, not one value per column. int32 where every value fits (half the bytes
+    # to write here and to read per shard); the shard stage widens the gathered rows back to int64.
+    single = cat.select(pl.col(SINGLE_TABLES).cast(pl.Int64)).to_numpy(order="c")
+    if single.dtype != np.int64:  # a null survived the fill_null above: never expected, never silently cast
+        raise ValueError(f"CTR single-id features hold nulls ({single.dtype}); columns {SINGLE_TABLES}")
+    arrays = {"single": S.narrow_int(single.reshape(len(df), len(SINGLE_TABLES))),
               "video_id": cat["video_id"].to_numpy().astype(np.int64)}
     arrays.update({
-        "dense": dense.to_numpy().astype(np.float32).reshape(len(df), len(DENSE_FEATURES)),
-        "labels": labels.to_numpy().astype(np.uint8).reshape(len(df), len(LABELS)),
+        "dense": np.ascontiguousarray(dense.to_numpy(order="c"), dtype=np.float32).reshape(len(df), len(DENSE_FEATURES)),
+        "labels": np.ascontiguousarray(labels.to_numpy(order="c"), dtype=np.uint8).reshape(len(df), len(LABELS)),
         "tag_values": tag_values, "tag_offsets": tag_off, "ustart": ustart.astype(np.int64),
         "train_rows": np.flatnonzero(~is_eval).astype(np.int64), "eval_rows": np.flatnonzero(is_eval).astype(np.int64),
     })
@@ -165,7 +170,7 @@ def gather(pieces: List[Tuple[Dict[str, np.ndarray], np.ndarray]], split: str, h
         def take(a, r=srows):
             return np.asarray(a[r])[back]
 
-        add("single", take(arrays["single"]))
+        add("single", take(arrays["single"]).astype(np.int64))
         tv, tl = _gather_jagged(arrays["tag_values"], take(arrays["tag_offsets"]),
                                 take(arrays["tag_offsets"], srows + 1))
         add("tag.values", tv)

@@ -452,31 +452,24 @@ def _ctr_shard_records(cache: "_PartitionCache", parts: np.ndarray, idxs: np.nda
     s_mb = np.broadcast_to(mb.reshape(nb, 1, B), (nb, T, B)).ravel()
     sk = group_keys(s_vals, s_batch, s_table, s_mb, nb, T, n)
     del s_vals, s_batch, s_table, s_mb
-    # bags: occurrences in (batch, table, value) order
-    bag_vals, bag_batch, bag_table, bag_mb, bag_counts = [], [], [], [], []
-    for t, name in enumerate(ctr.POOLED_TABLES):
-        lens = g[f"{name}.lengths"]
-        sample = np.repeat(np.arange(M, dtype=np.int64), lens)
-        bag_vals.append(g[f"{name}.values"])
-        bag_batch.append(sample // B)
-        bag_table.append(np.full(len(sample), t, np.int64))
-        bag_mb.append(mb[sample])
-        bag_counts.append(lens.reshape(nb, B).sum(axis=1))
-    per_bt = np.stack(bag_counts, axis=1).ravel()  # [nb * 2]
-    bt_start = np.concatenate([[0], np.cumsum(per_bt)]).astype(np.int64)
-    dest = []
-    for t, (bb, cnt) in enumerate(zip(bag_batch, bag_counts)):
-        first = np.concatenate([[0], np.cumsum(cnt)[:-1]]).astype(np.int64)
-        dest.append(bt_start[bb * 2 + t] + (np.arange(len(bb), dtype=np.int64) - first[bb]))
-    dest = np.concatenate(dest)
+    # bags: occurrences in (batch, table, value) order. Each table's values are in sample order, so batch b's values
+    # of table t are one slice of them: the (batch, table) order interleaves slices (no per-value scatter).
     P = len(ctr.POOLED_TABLES)
+    vals, mbs, counts = [], [], []
+    for name in ctr.POOLED_TABLES:
+        lens = g[f"{name}.lengths"]
+        vals.append(g[f"{name}.values"])
+        mbs.append(np.repeat(mb, lens))  # each value's micro-batch
+        counts.append(lens.reshape(nb, B).sum(axis=1))
+    per_bt = np.stack(counts, axis=1).ravel()  # [nb * P] values per (batch, table)
+    bt_start = np.concatenate([[0], np.cumsum(per_bt)]).astype(np.int64)
+    starts = [np.concatenate([[0], np.cumsum(c)]).astype(np.int64) for c in counts]
 
-    def place(parts_):
-        out = np.empty(len(dest), np.int64)
-        out[dest] = np.concatenate(parts_)
-        return out
+    def interleave(parts_):
+        return np.concatenate([parts_[t][starts[t][b]:starts[t][b + 1]] for b in range(nb) for t in range(P)])
 
-    bk = group_keys(place(bag_vals), place(bag_batch), place(bag_table), place(bag_mb), nb, P, n)
+    bk = group_keys(interleave(vals), np.repeat(np.arange(nb, dtype=np.int64), per_bt.reshape(nb, P).sum(axis=1)),
+                    np.repeat(np.tile(np.arange(P, dtype=np.int64), nb), per_bt), interleave(mbs), nb, P, n)
     bag_lengths = np.stack([g[f"{name}.lengths"] for name in ctr.POOLED_TABLES])  # [P, M]
     mb_dtype = np.uint8 if n <= 256 else np.int32
     for j in range(nb):

@@ -26,8 +26,10 @@ def _progress(total: int, desc: str, enabled: bool, unit: str = "unit"):
                 mininterval=0.5)
 
 
-def _import_ingest() -> None:
-    """Worker initializer: import the ingest's modules now, while the parent is still starting up."""
+def _import_ingest(polars_threads: int) -> None:
+    """Worker initializer: import the ingest's modules now, while the parent is still starting up. The thread count
+    is also set here, for a worker the pool launches later than :meth:`Executor.__enter__`."""
+    os.environ.setdefault("POLARS_MAX_THREADS", str(polars_threads))
     import nestpipe.ingest.pipeline  # noqa: F401
 
 
@@ -55,7 +57,7 @@ class Executor:
             os.environ["POLARS_MAX_THREADS"] = str(threads)
             try:
                 self.pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"),
-                                                   initializer=_import_ingest)
+                                                   initializer=_import_ingest, initargs=(threads,))
                 # Each submit launches one more worker until there are ``workers`` (the launch is synchronous, so
                 # they all see the variable); nothing waits for them here.
                 for i in range(self.workers):

@@ -378,3 +378,48 @@ def test_unique_keys_multi_equals_per_table_unique_keys(vocabs):
     # negative control: a table's keys must not leak into another table's unique list
     shifted = [(tables[0][0] + 1, tables[0][1])] + tables[1:]
     assert not np.array_equal(unique_keys_multi(shifted, assignment, num_micro_batches=n)[0][0], multi[0][0])
+
+
+def test_presence_map_scratch_is_clean_between_calls_and_threads():
+    """The presence-map unique reuses per-thread buffers: a call must not see values of an earlier call (larger or
+    smaller span), of a call that failed, or of another thread. Reference: np.unique."""
+    import threading
+
+    from nestpipe.clustering import objective as O
+
+    rng = np.random.default_rng(3)
+
+    def check(g, span):
+        d, rank = O._dense_or_sorted_unique(g, span)
+        ref, inv = np.unique(g, return_inverse=True)
+        assert np.array_equal(d, ref) and np.array_equal(rank, inv.reshape(-1))
+
+    for span in (5000, 70000, 300, 70000, 5000):
+        check(rng.integers(0, span, 4000).astype(np.int64), span)
+    # a failing call (a value past the span) leaves the buffer clean
+    with pytest.raises(IndexError):
+        O._dense_or_sorted_unique(np.array([3, 10, 5000], np.int64), 4000)
+    check(np.array([1, 2], np.int64), 4000)
+    # negative control: without the clear, the next call sees the previous call's keys
+    buf = O._scratch("present", 4000, np.bool_)
+    buf[[7, 9]] = True
+    d, _ = O._dense_or_sorted_unique(np.array([1], np.int64), 4000)
+    assert d.tolist() == [1, 7, 9]
+    buf[:] = False
+    errors = []
+
+    def worker(seed):
+        try:
+            r = np.random.default_rng(seed)
+            for _ in range(50):
+                span = int(r.integers(100, 20000))
+                check(r.integers(0, span, 3000).astype(np.int64), span)
+        except AssertionError as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors

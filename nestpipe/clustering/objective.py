@@ -6,6 +6,7 @@ values of ``mb * K + key_index`` (no overflow: K <= nnz < 2**31 and mb < N <= B 
 
 from __future__ import annotations
 
+import threading
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -83,6 +84,23 @@ def unique_keys_multi(
     return [(keys, inverse, np.split(mb_unique, mb_offsets[1:-1])) for keys, inverse, mb_unique, mb_offsets in packed]
 
 
+_SCRATCH = threading.local()
+_SCRATCH_MAX = 1 << 23  # elements kept per thread between calls (32 MiB of int32 ranks)
+
+
+def _scratch(name: str, size: int, dtype) -> np.ndarray:
+    """A per-thread buffer of ``size`` elements reused across calls: a fresh multi-megabyte array costs a page fault
+    per 4 KiB touched, about a third of a GR batch's unique-key time. ``present`` buffers are all False between
+    calls (the caller clears what it set); ``rank`` buffers hold garbage."""
+    if size > _SCRATCH_MAX:
+        return np.zeros(size, dtype)
+    buf = getattr(_SCRATCH, name, None)
+    if buf is None or len(buf) < size or buf.dtype != dtype:
+        buf = np.zeros(max(size, 1 << 16), dtype)
+        setattr(_SCRATCH, name, buf)
+    return buf[:size]
+
+
 def _dense_or_sorted_unique(g: np.ndarray, span: int) -> Tuple[np.ndarray, np.ndarray]:
     """(sorted distinct values, int64 rank of every element) of non-negative int64 ``g`` < ``span``.
 
@@ -92,10 +110,15 @@ def _dense_or_sorted_unique(g: np.ndarray, span: int) -> Tuple[np.ndarray, np.nd
     if n == 0:
         return g[:0].copy(), np.zeros(0, np.int64)
     if span <= 16 * n + (1 << 16):
-        present = np.zeros(span, bool)
-        present[g] = True
-        distinct = np.flatnonzero(present)
-        rank = np.empty(span, np.int32 if len(distinct) < (1 << 31) else np.int64)  # half the pages to touch
+        present = _scratch("present", span, np.bool_)
+        try:
+            present[g] = True
+            distinct = np.flatnonzero(present)
+        except BaseException:
+            present[:] = False  # the buffer must be all False for the next call, whatever happened
+            raise
+        present[distinct] = False
+        rank = _scratch("rank", span, np.int32 if len(distinct) < (1 << 31) else np.int64)  # half the pages of int64
         rank[distinct] = np.arange(len(distinct))
         return distinct, rank[g].astype(np.int64)
     return unique_inverse(g)

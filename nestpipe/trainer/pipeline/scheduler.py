@@ -82,6 +82,9 @@ class PipelineRunner:
         pc = state.cfg.pipe
         if pc.depth < 1:
             raise ValueError(f"pipe.depth = {pc.depth}: must be >= 1")
+        if int(pc.boundary_prime) < 1:
+            raise ValueError(f"pipe.boundary_prime = {pc.boundary_prime}: must be >= 1 (micro-batch 0's All2All "
+                             "always starts at the boundary)")
         if pc.debug_update_per_micro_batch and not self.fwp:
             raise ValueError("pipe.debug_update_per_micro_batch needs --pipeline fwp or nested")
         self.rows_synced = 0

@@ -477,6 +477,27 @@ def test_shard_group_keys_equal_per_batch_unique_keys(spans, max_len, negative, 
     assert np.array_equal(g.mt, np.concatenate([[0], np.cumsum(g.mb_counts.reshape(nb, -1).sum(1))]))
 
 
+
+def test_shard_group_keys_presence_path_and_int64_extremes():
+    """The compiled per-segment keys rank a segment by a presence map when its ids span little (small tables) and
+    sort otherwise; a segment holding both int64 extremes (whose difference overflows) must take the sort. Both
+    equal the NumPy composite-code path; a presence map forced on the extremes segment would not."""
+    from nestpipe.ingest import shardkeys
+
+    lo, hi = np.iinfo(np.int64).min, np.iinfo(np.int64).max
+    segs = [np.array([7, 3, 7, 5, 3], np.int64), np.array([hi, lo, 0, hi, lo], np.int64),
+            np.array([2, 2, 2], np.int64), np.array([10**15, -10**15, 10**15], np.int64)]
+    values = np.concatenate(segs)
+    batch = np.concatenate([np.full(len(v), j // 2) for j, v in enumerate(segs)]).astype(np.int64)
+    table = np.concatenate([np.full(len(v), j % 2) for j, v in enumerate(segs)]).astype(np.int64)
+    mb = (np.arange(len(values)) % 3).astype(np.int64)
+    got = shardkeys.group_keys(values, batch, table, mb, 2, 2, 3)
+    ref = shardkeys.group_keys_numpy(values, batch, table, mb, 2, 2, 3)
+    for f in ("unique", "ut", "inverse", "mb_unique", "mt", "mb_counts"):
+        assert np.array_equal(getattr(got, f), getattr(ref, f)), f
+    assert got.unique[got.ut[1]:got.ut[2]].tolist() == [lo, 0, hi]
+
+
 def test_gr_authors_first_row_wins_and_missing_videos_are_counted(raw, tmp_path):
     """The GR author comes from the first row of the video in file order; a video without a features row gets
     author -1 and is counted. Negative controls: the dropped video's author is no longer served, and the

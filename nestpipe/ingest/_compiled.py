@@ -20,6 +20,11 @@ def segment_keys(values, seg, mb, n):
     for s in range(nseg):
         width = max(width, seg[s + 1] - seg[s])
     mark = np.zeros(n * max(width, 1), np.bool_)
+    # a segment whose values span at most 4 x its length + 64 ids (the small single-id and tag tables) is ranked by
+    # a presence map over that span instead of a sort; both give the sorted unique keys and the same inverse
+    max_span = 4 * width + 64
+    present = np.zeros(max_span, np.bool_)
+    rank = np.empty(max_span, np.int64)
     k_total = 0
     p_total = 0
     for s in range(nseg):
@@ -27,17 +32,37 @@ def segment_keys(values, seg, mb, n):
         ut[s] = k_total
         if b == a:
             continue
-        order = np.argsort(values[a:b], kind="mergesort")
-        k = -1
-        prev = 0
-        for i in range(b - a):
-            v = values[a + order[i]]
-            if i == 0 or v != prev:
-                k += 1
-                unique[k_total + k] = v
-                prev = v
-            inverse[a + order[i]] = k
-        k += 1
+        lo = values[a]
+        hi = values[a]
+        for i in range(a, b):
+            lo = min(lo, values[i])
+            hi = max(hi, values[i])
+        d = hi - lo  # wraps negative when the true difference is >= 2**63 (keys at the int64 extremes)
+        if 0 <= d < max_span:
+            span = d + 1
+            for i in range(a, b):
+                present[values[i] - lo] = True
+            k = 0
+            for q in range(span):
+                if present[q]:
+                    rank[q] = k
+                    unique[k_total + k] = lo + q
+                    present[q] = False
+                    k += 1
+            for i in range(a, b):
+                inverse[i] = rank[values[i] - lo]
+        else:
+            order = np.argsort(values[a:b], kind="mergesort")
+            k = -1
+            prev = 0
+            for i in range(b - a):
+                v = values[a + order[i]]
+                if i == 0 or v != prev:
+                    k += 1
+                    unique[k_total + k] = v
+                    prev = v
+                inverse[a + order[i]] = k
+            k += 1
         for i in range(a, b):
             mark[mb[i] * k + inverse[i]] = True
         for g in range(n):  # distinct positions of each micro-batch, ascending, micro-batch after micro-batch

@@ -111,13 +111,15 @@ def _dense_or_sorted_unique(g: np.ndarray, span: int) -> Tuple[np.ndarray, np.nd
         return g[:0].copy(), np.zeros(0, np.int64)
     if span <= 16 * n + (1 << 16):
         present = _scratch("present", span, np.bool_)
+        distinct = None
         try:
             present[g] = True
             distinct = np.flatnonzero(present)
-        except BaseException:
-            present[:] = False  # the buffer must be all False for the next call, whatever happened
-            raise
-        present[distinct] = False
+        finally:  # the buffer must be all False for the next call, whatever happened
+            if distinct is None:
+                present[:] = False
+            else:
+                present[distinct] = False
         rank = _scratch("rank", span, np.int32 if len(distinct) < (1 << 31) else np.int64)  # half the pages of int64
         rank[distinct] = np.arange(len(distinct))
         return distinct, rank[g].astype(np.int64)

@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+from nestpipe.ingest.executor import usable_cores
 
 
 def add_parser(sub) -> None:

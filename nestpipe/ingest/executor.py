@@ -19,6 +19,14 @@ class WorkerDied(RuntimeError):
     """A worker process ended abruptly (killed by a signal, e.g. by the kernel when memory ran out)."""
 
 
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _progress(total: int, desc: str, enabled: bool, unit: str = "unit"):
     from tqdm import tqdm
 
@@ -52,7 +60,7 @@ class Executor:
 
     def __enter__(self) -> "Executor":
         if self.workers > 1:
-            threads = max(1, (os.cpu_count() or 1) // self.workers)
+            threads = max(1, usable_cores() // self.workers)
             old = os.environ.get("POLARS_MAX_THREADS")
             os.environ["POLARS_MAX_THREADS"] = str(threads)
             try:
@@ -106,7 +114,7 @@ class Executor:
                 except cf.process.BrokenProcessPool as e:
                     left = sum(r is None for r in results)
                     raise WorkerDied(
-                        f"stage {desc!r}: a worker process died (killed by a signal; out of memory? try fewer "
+                        f"stage {desc!r}: a worker process died (killed by a signal, e.g. out of memory: try fewer "
                         f"--workers or a smaller --chunk-mb) with {left} of {len(units)} units unfinished; rerun "
                         "the same command to resume (finished units and shards are kept)") from e
         finally:

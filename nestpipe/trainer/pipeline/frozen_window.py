@@ -150,7 +150,7 @@ class FrozenWindow:
             if st.timeline is not None:
                 st.timeline.record("dense", step, i, t0, time.perf_counter())
             j = i + 1 + self.lookahead
-            if j < n and not self.debug_per_mb:
+            if j < n and j not in pending and not self.debug_per_mb:  # not already primed at the boundary
                 # queued before gradient i: on one comm thread embedding i+2 goes first and overlaps dense(i+1)
                 pending[j] = self.embed_worker.submit(self._embed_job, routing, j)
             grads.append(self.grad_worker.submit(self._grad_job, routing, i, g))  # overlaps dense(i+1)

@@ -19,6 +19,7 @@ input), never by the whole input. The output depends only on the inputs and the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -587,9 +588,7 @@ def ingest(cfg: IngestConfig, executor: Optional[Executor] = None) -> S.Manifest
         print(f"{cfg.out}: already complete for these inputs and options; nothing to do", file=sys.stderr)
         return S.load_manifest(cfg.out)
     work = os.path.join(cfg.out, WORK)
-    if executor is not None:
-        return _ingest_stages(cfg, executor, found, inputs, fps, num_parts, semantic, fingerprint, work, t_start)
-    with Executor(cfg.workers) as ex:
+    with contextlib.nullcontext(executor) if executor is not None else Executor(cfg.workers) as ex:
         return _ingest_stages(cfg, ex, found, inputs, fps, num_parts, semantic, fingerprint, work, t_start)
 
 

@@ -360,6 +360,22 @@ def test_killed_worker_process_fails_clearly_and_resume_gives_same_shards(raw, t
     assert _shard_bytes(out) == _shard_bytes(ref)
 
 
+def test_a_worker_dead_before_a_stage_starts_fails_clearly_too():
+    """A worker that died in an earlier stage (or while idle) breaks the pool: the next stage's submit raises
+    BrokenProcessPool, which must come out as the same WorkerDied message, not a traceback."""
+    import signal
+    from types import SimpleNamespace
+
+    from nestpipe.ingest.executor import Executor, WorkerDied
+
+    cfg = SimpleNamespace(progress=False)
+    with Executor(2) as ex:
+        with pytest.raises(WorkerDied, match="stage '1/2 first': a worker process died"):
+            ex.run(signal.raise_signal, [signal.SIGKILL, signal.SIGKILL], cfg, "1/2 first")
+        with pytest.raises(WorkerDied, match="stage '2/2 second': a worker process died.*2 of 2 units unfinished"):
+            ex.run(abs, [-1, -2], cfg, "2/2 second")
+
+
 def test_cli_help_and_error_exit(raw, tmp_path):
     r = subprocess.run([sys.executable, "-m", "nestpipe", "ingest", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--max-reject-fraction" in r.stdout

@@ -192,6 +192,29 @@ def test_one_comm_thread_layout_is_bitwise_equal_to_off(runs, model):
         assert len(tl.a2a_overlaps(spans, rank)) >= STEPS * (MB - 1) // 4
 
 
+@pytest.mark.parametrize("model", ["hstu", "dlrm"])
+def test_boundary_primes_the_configured_number_of_embedding_all2alls(runs, model):
+    """pipe.boundary_prime: at each batch boundary the next batch's first k embedding All2Alls start before this
+    batch's dense update (k = 1 by default, 2 in the nested-1t runs). With k = 1, micro-batch 1's All2All of batch
+    t+1 is submitted only when t+1's window opens, after batch t's dense update has ended on the compute thread, so
+    it cannot start earlier: an order the trace must show at every boundary."""
+    for name, k in (("nested", 1), ("nested-1t", 2)):
+        spans = _spans(runs[(2, model, name)])
+        for rank in range(2):
+            primes = [s for s in spans if s["rank"] == rank and s["stage"] == "prime"]
+            # step 0 is primed when its window opens (micro-batches 0..lookahead), every later step at its boundary
+            count = {s["step"]: s["mb"] for s in primes}
+            assert sorted(count) == list(range(STEPS)) and count[0] == 2, (name, rank, count)
+            assert {count[t] for t in range(1, STEPS)} == {k}, (name, rank, count)
+            dense_end = {s["step"]: s["t1"] for s in spans if s["rank"] == rank and s["stage"] == "update.dense"}
+            prime_at = {s["step"]: s["t0"] for s in primes}
+            assert all(prime_at[t + 1] < dense_end[t] for t in range(STEPS - 1)), (name, rank)
+            if k == 1:
+                mb1 = {s["step"]: s["t0"] for s in spans
+                       if s["rank"] == rank and s["stage"] == "embed.a2a" and s["mb"] == 1}
+                assert all(mb1[t + 1] >= dense_end[t] for t in range(STEPS - 1)), (name, rank)
+
+
 def test_dbp_alone_and_fwp_alone_are_bitwise_equal_to_off(runs):
     off = _export(runs[(2, "hstu", "off")])
     for name in ("dbp", "fwp"):

@@ -107,8 +107,9 @@ class Executor:
                 order = range(len(units))
                 if cost is not None:
                     order = sorted(order, key=lambda i: (-cost(units[i]), i))
-                futs = {self.pool.submit(fn, units[i]): i for i in order}
                 try:
+                    # submit raises too when a worker died earlier (in an earlier stage, or while idle)
+                    futs = {self.pool.submit(fn, units[i]): i for i in order}
                     for fut in cf.as_completed(futs):
                         done(futs[fut], fut.result())
                 except cf.process.BrokenProcessPool as e:

@@ -96,7 +96,10 @@ class FrozenWindow:
         n = len(routing.batch.micro)
         k = self.lookahead + 1 if count is None else max(1, int(count))
         k = 1 if self.debug_per_mb else min(n, k)
+        t = time.perf_counter()
         self._primed[routing.batch.step] = {i: self.embed_worker.submit(self._embed_job, routing, i) for i in range(k)}
+        if self.state.timeline is not None:  # an instant whose micro-batch field is the number of All2Alls started
+            self.state.timeline.record("prime", routing.batch.step, len(self._primed[routing.batch.step]), t, t)
 
     # -- jobs on the comm threads ----------------------------------------------------------------------------
     def _embed_job(self, routing: Routing, i: int) -> torch.Tensor:

@@ -154,6 +154,7 @@ def test_nested_is_bitwise_equal_to_off_and_overlaps(runs, model, world):
     # the parameters really moved (equality is not two untouched initialisations)
     m = json.load(open(os.path.join(runs[(world, model, "nested")], "metrics.json")))
     assert m["steps_run"] == steps and m["pipeline"] == "nested" and m["world"] == world
+    assert m["flush_denormal"] is True  # the default mode was in effect (test_flush_denormal.py checks what it does)
     assert all(r["dbp_rows_synced"] > 0 for r in m["per_rank"])  # the DBP sync copied shared rows
     if world == 4:
         for r in m["per_rank"]:

@@ -150,6 +150,8 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | npu
     dtype: str = "float32"  # float32 | float64 (float64: verification against the float64 reference)
     threads: int = 1
+    # Flush subnormal floats to zero (FTZ/DAZ) in the rank's threads; see nestpipe.trainer.device.set_flush_denormal.
+    flush_denormal: bool = True
     timeout_s: float = 60.0
     checkpoint_every: int = 0
     # 2D sparse parallelism: M = workers per model-parallel group (world / M replica groups, data-parallel across

@@ -76,6 +76,7 @@ def worker_main(argv: Optional[List[str]] = None) -> int:
 
         cfg = load_run_config(a.worker_run)
         dev = devmod.resolve(cfg.device, devmod.local_rank())
+        devmod.set_flush_denormal(cfg.flush_denormal)  # before any thread starts: they inherit the mode
         rank, world = devmod.init_distributed(dev, cfg.timeout_s)
         try:
             train_worker(cfg, dev, rank, world, a.worker_resume)

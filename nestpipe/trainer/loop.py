@@ -24,6 +24,7 @@ import torch.distributed as dist
 from nestpipe.trainer import checkpoint
 from nestpipe.trainer.config import TrainConfig
 from nestpipe.trainer.data import ShardStream
+from nestpipe.trainer import device as devmod
 from nestpipe.trainer.device import Device
 from nestpipe.trainer.metrics import ScalarLog, write_json_atomic
 from nestpipe.trainer.pipeline import timeline as tlmod
@@ -51,6 +52,7 @@ def segments(start: int, total: int, every: int) -> Iterator[Tuple[int, int]]:
 
 def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume: bool) -> dict:
     torch.set_num_threads(cfg.threads)
+    flush_denormal = devmod.set_flush_denormal(cfg.flush_denormal)  # this thread; the pipeline's threads inherit it
     stream = ShardStream(cfg.shards, "train", rank, world, verify=cfg.verify_shards)
     manifest = stream.manifest
     steps = total_steps(cfg, stream.batches_per_rank)
@@ -81,7 +83,7 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
     if rank == 0:
         log.write(start, event="start", resumed_from_step=start, world=world, steps=steps, pipeline=cfg.pipeline,
                   dropped_batches=stream.dropped, kinds=state.emb.kinds, kernel_paths=kernel_paths(device.torch),
-                  store_huge_pages=_huge_pages(cfg))
+                  store_huge_pages=_huge_pages(cfg), flush_denormal=flush_denormal)
     bar = None
     if rank == 0 and cfg.progress:
         from tqdm import tqdm
@@ -155,7 +157,7 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
                    "samples_per_s": total_sps, "samples_per_s_per_rank": [g["samples_per_s"] for g in gathered],
                    "per_rank": gathered, "exchange_kinds": state.emb.kinds,
                    "kernel_paths": kernel_paths(device.torch), "store_huge_pages": _huge_pages(cfg),
-                   **exposure_summary(gathered, cfg.pipe.baseline_metrics)}
+                   "flush_denormal": flush_denormal, **exposure_summary(gathered, cfg.pipe.baseline_metrics)}
         write_json_atomic(os.path.join(cfg.out, "metrics.json"), metrics)
         log.write(steps, event="end", final_loss=loss, samples_per_s=total_sps)
         log.close()

@@ -53,6 +53,11 @@ def main(argv=None) -> int:
     with open(plan_path) as f:
         plan = json.load(f)
     dev = devmod.resolve("cpu")
+    # before any thread starts (they inherit it); every run of a plan must ask for the same mode
+    modes = {load_run_config(item["run"]).flush_denormal for item in plan}
+    if len(modes) != 1:
+        raise SystemExit("a plan's runs must agree on flush_denormal (threads started by one run keep its mode)")
+    devmod.set_flush_denormal(modes.pop())
     rank, world = devmod.init_distributed(dev, 120)
     try:
         for item in plan:

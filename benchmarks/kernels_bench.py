@@ -111,6 +111,9 @@ def main():
                     help="allocate the store with torch.empty (4 KiB pages) instead of the trainer's store allocator "
                          "(nestpipe.kernels.memory: transparent huge pages where Linux offers them)")
     ap.add_argument("--no-gather-variants", action="store_true", help="skip the table of gather alternatives")
+    ap.add_argument("--prefetch-grid", action="store_true",
+                    help="also time the row-wise AdaGrad loop over a grid of software-prefetch settings (cache level, "
+                    "lines per row, rows ahead), each call cold (after a 512 MiB copy)")
     ap.add_argument(
         "--threads", type=int, default=1,
         help="threads for torch and numba alike (default 1: the cores here are shared; with more than one the "
@@ -245,6 +248,8 @@ def main():
             line += f" {g_med / 1e9:10.2f} {100 * g_med / bw:8.0f}% [{100 * g_min / bw:.0f}-{100 * g_max / bw:.0f}]"
         print(line)
 
+    if args.prefetch_grid:
+        prefetch_grid(bench, weights, state, grads, fresh_batches, reps, dim)
     if args.no_gather_variants:
         return
     # Gather alternatives on fresh sorted batches, interleaved, each against the same copy median.
@@ -267,14 +272,20 @@ def main():
     def contiguous(b):  # control: as many rows, but one contiguous run
         torch.index_select(weights, 0, b[2], out=out[: b[2].numel()])
 
+    def strided(b):  # control: as many rows, 17 rows (4.3 KB) apart: a 4 KiB page each, within about 100 MB
+        torch.index_select(weights, 0, b[3], out=out[: b[3].numel()])
+
     variants["unsorted rows, index_select as given"] = unsorted_direct
     variants["unsorted rows, sort + gather + scatter"] = unsorted_via_sort
     variants["control: contiguous rows, index_select"] = contiguous
+    variants["control: rows 4.3 KB apart (~100 MB), index_select"] = strided
     gen = torch.Generator().manual_seed(7)
 
     def triple(b):
         start = int(torch.randint(0, max(1, vocab - b.numel()), (1,), generator=gen))
-        return b, b[torch.randperm(b.numel(), generator=gen)], torch.arange(start, start + b.numel())
+        wide = int(torch.randint(0, max(1, vocab - 17 * b.numel()), (1,), generator=gen))
+        return (b, b[torch.randperm(b.numel(), generator=gen)], torch.arange(start, start + b.numel()),
+                torch.arange(wide, wide + 17 * b.numel(), 17))
 
     batches = [[triple(b) for b in fresh_batches()] for _ in variants]
     t = bench.interleaved(variants, batches, copy=True)
@@ -284,6 +295,87 @@ def main():
     for name in variants:
         g_med, g_min, g_max = quantiles([2 * dim * 4 / x for x in t[name]])
         print(f"  {name:44s} {g_med / 1e9:6.2f} GB/s {100 * g_med / bw:5.0f}% of copy "
+              f"[{100 * g_min / bw:.0f}-{100 * g_max / bw:.0f}]")
+
+
+def _adagrad_with_prefetch(locality: int, lines: int):
+    """The fused row-wise AdaGrad loop (serial, the formula of ``nestpipe.kernels.cpu``) with its software prefetch
+    parameterised: ``llvm.prefetch`` at ``locality`` (3: all cache levels ... 0: non-temporal) of the first
+    ``lines`` 64-byte lines of the row ``distance`` rows ahead, and of its AdaGrad state."""
+    import numba
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    from nestpipe.kernels import cpu
+
+    @intrinsic
+    def prefetch(typingctx, arr, index):
+        def codegen(context, builder, signature, args):
+            array = context.make_array(signature.args[0])(context, builder, args[0])
+            offset = context.cast(builder, args[1], signature.args[1], types.intp)
+            i8p = ir.IntType(8).as_pointer()
+            address = builder.bitcast(builder.gep(array.data, [offset]), i8p)
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8p] + [ir.IntType(32)] * 3), "llvm.prefetch.p0")
+            i32 = ir.IntType(32)
+            builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, locality), ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return types.void(arr, index), codegen
+
+    @numba.njit(nogil=True)
+    def kernel(weights, state, rows, grads, lr, eps, distance):
+        n, dim = grads.shape
+        inv_dim = np.float32(dim)
+        flat = weights.reshape(-1)
+        for i in range(n):
+            if distance > 0 and i + distance < n:
+                ahead = rows[i + distance]
+                prefetch(state, ahead)
+                for k in range(lines):
+                    prefetch(flat, ahead * dim + 16 * k)
+            r = rows[i]
+            g = grads[i]
+            s = state[r] + cpu._sum_squares(g, dim) / inv_dim
+            state[r] = s
+            m = lr / (np.sqrt(s) + eps)
+            w = weights[r]
+            for d in range(dim):
+                w[d] -= m * g[d]
+
+    return kernel
+
+
+def prefetch_grid(bench, weights, state, grads, fresh_batches, reps, dim):
+    """% of the copy bandwidth of the AdaGrad loop per prefetch setting, every call after a cache-evicting copy."""
+    settings = [(loc, lines, dist) for loc in (3, 1, 0) for lines in (1, 2, 4) for dist in (0, 8, 16, 32)
+                if not (dist == 0 and (loc, lines) != (3, 4))]
+    kernels = {(loc, lines): _adagrad_with_prefetch(loc, lines) for loc, lines, _ in settings}
+    w, st = weights.numpy(), state.numpy()
+    lr, eps = np.float32(1e-3), np.float32(1e-8)
+    batches = fresh_batches()
+    for b in batches[:2]:  # compile every variant before timing
+        for loc, lines in kernels:
+            kernels[(loc, lines)](w, st, b.numpy(), grads[: b.numel()].numpy(), lr, eps, 8)
+    times = {s: [] for s in settings}
+    for i in range(reps):
+        order = settings if i % 2 == 0 else settings[::-1]
+        for s in order:
+            b = batches[i % len(batches)]  # one batch per rep for every setting (the copy evicts it in between)
+            rows, g = b.numpy(), grads[: b.numel()].numpy()
+            bench.copy_sample()  # evicts the cache, and samples the copy bandwidth
+            t0 = bench.clock()
+            kernels[s[:2]](w, st, rows, g, lr, eps, s[2])
+            times[s].append((bench.clock() - t0) / b.numel())
+    bw = statistics.median(bench.copy_bw)
+    print(f"\nrow-wise AdaGrad loop by software prefetch (cold calls; copy median {bw / 1e9:.1f} GB/s):")
+    row_bytes = 3 * dim * 4 + 8
+    for s in sorted(settings, key=lambda s: statistics.median(times[s])):
+        g_med, g_min, g_max = quantiles([row_bytes / x for x in times[s]])
+        label = "no prefetch" if s[2] == 0 else f"locality {s[0]}, {s[1]} line(s), {s[2]:2d} rows ahead"
+        print(f"  {label:40s} {g_med / 1e9:6.2f} GB/s {100 * g_med / bw:5.0f}% of copy "
               f"[{100 * g_min / bw:.0f}-{100 * g_max / bw:.0f}]")
 
 

@@ -299,31 +299,15 @@ def main():
 
 
 def _adagrad_with_prefetch(locality: int, lines: int):
-    """The fused row-wise AdaGrad loop (serial, the formula of ``nestpipe.kernels.cpu``) with its software prefetch
+    """The fused row-wise AdaGrad loop (serial; the row body of ``nestpipe.kernels.cpu``) with its software prefetch
     parameterised: ``llvm.prefetch`` at ``locality`` (3: all cache levels ... 0: non-temporal) of the first
     ``lines`` 64-byte lines of the row ``distance`` rows ahead, and of its AdaGrad state."""
     import numba
-    from llvmlite import ir
-    from numba import types
-    from numba.core import cgutils
-    from numba.extending import intrinsic
 
     from nestpipe.kernels import cpu
 
-    @intrinsic
-    def prefetch(typingctx, arr, index):
-        def codegen(context, builder, signature, args):
-            array = context.make_array(signature.args[0])(context, builder, args[0])
-            offset = context.cast(builder, args[1], signature.args[1], types.intp)
-            i8p = ir.IntType(8).as_pointer()
-            address = builder.bitcast(builder.gep(array.data, [offset]), i8p)
-            fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [i8p] + [ir.IntType(32)] * 3), "llvm.prefetch.p0")
-            i32 = ir.IntType(32)
-            builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, locality), ir.Constant(i32, 1)])
-            return context.get_dummy_value()
-
-        return types.void(arr, index), codegen
+    prefetch = cpu.prefetch_intrinsic(locality)
+    apply_row = cpu._apply_row
 
     @numba.njit(nogil=True)
     def kernel(weights, state, rows, grads, lr, eps, distance):
@@ -336,14 +320,7 @@ def _adagrad_with_prefetch(locality: int, lines: int):
                 prefetch(state, ahead)
                 for k in range(lines):
                     prefetch(flat, ahead * dim + 16 * k)
-            r = rows[i]
-            g = grads[i]
-            s = state[r] + cpu._sum_squares(g, dim) / inv_dim
-            state[r] = s
-            m = lr / (np.sqrt(s) + eps)
-            w = weights[r]
-            for d in range(dim):
-                w[d] -= m * g[d]
+            apply_row(weights, state, rows[i], grads[i], dim, inv_dim, lr, eps, np.float32(1.0), False)
 
     return kernel
 

@@ -35,26 +35,34 @@ _JIT = dict(nopython=True, nogil=True, cache=True)
 PREFETCH_DISTANCE = 16
 
 
-@intrinsic
-def _prefetch(typingctx, arr, index):
-    """``llvm.prefetch`` (read, high locality) of the cache line holding ``arr.flat[index]`` (a C-contiguous
-    array); a hint only, so an index past the end is harmless (it is never dereferenced)."""
-    if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
-        return None
+def prefetch_intrinsic(locality: int = 3):
+    """A Numba intrinsic ``prefetch(arr, index)``: ``llvm.prefetch`` (read, at cache ``locality``: 3 all levels ...
+    0 non-temporal) of the cache line holding ``arr.flat[index]`` (a C-contiguous array); a hint only, so an index
+    past the end is harmless (it is never dereferenced)."""
 
-    def codegen(context, builder, signature, args):
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        offset = context.cast(builder, args[1], signature.args[1], types.intp)
-        i8p = ir.IntType(8).as_pointer()
-        address = builder.bitcast(builder.gep(array.data, [offset]), i8p)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p] + [ir.IntType(32)] * 3), "llvm.prefetch.p0"
-        )
-        i32 = ir.IntType(32)
-        builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
+    @intrinsic
+    def prefetch(typingctx, arr, index):
+        if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
+            return None
 
-    return types.void(arr, index), codegen
+        def codegen(context, builder, signature, args):
+            array = context.make_array(signature.args[0])(context, builder, args[0])
+            offset = context.cast(builder, args[1], signature.args[1], types.intp)
+            i8p = ir.IntType(8).as_pointer()
+            address = builder.bitcast(builder.gep(array.data, [offset]), i8p)
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8p] + [ir.IntType(32)] * 3), "llvm.prefetch.p0"
+            )
+            i32 = ir.IntType(32)
+            builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, int(locality)), ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return types.void(arr, index), codegen
+
+    return prefetch
+
+
+_prefetch = prefetch_intrinsic(3)
 
 
 @numba.jit(**_JIT)

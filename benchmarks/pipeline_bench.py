@@ -47,11 +47,10 @@ import time
 
 import numpy as np
 
-from nestpipe.clustering import assign
-from nestpipe.datasets.shards import Manifest, TableSpec, save_manifest
-from nestpipe.planning.validate_local import make_gr_shards as make_gr_workload_shards
-from nestpipe.trainer.pipeline.testing import run_plan, write_run
-from nestpipe.trainer.testing import _table_fields, write_split_shards
+from nestpipe.clustering import assign, table_fields
+from nestpipe.datasets.shards import Manifest, TableSpec, save_manifest, write_split_shards
+from nestpipe.measure.launcher import run_plan, write_run
+from nestpipe.measure.validate_local import make_gr_shards as make_gr_workload_shards
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torchrec_runner  # noqa: E402 (benchmarks/ is not a package)
@@ -89,7 +88,7 @@ def make_pooled_shards(out, micro_batches, batches_per_rank, seed=11):
         rec = {"meta": {"index": index, "split": split, "task": "ctr", "samples": B,
                         "micro_batches": micro_batches}, "mb": mb}
         for t, (v, lens) in zip(names, feats):
-            for f, arr in _table_fields(v, lens, mb).items():
+            for f, arr in table_fields(v, lens, mb).items():
                 rec[f"{t}.{f}"] = arr
         d = rng.normal(size=(B, P["dense"])).astype(np.float32)
         rec["dense"] = d

@@ -27,8 +27,8 @@ import time
 
 import numpy as np
 
-from nestpipe.planning import measured
-from nestpipe.planning import validate_local as v
+from nestpipe.measure import measured
+from nestpipe.measure import validate_local as v
 
 C = v.Config
 

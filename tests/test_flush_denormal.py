@@ -13,7 +13,7 @@ import pytest
 PROBE = r"""
 import json, sys, threading
 import torch
-from nestpipe.trainer.device import set_flush_denormal
+from nestpipe.trainer.distributed.device import set_flush_denormal
 import nestpipe.kernels as K
 
 active = set_flush_denormal(sys.argv[1] == "1")

@@ -12,7 +12,7 @@ replicas averaged across groups after every batch): nested == off bitwise for bo
 all replicas of a shard bitwise equal, and the negative control: a dual-buffer sync that refreshes only the group's
 own keys(t) (not every row some group touched) breaks equality.
 
-All runs of one world size share one launch of the ranks (``nestpipe.trainer.pipeline.testing``).
+All runs of one world size share one launch of the ranks (``nestpipe.measure.launcher``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 
 from nestpipe.trainer.export import assemble
 from nestpipe.trainer.pipeline import timeline as tl
-from nestpipe.trainer.pipeline.testing import run_plan, write_run
-from nestpipe.trainer.testing import make_shards
+from nestpipe.measure.launcher import run_plan, write_run
+from shard_sets import make_shards
 
 STEPS = 20
 STEPS_2DSP = 10  # world 4 on a 2-core machine: fewer steps
@@ -270,7 +270,7 @@ def test_2dsp_replicas_of_every_shard_are_bitwise_equal(runs, model, name):
     """Worker j of every group holds shard j: after training the checkpoint's rank files j and j + 2 hold the same
     rows, weights and AdaGrad state, bitwise (the export reads group 0's files)."""
     from nestpipe.trainer import checkpoint
-    from nestpipe.trainer.sparse_groups import replica_mismatches
+    from nestpipe.trainer.distributed.sparse_groups import replica_mismatches
 
     ck = checkpoint.latest(runs[(4, model, name)])
     assert replica_mismatches(ck, 2) == []
@@ -328,7 +328,7 @@ def test_observability_trace_gantt_metrics(runs):
 
 # -- in-process units ------------------------------------------------------------------------------------------------
 def test_one_issuing_thread_per_group():
-    from nestpipe.trainer.pipeline.process_groups import ISSUERS, STAGE_GROUPS, StageGroups
+    from nestpipe.trainer.distributed.process_groups import ISSUERS, STAGE_GROUPS, StageGroups
 
     g = StageGroups({s: object() for s in STAGE_GROUPS})
     with pytest.raises(RuntimeError, match="no issuing thread"):
@@ -348,7 +348,7 @@ def test_one_issuing_thread_per_group():
         assert set(issuers) == set(STAGE_GROUPS), mode
     assert ISSUERS["nested"]["route"] != ISSUERS["nested"]["embed"] != ISSUERS["nested"]["dense"]
     # FWP: one thread per exchange group (default), or one comm thread issuing on both in one fixed order
-    from nestpipe.trainer.pipeline.process_groups import issuers
+    from nestpipe.trainer.distributed.process_groups import issuers
 
     two = issuers("nested")
     assert len({two["route"], two["embed"], two["grad"], two["dense"]}) == 4

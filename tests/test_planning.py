@@ -140,7 +140,7 @@ def test_calibrate_from_run_errors_name_the_file(tmp_path):
 
 
 def _local(world=2, n=4, cores=2):
-    from nestpipe.planning import measured
+    from nestpipe.measure import measured
 
     hw = measured.LocalHardware(key_s=2e-6, row_s=1e-6, coll_latency_s=1e-3, coll_s_per_byte=1e-9, dense_flops=1e10,
                                 token_s=1e-7, step_overhead_s=2e-3, embed_bytes_per_row=260, grad_bytes_per_row=260,
@@ -151,7 +151,7 @@ def _local(world=2, n=4, cores=2):
 
 
 def test_local_model_mechanisms():
-    from nestpipe.planning import measured
+    from nestpipe.measure import measured
 
     hw, wl = _local()
     off, nested = measured.predict(hw, wl, "off"), measured.predict(hw, wl, "nested")
@@ -173,7 +173,7 @@ def test_local_model_mechanisms():
 
 
 def test_local_model_dense_probe_scales_the_dense_time():
-    from nestpipe.planning import measured
+    from nestpipe.measure import measured
 
     hw, wl = _local(n=4)
     # the probe: batch seconds at 2, 4 and 8 micro-batches (per-call cost grows past 4)
@@ -191,7 +191,7 @@ def test_local_model_dense_probe_scales_the_dense_time():
 
 
 def test_local_model_collective_cpu_and_oversubscribed_cores():
-    from nestpipe.planning import measured
+    from nestpipe.measure import measured
 
     hw, wl = _local(n=8)
     # the collectives' CPU competes for the cores: the nested floor rises by it (2 ranks on 2 cores)
@@ -211,7 +211,7 @@ def test_local_model_collective_cpu_and_oversubscribed_cores():
 
 
 def test_local_model_two_comm_streams_and_negative_control():
-    from nestpipe.planning import measured
+    from nestpipe.measure import measured
 
     hw, wl = _local(n=16)
     hw = dataclasses.replace(hw, coll_latency_s=3e-3, dense_flops=1e11)

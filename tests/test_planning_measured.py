@@ -25,8 +25,8 @@ import warnings
 import pytest
 
 from nestpipe.cli import main
-from nestpipe.planning import measured
-from nestpipe.planning import validate_local as v
+from nestpipe.measure import measured
+from nestpipe.measure import validate_local as v
 
 C = v.Config
 STEPS, BATCH, SEQ, VOCAB = 8, 16, 40, 20_000

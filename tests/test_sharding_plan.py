@@ -15,7 +15,7 @@ from nestpipe.trainer.config import EmbeddingConfig
 from nestpipe.trainer.embedding.collection import choose_kind, table_dims
 from nestpipe.trainer.placement import TablePlacement, make_placement
 from nestpipe.trainer.sharding_plan import resolve_plan, table_owners
-from nestpipe.trainer.testing import make_shards
+from shard_sets import make_shards
 
 
 @pytest.mark.parametrize("owners", [(), (1,), (2, 0), (0, 1, 2), (3, 1, 0)])

@@ -30,11 +30,11 @@ from nestpipe.trainer.data import ShardStream, prepare_batch
 from nestpipe.trainer.embedding.collection import choose_kind, table_dims
 from nestpipe.trainer.export import assemble
 from nestpipe.trainer.models import build_model
-from nestpipe.trainer.pipeline.testing import run_plan, write_run
+from nestpipe.measure.launcher import run_plan, write_run
 from nestpipe.trainer.placement import init_rows
-from nestpipe.trainer.sparse_groups import momentum_scale, replica_mismatches, resolve
+from nestpipe.trainer.distributed.sparse_groups import momentum_scale, replica_mismatches, resolve
 from nestpipe.trainer.step import model_feats, num_negatives
-from nestpipe.trainer.testing import make_shards
+from shard_sets import make_shards
 
 STEPS = 10
 WORLD = 4

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nestpipe.trainer.placement import init_rows, make_placement, to_vocab
-from nestpipe.trainer.testing import make_shards
+from shard_sets import make_shards
 
 SETS = ["--set", "embedding.replicate_max_rows=200", "--set", "hstu.num_layers=1",
         "--set", "hstu.num_random_negatives=8", "--set", "hstu.num_popular_negatives=8"]

@@ -24,7 +24,7 @@ from nestpipe.trainer.embedding.collection import choose_kind, table_dims
 from nestpipe.trainer.models import build_model
 from nestpipe.trainer.placement import init_rows
 from nestpipe.trainer.step import model_feats, num_negatives
-from nestpipe.trainer.testing import make_shards
+from shard_sets import make_shards
 
 STEPS = 10
 WORLD = 2

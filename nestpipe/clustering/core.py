@@ -7,6 +7,8 @@ partition changes; the samples, and so the batch's summed gradient, do not.
 
 from __future__ import annotations
 
+from typing import Dict
+
 import numpy as np
 
 from nestpipe.clustering.balance import capacities, chunk_order
@@ -15,7 +17,7 @@ from nestpipe.clustering.methods import DEFAULT_METHOD, METHODS
 from nestpipe.clustering.objective import redundancy, unique_keys
 from nestpipe.clustering.refine import Problem
 
-__all__ = ["assign", "redundancy", "unique_keys", "method_names"]
+__all__ = ["assign", "redundancy", "unique_keys", "method_names", "table_fields"]
 
 
 def method_names():
@@ -54,3 +56,21 @@ def assign(values, offsets, num_micro_batches: int, *, method: str = "default", 
         return chunk_order(np.random.default_rng(int(seed)).permutation(b), caps).astype(np.int32)
     problem = Problem(build_incidence(values, offsets, weights), caps)
     return METHODS[name](problem, int(seed)).astype(np.int32)
+
+
+def table_fields(values, lengths, mb) -> Dict[str, np.ndarray]:
+    """One table's six shard fields of one batch (``nestpipe.datasets.shards``: ``values``, ``lengths``,
+    ``unique``, ``inverse``, ``mb_unique``, ``mb_offsets``) from its keys, per-sample lengths and the batch's
+    micro-batch partition ``mb``, in the shard format's dtypes. ``unique`` is sorted; ``inverse`` maps every value
+    to its position in ``unique``; micro-batch i's keys are ``mb_unique[mb_offsets[i]:mb_offsets[i + 1]]``."""
+    lengths = np.asarray(lengths)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    uniq, inverse, per_mb = unique_keys(values, offsets, mb)
+    mb_offsets = np.zeros(len(per_mb) + 1, dtype=np.int64)
+    np.cumsum([len(p) for p in per_mb], out=mb_offsets[1:])
+    return {
+        "values": np.asarray(values).astype(np.int64), "lengths": lengths.astype(np.int32),
+        "unique": uniq.astype(np.int64), "inverse": inverse.astype(np.int32),
+        "mb_unique": np.concatenate(per_mb).astype(np.int32), "mb_offsets": mb_offsets,
+    }

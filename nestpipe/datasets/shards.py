@@ -57,7 +57,7 @@ import io
 import json
 import os
 import tarfile
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -165,6 +165,28 @@ def write_shard(path: str, records: Iterable[Tuple[str, Batch]]) -> Tuple[str, i
         os.fsync(raw.fileno())
     os.replace(tmp, path)
     return sink.hash.hexdigest(), sink.size
+
+
+def write_split_shards(out: str, splits: Sequence[Tuple[str, Sequence[int]]], batch_size: int,
+                       make_record: Callable[[str, int], Batch]) -> Dict[str, List["ShardEntry"]]:
+    """Write the shards of every split: ``splits`` lists (split, batches of each shard); batch records come from
+    ``make_record(split, index)``, ``index`` counting batches over all splits (record key ``f"{index:08d}"``), in
+    order. Returns the manifest's ``sets``."""
+    os.makedirs(out, exist_ok=True)
+    sets: Dict[str, List[ShardEntry]] = {}
+    index = 0
+    for split, counts in splits:
+        entries = []
+        for si, nb in enumerate(counts):
+            recs = []
+            for _ in range(nb):
+                recs.append((f"{index:08d}", make_record(split, index)))
+                index += 1
+            name = f"{split}-{si:06d}.tar"
+            digest, size = write_shard(os.path.join(out, name), recs)
+            entries.append(ShardEntry(name, nb, nb * batch_size, digest, size))
+        sets[split] = entries
+    return sets
 
 
 def sha256_file(path: str, chunk: int = 1 << 20) -> Tuple[str, int]:

@@ -6,10 +6,10 @@ __all__ = ["IngestConfig", "IngestError", "ingest"]
 
 
 def __getattr__(name):
-    # The pipeline (Polars, NumPy) is imported on first use, so `nestpipe ingest` can start its worker pool first
+    # The stages (Polars, NumPy) are imported on first use, so `nestpipe ingest` can start its worker pool first
     # (nestpipe.ingest.executor) and let the workers import it alongside this process.
     if name in ("IngestError", "ingest"):
-        from nestpipe.ingest import pipeline
+        from nestpipe.ingest import stages
 
-        return getattr(pipeline, name)
+        return getattr(stages, name)
     raise AttributeError(f"module 'nestpipe.ingest' has no attribute {name!r}")

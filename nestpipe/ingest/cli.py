@@ -76,7 +76,7 @@ def run_ingest(args) -> int:
     )
     cfg.validate()
     with Executor(cfg.workers) as ex:  # the workers import the pipeline while this process does
-        from nestpipe.ingest.pipeline import ingest
+        from nestpipe.ingest.stages import ingest
 
         m = ingest(cfg, executor=ex)
     t = m.totals()

@@ -38,7 +38,7 @@ def _import_ingest(polars_threads: int) -> None:
     """Worker initializer: import the ingest's modules now, while the parent is still starting up. The thread count
     is also set here, for a worker the pool launches later than :meth:`Executor.__enter__`."""
     os.environ.setdefault("POLARS_MAX_THREADS", str(polars_threads))
-    import nestpipe.ingest.pipeline  # noqa: F401
+    import nestpipe.ingest.stages  # noqa: F401
 
 
 def _noop(_: int) -> None:

@@ -120,7 +120,7 @@ def breakdown_from_run(run: str) -> Dict[str, Any]:
 
 def calibrate_from_run(run: str, cores: Optional[int] = None):
     """The local testbed model fitted to a measured ``--pipeline off`` run: (hardware, workload, measurement);
-    see :mod:`nestpipe.planning.measured`."""
-    from . import measured
+    see :mod:`nestpipe.measure.measured`."""
+    from nestpipe.measure import measured
 
     return measured.calibrate_run(run, cores)

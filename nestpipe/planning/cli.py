@@ -135,8 +135,8 @@ def _simulate(args) -> int:
 
 
 def _simulate_measured(args) -> int:
-    """``simulate --calibrate RUN``: the local testbed model fitted to one measured off run (planning/measured.py)."""
-    from . import measured
+    """``simulate --calibrate RUN``: the local testbed model fitted to one measured off run (measure/measured.py)."""
+    from nestpipe.measure import measured
 
     hw, wl0, meas = measured.calibrate_run(args.calibrate, args.cores)
     worlds = args.workers or [meas.world]

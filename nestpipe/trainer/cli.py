@@ -111,7 +111,7 @@ def _train(args) -> int:
     if cfg.pipeline not in PIPELINE_MODES:
         raise ValueError(f"--pipeline {cfg.pipeline}: expected one of {', '.join(PIPELINE_MODES)}")
     if not any(a.startswith("--nnodes") or a.startswith("--rdzv") for a in args.torchrun_args):
-        from nestpipe.trainer import sparse_groups  # one node: the world size is known now, fail before launching
+        from nestpipe.trainer.distributed import sparse_groups  # one node: the world size is known now, fail before launching
 
         layout = sparse_groups.resolve(cfg.sparse_groups, args.nproc_per_node)
         sparse_groups.momentum_scale(cfg.embedding.optimizer, layout, cfg.embedding.momentum_scale_groups)

@@ -150,12 +150,12 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | npu
     dtype: str = "float32"  # float32 | float64 (float64: verification against the float64 reference)
     threads: int = 1
-    # Flush subnormal floats to zero (FTZ/DAZ) in the rank's threads; see nestpipe.trainer.device.set_flush_denormal.
+    # Flush subnormal floats to zero (FTZ/DAZ) in the rank's threads; see nestpipe.trainer.distributed.device.set_flush_denormal.
     flush_denormal: bool = True
     timeout_s: float = 60.0
     checkpoint_every: int = 0
     # 2D sparse parallelism: M = workers per model-parallel group (world / M replica groups, data-parallel across
-    # groups); 0 or the world size = plain training. See nestpipe.trainer.sparse_groups and docs/trainer.md.
+    # groups); 0 or the world size = plain training. See nestpipe.trainer.distributed.sparse_groups and docs/trainer.md.
     sparse_groups: int = 0
     log_every: int = 1
     progress: bool = True

@@ -70,7 +70,7 @@ def worker_main(argv: Optional[List[str]] = None) -> int:
 
     @record
     def _main() -> int:
-        from nestpipe.trainer import device as devmod
+        from nestpipe.trainer.distributed import device as devmod
         from nestpipe.trainer.config import load_run_config
         from nestpipe.trainer.loop import train_worker
 

@@ -24,15 +24,15 @@ import torch.distributed as dist
 from nestpipe.trainer import checkpoint
 from nestpipe.trainer.config import TrainConfig
 from nestpipe.trainer.data import ShardStream
-from nestpipe.trainer import device as devmod
-from nestpipe.trainer.device import Device
+from nestpipe.trainer.distributed import device as devmod
+from nestpipe.trainer.distributed.device import Device
 from nestpipe.trainer.metrics import ScalarLog, write_json_atomic
 from nestpipe.trainer.pipeline import timeline as tlmod
 from nestpipe.kernels import kernel_paths
 from nestpipe.kernels.memory import huge_pages_mode
 from nestpipe.trainer.pipeline.scheduler import PipelineRunner
 from nestpipe.trainer.step import build_state
-from nestpipe.trainer import sparse_groups
+from nestpipe.trainer.distributed import sparse_groups
 
 
 def total_steps(cfg: TrainConfig, batches_per_rank: int) -> int:

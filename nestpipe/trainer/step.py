@@ -13,7 +13,7 @@ The arithmetic order is the specification the pipelined modes reproduce bit for 
 - random numbers come only from generators keyed by (seed, step, micro-batch, rank).
 
 Every mode (``off``, ``dbp``, ``fwp``, ``nested``) calls these same functions with the same process groups
-(:class:`~nestpipe.trainer.pipeline.process_groups.StageGroups`: route, embed, grad, dense); the pipelined modes
+(:class:`~nestpipe.trainer.distributed.process_groups.StageGroups`: route, embed, grad, dense); the pipelined modes
 (:mod:`nestpipe.trainer.pipeline.scheduler`) only run them on other threads and at other times.
 """
 
@@ -265,7 +265,7 @@ def build_state(cfg: TrainConfig, manifest: Manifest, rank: int, world: int, dev
 
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype {cfg.dtype!r}: expected one of {sorted(DTYPES)}")
-    from nestpipe.trainer import sparse_groups
+    from nestpipe.trainer.distributed import sparse_groups
 
     timer = StageTimer()
     # 2D-SP: the tables are sharded over the rank's model-parallel group (its local rank of M); plain: over the world

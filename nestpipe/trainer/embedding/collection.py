@@ -23,7 +23,7 @@ Per batch (each step is a method, called in this order by :mod:`nestpipe.trainer
    batch shares into the next batch's *prefetch* buffer; :meth:`release` then frees them.
 
 Every collective takes its process group as an argument: the pipelined modes give each concurrent stage its own
-group (:mod:`nestpipe.trainer.pipeline.process_groups`) and issue each group's collectives from one thread only.
+group (:mod:`nestpipe.trainer.distributed.process_groups`) and issue each group's collectives from one thread only.
 The per-micro-batch exchange is split into owner work (:meth:`embed_send`, :meth:`grad_accumulate`), the
 collective (:meth:`embed_exchange`, :meth:`grad_exchange`) and requester work (:meth:`embed_unpack`) so that a
 communication thread can run the first two while the compute thread runs the dense model.
@@ -170,7 +170,7 @@ class ShardedEmbeddingCollection:
                 self.req_placement[t] = make_placement(self.table_ids[t], v, world, salt=cfg.debug_requester_salt,
                                                        owners=owners)
         self.slots = [t for t in names if t in self.stores]
-        # 2D sparse parallelism (nestpipe.trainer.sparse_groups): the sharded tables' accumulator scale and the
+        # 2D sparse parallelism (nestpipe.trainer.distributed.sparse_groups): the sharded tables' accumulator scale and the
         # cross-group replica synchronisation run by update(); None / the config's scale in plain training
         self.sparse_momentum_scale = cfg.momentum_scale_groups
         self.replica_sync = None

@@ -1,6 +1,6 @@
 """2D sparse parallelism: synchronising the replicas of every shard across groups after each batch's update.
 
-Layout (:mod:`nestpipe.trainer.sparse_groups`): ``G`` groups of ``M`` workers; worker ``j`` of every group owns the
+Layout (:mod:`nestpipe.trainer.distributed.sparse_groups`): ``G`` groups of ``M`` workers; worker ``j`` of every group owns the
 same shard ``j`` of every sharded table, so each shard has ``G`` replicas, one per group, on ranks
 ``j, j + M, ..., j + (G - 1) M`` (the ``replica`` process group, group rank = group index).
 

@@ -39,7 +39,7 @@ import torch
 
 from nestpipe.trainer.pipeline.dual_buffer import DualBuffer, Stopped
 from nestpipe.trainer.pipeline.frozen_window import CommWorker, FrozenWindow
-from nestpipe.trainer.pipeline.process_groups import issuers
+from nestpipe.trainer.distributed.process_groups import issuers
 from nestpipe.trainer.pipeline.streams import StageStream, wait_handoff
 from nestpipe.trainer.step import (StepState, _span, stage_forward_backward, stage_h2d, stage_prefetch,
                                    stage_route, stage_update, train_step, update_begin, update_dense)

@@ -11,7 +11,7 @@ The testbed model (:class:`LocalHardware`) has a handful of physical quantities,
   dense all-reduce), which differ in size;
 - ``dense_flops``: effective FLOP/s of the dense forward + backward (FLOPs per sample from the model config) at the
   run's micro-batch count; at other counts it is scaled by ``dense_probe_s``, the dense model's batch time at N / 2,
-  N and 2 N micro-batches from a short probe (:mod:`nestpipe.planning.dense_probe`; piecewise linear in the count,
+  N and 2 N micro-batches from a short probe (:mod:`nestpipe.measure.dense_probe`; piecewise linear in the count,
   only ratios used): the run cannot show the per-call cost (all its micro-batches have one size);
 - ``token_s``: host preparation per token (data stage); ``step_overhead_s``: the rest of a step (update, Python);
 - ``coll_cpu_s`` + ``coll_cpu_s_per_byte``: the CPU one collective costs (process CPU while it ran, every thread:
@@ -48,8 +48,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .cost_model import Scenario, StepCosts
-from .timeline import simulate_steps
+from nestpipe.planning.cost_model import Scenario, StepCosts
+from nestpipe.planning.timeline import simulate_steps
 
 ROUTE_CALLS = 2  # counts + payload all_to_all_single per step
 TCP_IP_HEADER = 52  # IPv4 20 + TCP 20 + timestamps 12 bytes per packet
@@ -305,7 +305,7 @@ def scheduler_slice_s(cores: int) -> float:
 def fit_hardware(meas: RunMeasurement, wl: LocalWorkload, cores: Optional[int] = None,
                  dense_probe: Optional[Dict] = None) -> LocalHardware:
     """Fit :class:`LocalHardware` to one ``--pipeline off`` run (every stage on the compute thread).
-    ``dense_probe``: :func:`nestpipe.planning.dense_probe.probe_call_seconds` of the run (None: the dense time is
+    ``dense_probe``: :func:`nestpipe.measure.dense_probe.probe_call_seconds` of the run (None: the dense time is
     taken as proportional to FLOPs at every micro-batch count)."""
     where = os.path.join(meas.run, "metrics.json")
     if meas.pipeline != "off":
@@ -477,7 +477,7 @@ def calibrate_run(run: str, cores: Optional[int] = None, steps: int = 8, probe: 
     if probe and meas.pipeline == "off":
         from nestpipe.datasets.shards import load_manifest
 
-        from .dense_probe import first_record, probe_call_seconds
+        from nestpipe.measure.dense_probe import first_record, probe_call_seconds
 
         res = probe_call_seconds(meas.cfg, load_manifest(meas.shards), first_record(meas.shards), wl.micro_batches,
                                  threads=int(meas.cfg.get("threads", 1)))

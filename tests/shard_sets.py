@@ -1,4 +1,4 @@
-"""Small valid shard sets for trainer tests, written with the shard format's own writer.
+"""Small valid shard sets for the tests, written with the shard format's own writer.
 
 GR: tables ``item`` (Zipf ids with a planted successor rule, some ids outside the vocabulary), ``author``
 (``item // 4``), ``action`` (bitmask 0..255); CTR: single-id ``user_id``/``video_id``/``author_id``, pooled ``tag`` and
@@ -9,25 +9,12 @@ Micro-batches come from ``nestpipe.clustering.assign`` and unique keys from ``un
 from __future__ import annotations
 
 import os
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Dict, Tuple
 
 import numpy as np
 
-from nestpipe.clustering import assign, unique_keys
-from nestpipe.datasets.shards import Manifest, ShardEntry, TableSpec, save_manifest, write_shard
-
-
-def _table_fields(values: np.ndarray, lengths: np.ndarray, mb: np.ndarray) -> Dict[str, np.ndarray]:
-    off = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=off[1:])
-    uniq, inv, per_mb = unique_keys(values, off, mb)
-    mb_off = np.zeros(len(per_mb) + 1, dtype=np.int64)
-    np.cumsum([len(p) for p in per_mb], out=mb_off[1:])
-    return {
-        "values": values.astype(np.int64), "lengths": lengths.astype(np.int32), "unique": uniq.astype(np.int64),
-        "inverse": inv.astype(np.int32), "mb_unique": np.concatenate(per_mb).astype(np.int32),
-        "mb_offsets": mb_off,
-    }
+from nestpipe.clustering import assign, table_fields
+from nestpipe.datasets.shards import Manifest, TableSpec, save_manifest, write_split_shards
 
 
 def _zipf(rng, n, vocab, a=1.3):
@@ -51,7 +38,7 @@ def _gr_batch(rng, b, n_mb, vocab, seq_len, split, index, oov_rate):
     author = np.where(item < vocab, item // 4, item)
     action = rng.integers(0, 256, len(item))
     for name, v in (("item", item), ("author", author), ("action", action)):
-        for f, arr in _table_fields(v, lengths, mb).items():
+        for f, arr in table_fields(v, lengths, mb).items():
             rec[f"{name}.{f}"] = arr
     rec["user"] = rng.integers(0, 1000, b)
     rec["time"] = np.arange(len(item), dtype=np.int64) * 1000
@@ -80,33 +67,11 @@ def _ctr_batch(rng, b, n_mb, vocabs, split, index):
     mb = assign(feats["history"][0], off, n_mb, seed=index).astype(np.int32)
     rec = {"meta": {"index": index, "split": split, "task": "ctr", "samples": b, "micro_batches": n_mb}, "mb": mb}
     for name, (v, lens) in feats.items():
-        for f, arr in _table_fields(np.asarray(v, np.int64), lens, mb).items():
+        for f, arr in table_fields(np.asarray(v, np.int64), lens, mb).items():
             rec[f"{name}.{f}"] = arr
     rec["dense"] = dense
     rec["labels"] = np.stack([click, like], 1)
     return rec
-
-
-def write_split_shards(out: str, splits: Sequence[Tuple[str, Sequence[int]]], batch_size: int,
-                       make_record: Callable[[str, int], Dict]) -> Dict[str, List[ShardEntry]]:
-    """Write the shards of every split: ``splits`` lists (split, batches of each shard); batch records come from
-    ``make_record(split, index)``, ``index`` counting batches over all splits (record key ``f"{index:08d}"``), in
-    order. Returns the manifest's ``sets``."""
-    os.makedirs(out, exist_ok=True)
-    sets: Dict[str, List[ShardEntry]] = {}
-    index = 0
-    for split, counts in splits:
-        entries = []
-        for si, nb in enumerate(counts):
-            recs = []
-            for _ in range(nb):
-                recs.append((f"{index:08d}", make_record(split, index)))
-                index += 1
-            name = f"{split}-{si:06d}.tar"
-            digest, size = write_shard(os.path.join(out, name), recs)
-            entries.append(ShardEntry(name, nb, nb * batch_size, digest, size))
-        sets[split] = entries
-    return sets
 
 
 def make_shards(out: str, task: str, *, batch_size: int = 16, micro_batches: int = 4, shards: Tuple[int, ...] = (3, 3),

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import measured
+from nestpipe.measure import measured
 
 NS = "nestpipe-simcal"
 LINK_MTU, LINK_BURST, LINK_LATENCY = 1500, "16kb", "500ms"
@@ -41,9 +41,8 @@ def make_gr_shards(out: str, batch: int, seq_len: int, micro_batches: int, vocab
                    n_shards: int = 6, zipf: float = 1.2, seed: int = 7) -> str:
     """GR shards (item ``vocab`` rows + action 256 rows, Zipf item ids, clustered micro-batches); ``n_shards``
     train shards (6 feed world 2 and 3 evenly). The same seed gives the same sequences for every micro-batch count."""
-    from nestpipe.clustering import assign
-    from nestpipe.datasets.shards import Manifest, TableSpec, save_manifest
-    from nestpipe.trainer.testing import _table_fields, write_split_shards
+    from nestpipe.clustering import assign, table_fields
+    from nestpipe.datasets.shards import Manifest, TableSpec, save_manifest, write_split_shards
 
     rng = np.random.default_rng(seed)
     tables = {"item": TableSpec(vocab, 64, "sequence"), "action": TableSpec(256, 64, "sequence")}
@@ -57,7 +56,7 @@ def make_gr_shards(out: str, batch: int, seq_len: int, micro_batches: int, vocab
         rec = {"meta": {"index": index, "split": split, "task": "gr", "samples": batch,
                         "micro_batches": micro_batches}, "mb": mb}
         for name, v in (("item", item), ("action", action)):
-            for f, arr in _table_fields(v, lengths, mb).items():
+            for f, arr in table_fields(v, lengths, mb).items():
                 rec[f"{name}.{f}"] = arr
         rec["user"] = rng.integers(0, 1000, batch)
         rec["time"] = np.arange(len(item), dtype=np.int64) * 1000
@@ -110,7 +109,7 @@ def train_configs(out: str, shards: Dict[int, str], configs: List[Config], steps
                   keep_checkpoints: bool = False) -> Dict[Config, List[str]]:
     """Train every config ``repeats`` times, interleaved (A B C A B C ...: a burst of other load on this shared
     machine hits one repeat, not every run of one config), one launch per (world, cap); config -> run dirs."""
-    from nestpipe.trainer.pipeline.testing import run_plan, write_run
+    from nestpipe.measure.launcher import run_plan, write_run
 
     runs: Dict[Config, List[str]] = {}
     groups: Dict[Tuple[int, Optional[float]], List[Config]] = {}

@@ -41,7 +41,7 @@ def issuers(mode: str, comm_threads: int = 2) -> Dict[str, str]:
     out = dict(ISSUERS[mode])
     if comm_threads == 1 and mode in ("fwp", "nested"):
         out.update(ONE_COMM_THREAD)
-    out["replica"] = "compute"  # 2D sparse parallelism's replica synchronisation (nestpipe.trainer.sparse_groups)
+    out["replica"] = "compute"  # 2D sparse parallelism's replica synchronisation (nestpipe.trainer.distributed.sparse_groups)
     return out
 
 

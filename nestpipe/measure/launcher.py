@@ -1,6 +1,6 @@
 """Run several trainings in one launch of ``world`` ranks (tests and benchmarks: one process start, many runs).
 
-    python -m torch.distributed.run --standalone --nproc-per-node W -m nestpipe.trainer.pipeline.testing PLAN.json
+    python -m torch.distributed.run --standalone --nproc-per-node W -m nestpipe.measure.launcher PLAN.json
 
 ``PLAN.json`` is a list of ``{"run": RUN, "resume": bool}``; every ``RUN/config.json`` is written beforehand
 (:func:`write_run`). The runs execute one after another on the same ranks through the trainer's own
@@ -40,12 +40,12 @@ def run_plan(plan: List[Dict], world: int, plan_path: str, timeout: float = 300,
         json.dump(plan, f)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([*(prefix or []), sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(world), "--monitor-interval", "0.5", "-m", "nestpipe.trainer.pipeline.testing",
+                           str(world), "--monitor-interval", "0.5", "-m", "nestpipe.measure.launcher",
                            plan_path], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def main(argv=None) -> int:
-    from nestpipe.trainer import device as devmod
+    from nestpipe.trainer.distributed import device as devmod
     from nestpipe.trainer.config import load_run_config
     from nestpipe.trainer.loop import train_worker
 
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
             if world > 1:
                 dist.barrier()
     finally:
-        from nestpipe.trainer.pipeline import process_groups
+        from nestpipe.trainer.distributed import process_groups
 
         process_groups.forget()
         dist.destroy_process_group()

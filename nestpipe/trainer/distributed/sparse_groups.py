@@ -21,7 +21,7 @@ Process groups (created by :func:`create_stage_groups` in this order on every ra
 every rank creates every group, also those it is not a member of): ``route``, ``embed``, ``grad`` for group 0..G-1
 (each rank keeps its own group's), ``dense`` over the world, then ``replica`` for shard 0..M-1 (each rank keeps its
 shard's). ``route``/``embed``/``grad``/``dense`` keep their issuing threads of
-:mod:`nestpipe.trainer.pipeline.process_groups`; ``replica`` is issued by the compute thread only (the owner's
+:mod:`nestpipe.trainer.distributed.process_groups`; ``replica`` is issued by the compute thread only (the owner's
 update runs there in every mode).
 """
 
@@ -32,7 +32,7 @@ from typing import List, Optional
 
 import torch.distributed as dist
 
-from nestpipe.trainer.pipeline import process_groups
+from nestpipe.trainer.distributed import process_groups
 
 OPTIMIZERS = ("rowwise_adagrad", "rowwise_adagrad_2dsp")
 

@@ -6,7 +6,7 @@ forward + backward pays a fixed dispatch cost per call (tens of autograd nodes a
 on top of its arithmetic, so doubling the micro-batches of a batch adds about that cost per extra call while the
 FLOPs stay the same. The probe times the dense model alone (built from the run's config, the shards' sample
 lengths, random embeddings) for one batch at ``N / 2``, ``N`` and ``2 N`` micro-batches in the thread setting the
-trainer uses. The model uses only the ratios of those batch times (:func:`nestpipe.planning.measured.dense_scale`):
+trainer uses. The model uses only the ratios of those batch times (:func:`nestpipe.measure.measured.dense_scale`):
 the level (how fast the machine ran the dense model during the run) stays the calibration run's. The slope of a
 least-squares line through (calls, seconds), the per-call cost, is reported beside them.
 

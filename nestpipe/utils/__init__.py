@@ -1,0 +1,1 @@
+"""Small helpers every component uses (the ground floor: no imports from the rest of the package)."""

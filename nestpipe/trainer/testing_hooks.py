@@ -1,0 +1,101 @@
+"""Test-only hooks: the negative controls that must break a correctness test, and fault and timing injection.
+
+None of these is a training option: they are not in :class:`~nestpipe.trainer.config.TrainConfig`, never written to
+``RUN/config.json`` and never read from a config file. Tests set them for one run through the environment of the
+ranks (:func:`as_env`, read once per process by :func:`active`) or, in-process, with :func:`override`. A run with a
+hook set prints it at start and records it in ``metrics.json`` (``testing_hooks``), so such a run cannot pass for
+a normal one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from typing import Any, Dict, Iterator, Optional
+
+ENV_VAR = "NESTPIPE_TESTING_HOOKS"
+
+
+@dataclasses.dataclass(frozen=True)
+class TestingHooks:
+    """Every field's default is the production behaviour."""
+
+    __test__ = False  # not a pytest test class
+
+    # negative controls: each one breaks an invariant that a test asserts
+    requester_salt: int = 0  # requesters route with another placement salt than owners use
+    skip_replica_sync: bool = False  # 2D-SP: replicas are not synchronised across groups (they diverge)
+    skip_dual_buffer_sync: bool = False  # DBP: rows of keys(t) ∩ keys(t+1) are not copied into t+1's buffer
+    update_per_micro_batch: bool = False  # FWP: the update runs after every micro-batch (the window is not frozen)
+    replica_refresh_own_keys_only: bool = False  # 2D-SP + DBP: the sync refreshes only the group's own keys(t)
+    # faults and timing: raise on ``fail_rank`` at step ``fail_step``; sleep inside checkpoint writes or between
+    # retrieval and forward (a batch in flight), so a test can kill the run there
+    fail_step: int = -1
+    fail_rank: int = 0
+    checkpoint_sleep_s: float = 0.0
+    step_sleep_s: float = 0.0
+
+    def changed(self) -> Dict[str, Any]:
+        """The hooks that differ from production, by name (empty in a normal run)."""
+        default = TestingHooks()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)}
+
+
+def parse(text: str, where: str = ENV_VAR) -> TestingHooks:
+    """Hooks from a JSON object of field names to values; unknown names and wrong types are refused."""
+    try:
+        doc = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not a JSON object: {e}") from e
+    if not isinstance(doc, dict):
+        raise ValueError(f"{where}: expected a JSON object of hook names to values")
+    fields = {f.name: f for f in dataclasses.fields(TestingHooks)}
+    kwargs = {}
+    for name, value in doc.items():
+        if name not in fields:
+            raise ValueError(f"{where}: unknown testing hook {name!r} (known: {', '.join(sorted(fields))})")
+        kind = type(getattr(TestingHooks(), name))
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise ValueError(f"{where}: testing hook {name} = {value!r}: expected {kind.__name__}")
+        kwargs[name] = value
+    return TestingHooks(**kwargs)
+
+
+_override: Optional[TestingHooks] = None
+_from_env: Optional[TestingHooks] = None
+
+
+def active() -> TestingHooks:
+    """The hooks of this process: an :func:`override` if one is in effect, else ``$NESTPIPE_TESTING_HOOKS`` (parsed
+    once), else production."""
+    global _from_env
+    if _override is not None:
+        return _override
+    if _from_env is None:
+        _from_env = parse(os.environ.get(ENV_VAR, ""))
+    return _from_env
+
+
+def as_env(**hooks: Any) -> Dict[str, str]:
+    """The environment entry that sets ``hooks`` in processes started with it (validated here first)."""
+    text = json.dumps(hooks, sort_keys=True)
+    parse(text)
+    return {ENV_VAR: text}
+
+
+@contextlib.contextmanager
+def override(**hooks: Any) -> Iterator[TestingHooks]:
+    """Set ``hooks`` in this process (threads included) for the duration of the block."""
+    global _override
+    previous = _override
+    _override = parse(json.dumps(hooks), where="override")
+    try:
+        yield _override
+    finally:
+        _override = previous

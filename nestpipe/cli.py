@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "nestpipe.trainer.cli",
     "nestpipe.kernels.cli",
     "nestpipe.planning.cli",
+    "nestpipe.measure.cli",
     "nestpipe.demo",
 ]
 
@@ -28,7 +29,7 @@ COMMAND_OWNERS = {
     "cluster-report": "nestpipe.clustering.cli",
     "train": "nestpipe.trainer.cli", "eval": "nestpipe.trainer.cli", "export": "nestpipe.trainer.cli",
     "kernels-info": "nestpipe.kernels.cli",
-    "plan": "nestpipe.planning.cli", "simulate": "nestpipe.planning.cli",
+    "plan": "nestpipe.planning.cli", "simulate": "nestpipe.measure.cli",
     "demo": "nestpipe.demo",
 }
 

@@ -9,7 +9,7 @@ import pytest
 
 from nestpipe.cli import main
 from nestpipe.planning import keys, load_hardware, load_workload, network
-from nestpipe.planning.calibration import calibrate_from_run
+from nestpipe.measure.measured import calibrate_run
 from nestpipe.planning.cost_model import StepCosts, Scenario
 from nestpipe.planning.planner import PlannerConfig, TableInfo, make_plan
 from nestpipe.planning.timeline import simulate_steps
@@ -128,14 +128,14 @@ def test_simulate_cli_writes_figures(tmp_path, capsys):
     assert "unknown mode" in capsys.readouterr().err
 
 
-def test_calibrate_from_run_errors_name_the_file(tmp_path):
+def test_calibrate_run_errors_name_the_file(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     with pytest.raises(FileNotFoundError, match="metrics.json"):
-        calibrate_from_run(str(run))
+        calibrate_run(str(run))
     (run / "metrics.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot parse metrics.json"):
-        calibrate_from_run(str(run))
+        calibrate_run(str(run))
     assert main(["simulate", "--calibrate", str(run)]) == 1
 
 

@@ -22,19 +22,22 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 import torch
+from nestpipe.clustering.balance import capacities
+from nestpipe.trainer.config import TrainConfig
+from nestpipe.trainer.data import ShardStream
+from nestpipe.trainer.embedding.collection import table_dims
+from nestpipe.trainer.models import build_model
+from nestpipe.trainer.models.hstu import NEG
 
 
 def _micro_batch_inputs(cfg, manifest, record: Dict, model, dims: Dict[str, int], n: int, rng: torch.Generator):
     """(emb, feats) of each of ``n`` micro-batches of one batch: balanced sample counts, the record's lengths."""
-    from nestpipe.clustering.balance import capacities
 
     b = manifest.batch_size
     caps = capacities(b, n)
     starts = np.concatenate([[0], np.cumsum(caps)]).astype(np.int64)
     out = []
     if cfg.model == "hstu":
-        from nestpipe.trainer.models.hstu import NEG
-
         dim = model.dim
         lengths = np.asarray(record["item.lengths"], dtype=np.int64)
         k = int(cfg.hstu.num_random_negatives) + int(cfg.hstu.num_popular_negatives)
@@ -83,9 +86,6 @@ def probe_call_seconds(cfg_dict: Dict, manifest, record: Dict, micro_batches: in
                        threads: int = 1) -> Dict[str, object]:
     """Seconds per dense forward + backward call beyond its arithmetic (slope of batch time over calls), with the
     medians it was fitted to. ``cfg_dict``: the run's config.json; ``record``: one batch record of its shards."""
-    from nestpipe.trainer.config import TrainConfig
-    from nestpipe.trainer.embedding.collection import table_dims
-    from nestpipe.trainer.models import build_model
 
     cfg = TrainConfig.from_dict(cfg_dict, where="config.json")
     b = manifest.batch_size
@@ -116,8 +116,6 @@ def probe_call_seconds(cfg_dict: Dict, manifest, record: Dict, micro_batches: in
 
 
 def first_record(shards: str, split: str = "train") -> Dict:
-    from nestpipe.trainer.data import ShardStream
-
     for _, rec, _ in ShardStream(shards, split, 0, 1, verify=False).records(0):
         return rec
     raise ValueError(f"{shards}: no {split} record to probe the dense model with")

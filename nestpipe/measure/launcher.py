@@ -17,7 +17,10 @@ from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
-from nestpipe.trainer.config import TrainConfig, merge, save_config
+from nestpipe.trainer.config import TrainConfig, load_run_config, merge, save_config
+from nestpipe.trainer.distributed import process_groups
+from nestpipe.trainer.distributed import device as devmod
+from nestpipe.trainer.loop import train_worker
 
 
 def write_run(out: str, shards: str, model: str, pipeline: str, steps: int, sets: Optional[Dict] = None,
@@ -45,9 +48,6 @@ def run_plan(plan: List[Dict], world: int, plan_path: str, timeout: float = 300,
 
 
 def main(argv=None) -> int:
-    from nestpipe.trainer.distributed import device as devmod
-    from nestpipe.trainer.config import load_run_config
-    from nestpipe.trainer.loop import train_worker
 
     plan_path = (argv or sys.argv[1:])[0]
     with open(plan_path) as f:
@@ -66,8 +66,6 @@ def main(argv=None) -> int:
             if world > 1:
                 dist.barrier()
     finally:
-        from nestpipe.trainer.distributed import process_groups
-
         process_groups.forget()
         dist.destroy_process_group()
     return 0

@@ -48,8 +48,12 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from nestpipe.datasets.shards import load_manifest
+from nestpipe.measure.dense_probe import first_record, probe_call_seconds
 from nestpipe.planning.cost_model import Scenario, StepCosts
 from nestpipe.planning.timeline import simulate_steps
+from nestpipe.trainer.data import ShardStream
+from nestpipe.trainer.pipeline.timeline import load_chrome_trace
 
 ROUTE_CALLS = 2  # counts + payload all_to_all_single per step
 TCP_IP_HEADER = 52  # IPv4 20 + TCP 20 + timestamps 12 bytes per packet
@@ -127,7 +131,6 @@ def dense_flops_per_sample(cfg: Dict, manifest) -> float:
 
 def workload_from_shards(shards: str, cfg: Dict, world: int, steps: int = 8) -> LocalWorkload:
     """Key volumes of the first ``steps`` batches of every rank, read from the shards (no training)."""
-    from nestpipe.trainer.data import ShardStream
 
     stream0 = ShardStream(shards, "train", 0, world, verify=False)
     man = stream0.manifest
@@ -218,7 +221,6 @@ def median_step_s(run: str, warm: int = 2) -> Optional[float]:
     path = os.path.join(run, "trace.json")
     if not os.path.exists(path):
         return None
-    from nestpipe.trainer.pipeline.timeline import load_chrome_trace
 
     ends: Dict[int, Dict[int, float]] = {}
     for sp in load_chrome_trace(path):
@@ -255,7 +257,6 @@ def read_run(run: str) -> RunMeasurement:
         cpu_s += float(r.get("cpu_s", 0.0)) / n / len(ranks)
         for k, v in r.get("network_bytes", {}).items():
             nbytes[k] = nbytes.get(k, 0.0) + v / n / len(ranks)
-    from nestpipe.datasets.shards import load_manifest
 
     man = load_manifest(cfg["shards"])
     mean = float(m["step_s"])
@@ -475,9 +476,6 @@ def calibrate_run(run: str, cores: Optional[int] = None, steps: int = 8, probe: 
         raise RunError(f"{run}: micro-batches differ between shards and run")
     res = None
     if probe and meas.pipeline == "off":
-        from nestpipe.datasets.shards import load_manifest
-
-        from nestpipe.measure.dense_probe import first_record, probe_call_seconds
 
         res = probe_call_seconds(meas.cfg, load_manifest(meas.shards), first_record(meas.shards), wl.micro_batches,
                                  threads=int(meas.cfg.get("threads", 1)))

@@ -18,7 +18,10 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from nestpipe.clustering import assign, table_fields
+from nestpipe.datasets.shards import Manifest, TableSpec, save_manifest, write_split_shards
 from nestpipe.measure import measured
+from nestpipe.measure.launcher import run_plan, write_run
 
 NS = "nestpipe-simcal"
 LINK_MTU, LINK_BURST, LINK_LATENCY = 1500, "16kb", "500ms"
@@ -41,8 +44,6 @@ def make_gr_shards(out: str, batch: int, seq_len: int, micro_batches: int, vocab
                    n_shards: int = 6, zipf: float = 1.2, seed: int = 7) -> str:
     """GR shards (item ``vocab`` rows + action 256 rows, Zipf item ids, clustered micro-batches); ``n_shards``
     train shards (6 feed world 2 and 3 evenly). The same seed gives the same sequences for every micro-batch count."""
-    from nestpipe.clustering import assign, table_fields
-    from nestpipe.datasets.shards import Manifest, TableSpec, save_manifest, write_split_shards
 
     rng = np.random.default_rng(seed)
     tables = {"item": TableSpec(vocab, 64, "sequence"), "action": TableSpec(256, 64, "sequence")}
@@ -109,7 +110,6 @@ def train_configs(out: str, shards: Dict[int, str], configs: List[Config], steps
                   keep_checkpoints: bool = False) -> Dict[Config, List[str]]:
     """Train every config ``repeats`` times, interleaved (A B C A B C ...: a burst of other load on this shared
     machine hits one repeat, not every run of one config), one launch per (world, cap); config -> run dirs."""
-    from nestpipe.measure.launcher import run_plan, write_run
 
     runs: Dict[Config, List[str]] = {}
     groups: Dict[Tuple[int, Optional[float]], List[Config]] = {}

@@ -101,7 +101,7 @@ RUN_KEYS = ("world", "batch_size_per_rank", "pipeline", "samples_per_s", "lookup
 
 def breakdown_from_run(run: str) -> Dict[str, Any]:
     """The headline figures of ``RUN/metrics.json`` as a breakdown (step from samples/s, lookup and communication
-    per step): a quick look at a run; :func:`calibrate_from_run` is the calibration."""
+    per step): a quick look at a run; :func:`nestpipe.measure.measured.calibrate_run` is the calibration."""
     path = os.path.join(run, "metrics.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no metrics.json (is {run} the --out directory of `nestpipe train`?)")
@@ -116,11 +116,3 @@ def breakdown_from_run(run: str) -> Dict[str, Any]:
     step_s = m["batch_size_per_rank"] * m["world"] / m["samples_per_s"]
     return {"workers": m["world"], "pipeline": m["pipeline"], "step_ms": step_s * 1e3,
             "lookup_ms": m["lookup_s_per_step"] * 1e3, "comm_ms": m["communication_s_per_step"] * 1e3}
-
-
-def calibrate_from_run(run: str, cores: Optional[int] = None):
-    """The local testbed model fitted to a measured ``--pipeline off`` run: (hardware, workload, measurement);
-    see :mod:`nestpipe.measure.measured`."""
-    from nestpipe.measure import measured
-
-    return measured.calibrate_run(run, cores)

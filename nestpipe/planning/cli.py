@@ -1,10 +1,15 @@
-"""``nestpipe plan`` and ``nestpipe simulate``."""
+"""``nestpipe plan``: per-table sharding and the 2D-SP group size (the ``simulate`` command is in
+:mod:`nestpipe.measure.cli`, since ``--calibrate RUN`` fits the model to a measured run)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+
+from nestpipe.datasets.shards import load_manifest
+from nestpipe.planning import planner
+from nestpipe.planning._io import read_mapping
+from nestpipe.planning.hardware import load_hardware
 
 
 def add_parser(sub) -> None:
@@ -31,47 +36,12 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the JSON plan instead of the table")
     p.set_defaults(func=_plan)
 
-    s = sub.add_parser("simulate", help="predict step time, QPS, scaling and exposed costs from 2 to 4,096 workers",
-                       description="Event-based step timeline of off (TorchRec-like), 2D-SP, DBP, FWP, nested and "
-                                   "nested + 2D-SP; calibrated on a measured off-mode breakdown (default: the "
-                                   "paper's TorchRec breakdown at 1,536 workers). Model: docs/planning.md.")
-    s.add_argument("--workload", default="paper-hstu", help="preset name or JSON/TOML file")
-    s.add_argument("--hardware", default="ascend-910b", help="preset name or JSON/TOML file")
-    s.add_argument("--set-workload", nargs="*", default=[], metavar="KEY=VALUE")
-    s.add_argument("--set-hardware", nargs="*", default=[], metavar="KEY=VALUE")
-    cal = s.add_mutually_exclusive_group()
-    cal.add_argument("--breakdown", help="JSON {workers, step_ms, lookup_ms, comm_ms} of a measured off-mode step")
-    cal.add_argument("--calibrate", metavar="RUN",
-                     help="a `nestpipe train --pipeline off` run directory (world >= 2): fit this machine's lookup, "
-                          "collective, dense and overhead costs and predict the trainer's step on it")
-    cal.add_argument("--uncalibrated", action="store_true", help="use the raw preset model")
-    s.add_argument("--workers", type=int, nargs="*", default=None, help="worker counts (default 2 .. 4096)")
-    s.add_argument("--modes", nargs="*", default=None, help="subset of off 2dsp dbp fwp nested nested+2dsp")
-    s.add_argument("--reference-workers", type=int, default=None, help="scaling-efficiency reference")
-    s.add_argument("--no-clustering", action="store_true", help="random micro-batch partition")
-    s.add_argument("--gantt-workers", type=int, default=None, help="worker count of the Gantt charts")
-    s.add_argument("--out", help="directory for results.json, scaling.png and gantt-MODE.png")
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--predict-shards", metavar="DIR",
-                   help="with --calibrate: predict training on these shards (e.g. another micro-batch count; default "
-                        "the run's)")
-    s.add_argument("--link-bit-per-s", type=float, default=None,
-                   help="with --calibrate: a bandwidth cap every rank's traffic shares (tc tbf rate, MTU 1500)")
-    s.add_argument("--cores", type=int, default=None, help="with --calibrate: cores the ranks share (default: this "
-                                                           "machine's)")
-    s.set_defaults(func=_simulate)
-
 
 def _plan(args) -> int:
-    from . import planner
-    from ._io import read_mapping
-    from .hardware import load_hardware
 
     hw = load_hardware(args.hardware)
     batch = args.batch
     if args.shards:
-        from nestpipe.datasets.shards import load_manifest
-
         man = load_manifest(args.shards)
         tables = planner.tables_from_manifest(man, args.unique_ratio)
         batch = batch or man.batch_size
@@ -86,92 +56,4 @@ def _plan(args) -> int:
     print(json.dumps(plan, indent=1, sort_keys=True) if args.json else planner.format_plan(plan))
     if args.out and not args.json:
         print(f"plan written to {args.out}")
-    return 0
-
-
-def _simulate(args) -> int:
-    from . import calibration, simulate
-    from ._io import parse_overrides
-    from .cost_model import MODES, Scales, Scenario
-    from .hardware import load_hardware
-    from .timeline import write_gantt
-    from .workload import load_workload
-
-    if args.calibrate:
-        return _simulate_measured(args)
-    wl = load_workload(args.workload, parse_overrides(args.set_workload, "--set-workload"))
-    hw = load_hardware(args.hardware, parse_overrides(args.set_hardware, "--set-hardware"))
-    if args.uncalibrated:
-        bd, scales = None, Scales()
-    else:
-        bd = calibration.load_breakdown(args.breakdown) if args.breakdown else calibration.PAPER_TORCHREC_1536
-        scales = calibration.calibrate(wl, hw, bd)
-    modes = args.modes or list(MODES)
-    for m in modes:
-        if m not in MODES:
-            raise ValueError(f"--modes: unknown mode {m!r} (known: {' '.join(MODES)})")
-    workers = args.workers or list(simulate.DEFAULT_WORKERS)
-    preds = simulate.sweep(wl, hw, scales, modes, workers, args.reference_workers, clustered=not args.no_clustering)
-    doc = {"workload": wl.__dict__, "hardware": hw.__dict__, "calibration": bd.__dict__ if bd else None,
-           "scales": scales.__dict__, "predictions": [p.as_dict() for p in preds]}
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-        simulate.plot_scaling(preds, os.path.join(args.out, "scaling.png"),
-                              f"{wl.name} on {hw.name}: scaling efficiency")
-        gw = args.gantt_workers or (bd.workers if bd else max(workers))
-        for m in modes:
-            p, sched = simulate.run(wl, hw, Scenario(gw, m, clustered=not args.no_clustering), scales)
-            write_gantt(sched, os.path.join(args.out, f"gantt-{m.replace('+', '-')}.png"),
-                        f"{m} at {gw} workers (group {p.group_size}, N={p.micro_batches}): step {p.step_ms:.1f} ms")
-    if args.json:
-        print(json.dumps(doc, indent=1, sort_keys=True))
-    else:
-        print(simulate.format_table(preds))
-        if args.out:
-            print(f"results, scaling.png and gantt-*.png written to {args.out}")
-    return 0
-
-
-def _simulate_measured(args) -> int:
-    """``simulate --calibrate RUN``: the local testbed model fitted to one measured off run (measure/measured.py)."""
-    from nestpipe.measure import measured
-
-    hw, wl0, meas = measured.calibrate_run(args.calibrate, args.cores)
-    worlds = args.workers or [meas.world]
-    modes = args.modes or list(measured.MODES_LOCAL)
-    for m in modes:
-        if m not in measured.MODES_LOCAL:
-            raise ValueError(f"--modes: {m!r} cannot be predicted for this trainer (known: "
-                             f"{' '.join(measured.MODES_LOCAL)})")
-    shards = args.predict_shards or meas.shards
-    preds = []
-    for w in worlds:
-        wl = wl0 if (w == meas.world and shards == meas.shards) else measured.workload_from_shards(shards, meas.cfg, w)
-        for m in modes:
-            preds.append(measured.predict(hw, wl, m, args.link_bit_per_s))
-    doc = {"calibrated_on": {"run": meas.run, "world": meas.world, "micro_batches": meas.micro_batches,
-                             "step_ms": meas.step_s * 1e3},
-           "hardware": hw.as_dict(), "predictions": [p.as_dict() for p in preds]}
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-    if args.json:
-        print(json.dumps(doc, indent=1, sort_keys=True))
-        return 0
-    print(f"calibrated on {meas.run}: --pipeline off, world {meas.world}, {meas.micro_batches} micro-batches, "
-          f"step {meas.step_s * 1e3:.1f} ms")
-    print(f"  lookup {hw.key_s * 1e6:.3f} us/key, exchange work {hw.row_s * 1e6:.3f} us/row, collective "
-          f"{hw.coll_latency_s * 1e3:.3f} ms + {hw.coll_s_per_byte * 1e9:.3f} ns/B, dense {hw.dense_flops / 1e9:.2f} "
-          f"GFLOP/s + {hw.dense_call_s * 1e3:.2f} ms per call, data {hw.token_s * 1e9:.1f} ns/token, step overhead "
-          f"{hw.step_overhead_s * 1e3:.2f} ms, "
-          f"{hw.cores} cores")
-    head = f"{'pipeline':<8} {'world':>5} {'N':>3} {'step ms':>9} {'exp.comm ms':>11} {'exp.lookup ms':>13}"
-    print(head)
-    print("-" * len(head))
-    for p in preds:
-        print(f"{p.pipeline:<8} {p.world:>5} {p.micro_batches:>3} {p.step_s * 1e3:9.1f} {p.exposed_comm_s * 1e3:11.1f} "
-              f"{p.exposed_lookup_s * 1e3:13.2f}")
     return 0

@@ -66,7 +66,7 @@ def runs(tmp_path_factory):
     out = {}
 
     def add(plan, world, model, name, pipeline, steps=STEPS, resume=False, checkpoint_every=0, top=None, emb=None,
-            **pipe):
+            hooks=None, **pipe):
         run = str(base / f"w{world}-{model}-{name}")
         if not resume:
             sets = _sets(model, **pipe)
@@ -80,7 +80,7 @@ def runs(tmp_path_factory):
             if name == "nested":
                 sets["pipe"]["gantt_steps"] = 3  # one run draws the Gantt chart
             write_run(run, (shards4 if world == 4 else shards)[model], model, pipeline, steps, sets, checkpoint_every)
-        plan.append({"run": run, "resume": resume})
+        plan.append({"run": run, "resume": resume, "testing_hooks": hooks or {}})
         out[(world, model, name)] = run
 
     plan2 = []
@@ -89,15 +89,16 @@ def runs(tmp_path_factory):
         add(plan2, 2, model, "nested", "nested")
     add(plan2, 2, "hstu", "dbp", "dbp")
     add(plan2, 2, "hstu", "fwp", "fwp")
-    add(plan2, 2, "hstu", "nosync", "nested", debug_skip_dual_buffer_sync=True)
-    add(plan2, 2, "dlrm", "nosync", "nested", debug_skip_dual_buffer_sync=True)
+    nosync = {"skip_dual_buffer_sync": True}  # negative control (nestpipe.trainer.testing_hooks)
+    add(plan2, 2, "hstu", "nosync", "nested", hooks=nosync)
+    add(plan2, 2, "dlrm", "nosync", "nested", hooks=nosync)
     # the buffered update with write-back (the device path's order) instead of the CPU default (update in the store,
     # sync from the store), with its own sync-off control
     wb = {"dbp_update_in_store": False}
     for model in ("hstu", "dlrm"):
         add(plan2, 2, model, "nested-wb", "nested", emb=wb)
-    add(plan2, 2, "hstu", "nosync-wb", "nested", emb=wb, debug_skip_dual_buffer_sync=True)
-    add(plan2, 2, "hstu", "per-mb", "nested", debug_update_per_micro_batch=True)
+    add(plan2, 2, "hstu", "nosync-wb", "nested", emb=wb, hooks=nosync)
+    add(plan2, 2, "hstu", "per-mb", "nested", hooks={"update_per_micro_batch": True})
     add(plan2, 2, "hstu", "random-mb", "nested", micro_batching="random")
     # resume: 8 steps with checkpoints every 4, then resume the same run to 20 steps, all nested
     add(plan2, 2, "hstu", "resumed", "nested", steps=8, checkpoint_every=4)
@@ -110,7 +111,8 @@ def runs(tmp_path_factory):
     for model in ("hstu", "dlrm"):
         add(plan4, 4, model, "off", "off", steps=STEPS_2DSP, top=sg)
         add(plan4, 4, model, "nested", "nested", steps=STEPS_2DSP, top=sg)
-        add(plan4, 4, model, "own-keys", "nested", steps=STEPS_2DSP, top=sg, debug_replica_refresh_own_keys_only=True)
+        add(plan4, 4, model, "own-keys", "nested", steps=STEPS_2DSP, top=sg,
+            hooks={"replica_refresh_own_keys_only": True})
     # the alternative FWP layout (one comm thread for both exchange groups, pipe.comm_threads = 1), also starting two
     # embedding All2Alls of the next batch at the boundary instead of the default one (pipe.boundary_prime)
     for model in ("hstu", "dlrm"):

@@ -7,7 +7,7 @@ accumulator divided by ``G = W / M``), then sets every row that some group's bat
 ``G`` copies (weights and AdaGrad state); dense parameters (AdamW) and replicated tables see the gradient of all
 ranks, as in plain training. Negative controls: the same run does not match the plain-training reference (one group),
 nor the reference with the other optimizer scale; a run with the replica synchronisation switched off
-(``embedding.debug_skip_replica_sync``) matches neither the reference nor has equal replicas. ``M = W`` is plain
+(the ``skip_replica_sync`` testing hook) matches neither the reference nor has equal replicas. ``M = W`` is plain
 training, bitwise. Errors for a world size not divisible by ``M`` and friends are checked on the command line.
 """
 
@@ -149,7 +149,7 @@ def runs(tmp_path_factory):
                 vocab=400, seed=6)
     out, plan = {}, []
 
-    def add(model, name, pipeline="off", **top):
+    def add(model, name, pipeline="off", hooks=None, **top):
         sets = json.loads(json.dumps(SETS[model]))
         sets["embedding"]["optimizer"] = OPTIMIZER[model]
         sets["pipe"] = {"gantt_steps": 0}
@@ -161,12 +161,12 @@ def runs(tmp_path_factory):
                 sets[k] = v
         run = str(base / f"{model}-{name}")
         write_run(run, shards[model], model, pipeline, STEPS, sets)
-        plan.append({"run": run})
+        plan.append({"run": run, "testing_hooks": hooks or {}})
         out[(model, name)] = run
 
     for model in ("hstu", "dlrm"):
         add(model, "m2", sparse_groups=M)
-    add("hstu", "m2-nosync", sparse_groups=M, embedding={"debug_skip_replica_sync": True})
+    add("hstu", "m2-nosync", sparse_groups=M, hooks={"skip_replica_sync": True})
     add("hstu", "plain", "nested")  # sparse_groups 0: plain training
     add("hstu", "m4", "nested", sparse_groups=WORLD)  # M = world: one group
     p = run_plan(plan, WORLD, str(base / "plan.json"), timeout=500)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from nestpipe.trainer import testing_hooks
 from nestpipe.trainer.placement import init_rows, make_placement, to_vocab
 from shard_sets import make_shards
 
@@ -23,9 +25,13 @@ def cmd(*args):
     return [sys.executable, "-m", "nestpipe", *args]
 
 
-def run(*args, timeout=180):
-    return subprocess.run(cmd(*args), capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+def env(**hooks):
+    """The ranks' environment, with test-only hooks (nestpipe.trainer.testing_hooks) when given."""
+    return dict(os.environ, OMP_NUM_THREADS="1", **(testing_hooks.as_env(**hooks) if hooks else {}))
+
+
+def run(*args, timeout=180, hooks=None):
+    return subprocess.run(cmd(*args), capture_output=True, text=True, timeout=timeout, env=env(**(hooks or {})))
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +113,8 @@ def test_corrupt_shard_is_named(gr, tmp_path):
 def test_failing_rank_ends_all_ranks_quickly(gr, tmp_path):
     t0 = time.time()
     p = run("train", "--shards", gr, "--out", str(tmp_path / "f"), "--model", "hstu", "--nproc-per-node", "2",
-            "--steps", "5", "--timeout", "20", "--no-progress", "--set", "debug_fail_step=2",
-            "--set", "debug_fail_rank=1", *SETS, timeout=120)
+            "--steps", "5", "--timeout", "20", "--no-progress", *SETS, timeout=120,
+            hooks={"fail_step": 2, "fail_rank": 1})
     took = time.time() - t0
     assert p.returncode != 0
     assert "injected failure at step 2" in p.stderr and "rank 1" in p.stderr
@@ -143,16 +149,17 @@ def _wait_for(path, proc, limit=120):
 
 def test_sigkill_mid_checkpoint_and_mid_step_then_resume_is_bitwise(gr, tmp_path):
     args = ["--model", "hstu", "--nproc-per-node", "2", "--steps", "9", "--checkpoint-every", "3", "--no-progress",
-            *SETS, "--set", "debug_checkpoint_sleep_s=2", "--set", "debug_step_sleep_s=0.4"]
+            *SETS]
+    hooks = {"checkpoint_sleep_s": 2.0, "step_sleep_s": 0.4}  # windows to kill the run in
     ref = str(tmp_path / "ref")
-    p = run("train", "--shards", gr, "--out", ref, *args)
+    p = run("train", "--shards", gr, "--out", ref, *args, hooks=hooks)
     assert p.returncode == 0, p.stderr[-3000:]
     assert run("export", "--run", ref, "--out", str(tmp_path / "ref.pt")).returncode == 0
 
     out = str(tmp_path / "killed")
     ck = os.path.join(out, "checkpoints")
     proc = subprocess.Popen(cmd("train", "--shards", gr, "--out", out, *args), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env(**hooks))
     try:
         _wait_for(os.path.join(ck, ".tmp-step-00000006", "rank-00000.pt.part"), proc)  # mid checkpoint write
     finally:
@@ -162,13 +169,13 @@ def test_sigkill_mid_checkpoint_and_mid_step_then_resume_is_bitwise(gr, tmp_path
 
     # resume, and kill again mid-step once step 6 is checkpointed
     proc = subprocess.Popen(cmd("train", "--resume", out, "--nproc-per-node", "2"), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env(**hooks))
     try:
         _wait_for(os.path.join(ck, "step-00000006", "meta.json"), proc)
         time.sleep(0.6)  # inside step 7 (each step pauses 0.4 s between retrieval and forward)
     finally:
         _kill_tree(proc)
-    p = run("train", "--resume", out, "--nproc-per-node", "2")
+    p = run("train", "--resume", out, "--nproc-per-node", "2", hooks=hooks)
     assert p.returncode == 0, p.stderr[-3000:]
     starts = [json.loads(x) for x in open(os.path.join(out, "scalars.jsonl")) if '"start"' in x]
     assert [s["resumed_from_step"] for s in starts] == [0, 3, 6], starts
@@ -193,3 +200,53 @@ def test_sigkill_mid_checkpoint_and_mid_step_then_resume_is_bitwise(gr, tmp_path
     assert run("export", "--run", short, "--out", str(tmp_path / "s.pt")).returncode == 0
     c = torch.load(str(tmp_path / "s.pt"), weights_only=True)
     assert not torch.equal(a["embedding.item.weight"], c["embedding.item.weight"])
+
+
+def test_config_validation_names_the_key_and_checks_types():
+    from nestpipe.trainer.config import TrainConfig
+
+    for bad, message in (({"pipe": {"depth": 0}}, "pipe.depth = 0: must be >= 1"),
+                         ({"pipe": {"comm_threads": 3}}, "pipe.comm_threads = 3: expected one of 1, 2"),
+                         ({"pipeline": "fast"}, "pipeline = 'fast': expected one of off, dbp, fwp, nested"),
+                         ({"embedding": {"lr": "0.1"}}, "embedding.lr = '0.1': expected float"),
+                         ({"progress": 1}, "progress = 1: expected bool"),
+                         ({"dlrm": {"top_mlp": [64, "x"]}}, "dlrm.top_mlp"),
+                         ({"embedding": {"kinds": {"item": "hashed"}}}, "embedding.kinds.item = 'hashed'"),
+                         ({"embedding": {"huge_pages": "sometimes"}}, "embedding.huge_pages")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            TrainConfig.from_dict(bad, where="cfg")
+    # integers are accepted for float keys, lists for tuples
+    cfg = TrainConfig.from_dict({"embedding": {"lr": 1}, "dlrm": {"top_mlp": [8, 4]}})
+    assert cfg.embedding.lr == 1 and cfg.dlrm.top_mlp == (8, 4)
+
+
+def test_config_of_an_earlier_run_with_retired_test_keys_loads_with_a_warning(tmp_path, capsys):
+    from nestpipe.trainer.config import TrainConfig, load_run_config
+
+    doc = TrainConfig().to_dict()
+    doc["debug_fail_step"] = -1
+    doc["pipe"]["debug_skip_dual_buffer_sync"] = False
+    (tmp_path / "config.json").write_text(json.dumps(doc))
+    cfg = load_run_config(str(tmp_path))
+    assert cfg == TrainConfig()
+    err = capsys.readouterr().err
+    assert "ignoring debug_fail_step, pipe.debug_skip_dual_buffer_sync" in err and "testing_hooks" in err
+
+
+def test_help_config_lists_every_key():
+    p = run("train", "--help-config")
+    assert p.returncode == 0, p.stderr
+    for key in ("pipe.depth", "pipe.boundary_prime", "embedding.placement", "hstu.max_seq_len", "dlrm.target",
+                "optim.lr", "flush_denormal", "sparse_groups"):
+        assert f"  {key}  (" in p.stdout, key
+    assert "debug_" not in p.stdout
+
+
+def test_testing_hooks_refuse_unknown_names_and_wrong_types():
+    with pytest.raises(ValueError, match="unknown testing hook 'skip_sync'"):
+        testing_hooks.as_env(skip_sync=True)
+    with pytest.raises(ValueError, match="fail_step = 'x': expected int"):
+        testing_hooks.as_env(fail_step="x")
+    with testing_hooks.override(fail_step=3):
+        assert testing_hooks.active().changed() == {"fail_step": 3}
+    assert testing_hooks.active().changed() == {}

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from nestpipe.trainer import testing_hooks
 from nestpipe.datasets.shards import load_manifest
 from nestpipe.trainer.config import load_run_config
 from nestpipe.trainer.data import ShardStream, prepare_batch
@@ -36,17 +37,17 @@ SETS = {
 }
 
 
-def nestpipe(*args, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def nestpipe(*args, timeout=240, hooks=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(testing_hooks.as_env(**hooks) if hooks else {}))
     p = subprocess.run([sys.executable, "-m", "nestpipe", *args], capture_output=True, text=True, timeout=timeout,
                        env=env)
     return p
 
 
-def train_and_export(shards, out, model, extra=()):
+def train_and_export(shards, out, model, extra=(), hooks=None):
     sets = [x for s in SETS[model] + list(extra) for x in ("--set", s)]
     p = nestpipe("train", "--shards", shards, "--out", out, "--model", model, "--nproc-per-node", str(WORLD),
-                 "--steps", str(STEPS), "--no-progress", *sets)
+                 "--steps", str(STEPS), "--no-progress", *sets, hooks=hooks)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     p = nestpipe("export", "--run", out, "--out", os.path.join(out, "export.pt"))
     assert p.returncode == 0, p.stderr[-3000:]
@@ -169,7 +170,8 @@ def test_two_ranks_match_float64_reference(shard_dirs, model):
 
     # negative control: requesters route with another placement than owners use -> must not match
     bad = str(base / f"run-{model}-bad")
-    exported_bad = train_and_export(shards, bad, model, extra=["dtype=\"float64\"", "embedding.debug_requester_salt=7"])
+    exported_bad = train_and_export(shards, bad, model, extra=["dtype=\"float64\""],
+                                   hooks={"requester_salt": 7})
     with pytest.raises(AssertionError):
         compare(exported_bad, ref)
 

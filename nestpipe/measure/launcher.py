@@ -2,7 +2,8 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node W -m nestpipe.measure.launcher PLAN.json
 
-``PLAN.json`` is a list of ``{"run": RUN, "resume": bool}``; every ``RUN/config.json`` is written beforehand
+``PLAN.json`` is a list of ``{"run": RUN, "resume": bool, "testing_hooks": {...}}`` (hooks optional: the test-only
+negative controls and faults of :mod:`nestpipe.trainer.testing_hooks`, set for that run only); every ``RUN/config.json`` is written beforehand
 (:func:`write_run`). The runs execute one after another on the same ranks through the trainer's own
 :func:`~nestpipe.trainer.loop.train_worker`, exactly as ``nestpipe train`` would run them.
 """
@@ -17,6 +18,7 @@ from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
+from nestpipe.trainer import testing_hooks
 from nestpipe.trainer.config import TrainConfig, load_run_config, merge, save_config
 from nestpipe.trainer.distributed import process_groups
 from nestpipe.trainer.distributed import device as devmod
@@ -62,7 +64,8 @@ def main(argv=None) -> int:
     try:
         for item in plan:
             cfg = load_run_config(item["run"])
-            train_worker(cfg, dev, rank, world, bool(item.get("resume")))
+            with testing_hooks.override(**item.get("testing_hooks", {})):
+                train_worker(cfg, dev, rank, world, bool(item.get("resume")))
             if world > 1:
                 dist.barrier()
     finally:

@@ -60,7 +60,7 @@ def save(run: str, state, step: int, sleep_s: float = 0.0) -> str:
     part = f"{path}.part"
     torch.save(_rank_payload(state, step), part)
     if sleep_s:
-        time.sleep(sleep_s)  # debug: a window for tests to kill the run mid-write
+        time.sleep(sleep_s)  # testing hook: a window for tests to kill the run mid-write
     with open(part, "rb") as f:
         os.fsync(f.fileno())
     os.replace(part, path)

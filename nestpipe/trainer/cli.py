@@ -6,6 +6,10 @@ import argparse
 import json
 import os
 
+from nestpipe.datasets.shards import load_manifest
+from nestpipe.trainer.config import (MODELS, PIPELINE_MODES, TrainConfig, describe, load_config_file, load_run_config,
+                                     merge, save_config)
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
@@ -17,11 +21,11 @@ def add_parser(subparsers) -> None:
                     "row-wise over chosen ranks, printed at start); --set embedding.placement=hashed spreads every "
                     "table over all ranks, --set embedding.placement=FILE takes a `nestpipe plan "
                     "--no-column-split` plan.")
-    p.add_argument("--shards", help="shard directory (with manifest.json)")
+    p.add_argument("--shards", help="shard directory (with manifest.json); required unless --resume or --help-config")
     p.add_argument("--out", help="run directory")
-    p.add_argument("--model", choices=["hstu", "dlrm"])
+    p.add_argument("--model", choices=MODELS)
     p.add_argument("--nproc-per-node", type=int, default=1)
-    p.add_argument("--pipeline", choices=["off", "dbp", "fwp", "nested"], default=None,
+    p.add_argument("--pipeline", choices=PIPELINE_MODES, default=None,
                    help="nested (default): DBP between batches + FWP inside a batch; dbp or fwp alone; off: "
                         "the synchronous step. All four give bitwise-identical results")
     p.add_argument("--sparse-groups", type=int, default=None, metavar="M",
@@ -47,6 +51,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--timeout", type=float, help="process-group timeout in seconds (default 60)")
     p.add_argument("--resume", metavar="RUN", help="continue RUN from its latest complete checkpoint")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--help-config", action="store_true",
+                   help="list every config key (for --config and --set) with its type, default and meaning, and exit")
     p.add_argument("torchrun_args", nargs="*", help="passed to torch.distributed.run (after --)")
     p.set_defaults(func=_train)
 
@@ -82,8 +88,10 @@ def _parse_set(items):
 
 
 def _train(args) -> int:
-    from nestpipe.trainer.config import TrainConfig, load_config_file, load_run_config, merge, save_config
-    from nestpipe.trainer.launch import launch_training
+    if args.help_config:
+        print(describe(), end="")
+        return 0
+    from nestpipe.trainer.launch import launch_training  # start-up time: torch only once a command needs it
 
     if args.resume:
         cfg = load_run_config(args.resume)
@@ -106,17 +114,12 @@ def _train(args) -> int:
     for k in ("shards", "out"):
         if not getattr(cfg, k):
             raise ValueError(f"--{k} is required (or set it in --config)")
-    from nestpipe.trainer.config import PIPELINE_MODES
-
-    if cfg.pipeline not in PIPELINE_MODES:
-        raise ValueError(f"--pipeline {cfg.pipeline}: expected one of {', '.join(PIPELINE_MODES)}")
     if not any(a.startswith("--nnodes") or a.startswith("--rdzv") for a in args.torchrun_args):
         from nestpipe.trainer.distributed import sparse_groups  # one node: the world size is known now, fail before launching
 
         layout = sparse_groups.resolve(cfg.sparse_groups, args.nproc_per_node)
         sparse_groups.momentum_scale(cfg.embedding.optimizer, layout, cfg.embedding.momentum_scale_groups)
-    from nestpipe.datasets.shards import load_manifest
-    from nestpipe.trainer.models import MODEL_TASK
+    from nestpipe.trainer.models import MODEL_TASK  # start-up time: imports torch
 
     man = load_manifest(cfg.shards)
     if MODEL_TASK[cfg.model] != man.task:

@@ -21,6 +21,7 @@ from typing import Iterator, Tuple
 import torch
 import torch.distributed as dist
 
+from nestpipe.trainer import testing_hooks
 from nestpipe.trainer import checkpoint
 from nestpipe.trainer.config import TrainConfig
 from nestpipe.trainer.data import ShardStream
@@ -52,6 +53,9 @@ def segments(start: int, total: int, every: int) -> Iterator[Tuple[int, int]]:
 
 def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume: bool) -> dict:
     torch.set_num_threads(cfg.threads)
+    hooks = testing_hooks.active()
+    if rank == 0 and hooks.changed():
+        print(f"testing hooks set (not a normal run): {hooks.changed()}", flush=True)
     flush_denormal = devmod.set_flush_denormal(cfg.flush_denormal)  # this thread; the pipeline's threads inherit it
     stream = ShardStream(cfg.shards, "train", rank, world, verify=cfg.verify_shards)
     manifest = stream.manifest
@@ -83,7 +87,7 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
     if rank == 0:
         log.write(start, event="start", resumed_from_step=start, world=world, steps=steps, pipeline=cfg.pipeline,
                   dropped_batches=stream.dropped, kinds=state.emb.kinds, kernel_paths=kernel_paths(device.torch),
-                  store_huge_pages=_huge_pages(cfg), flush_denormal=flush_denormal)
+                  store_huge_pages=_huge_pages(cfg), flush_denormal=flush_denormal, testing_hooks=hooks.changed())
     bar = None
     if rank == 0 and cfg.progress:
         from tqdm import tqdm
@@ -95,8 +99,8 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
     loss = float("nan")
 
     def before_step(step: int) -> None:
-        if step == cfg.debug_fail_step and rank == cfg.debug_fail_rank:
-            raise RuntimeError(f"rank {rank}: injected failure at step {step} (debug_fail_step)")
+        if step == hooks.fail_step and rank == hooks.fail_rank:
+            raise RuntimeError(f"rank {rank}: injected failure at step {step} (testing hook fail_step)")
 
     # steady state: the figures in metrics.json leave out the first ``warm`` steps (pipeline fill, first contact)
     warm = 2 if steps - start > 4 else 0
@@ -117,7 +121,7 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
                     bar.update(1)
         # drained: every stage thread joined, no buffer held, nothing in flight
         if seg_stop < steps:
-            checkpoint.save(cfg.out, state, seg_stop, cfg.debug_checkpoint_sleep_s)
+            checkpoint.save(cfg.out, state, seg_stop, hooks.checkpoint_sleep_s)
     elapsed = time.perf_counter() - t_start
     steady_cpu_s = time.process_time() - cpu_warm
     if bar:
@@ -157,7 +161,7 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
                    "samples_per_s": total_sps, "samples_per_s_per_rank": [g["samples_per_s"] for g in gathered],
                    "per_rank": gathered, "exchange_kinds": state.emb.kinds,
                    "kernel_paths": kernel_paths(device.torch), "store_huge_pages": _huge_pages(cfg),
-                   "flush_denormal": flush_denormal, **exposure_summary(gathered, cfg.pipe.baseline_metrics)}
+                   "flush_denormal": flush_denormal, "testing_hooks": hooks.changed(), **exposure_summary(gathered, cfg.pipe.baseline_metrics)}
         write_json_atomic(os.path.join(cfg.out, "metrics.json"), metrics)
         log.write(steps, event="end", final_loss=loss, samples_per_s=total_sps)
         log.close()

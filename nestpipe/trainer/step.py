@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nestpipe.trainer import testing_hooks
 from nestpipe.datasets.shards import Manifest
 from nestpipe.trainer.config import TrainConfig
 from nestpipe.trainer.data import NEG_SLOT, PreparedBatch, prepare_batch
@@ -248,8 +249,9 @@ def train_step(state: StepState, step: int, record: Dict, where: str = "",
         routing = stage_route(state, batch)
     with _span(tl, "retrieve", step):
         stage_retrieve(state, routing)
-    if state.cfg.debug_step_sleep_s:
-        time.sleep(state.cfg.debug_step_sleep_s)  # debug: a window to kill the run with a batch in flight
+    sleep_s = testing_hooks.active().step_sleep_s
+    if sleep_s:
+        time.sleep(sleep_s)  # testing hook: a window to kill the run with a batch in flight
     with _span(tl, "fwd_bwd", step):
         if forward_backward is None:
             loss = stage_forward_backward(state, routing, feats)

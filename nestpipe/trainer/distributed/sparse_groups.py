@@ -32,6 +32,7 @@ from typing import List, Optional
 
 import torch.distributed as dist
 
+from nestpipe.trainer import testing_hooks
 from nestpipe.trainer.distributed import process_groups
 
 OPTIMIZERS = ("rowwise_adagrad", "rowwise_adagrad_2dsp")
@@ -138,7 +139,7 @@ def attach(emb, layout: SparseLayout, cfg, groups: Optional[process_groups.Stage
     from nestpipe.trainer.embedding.replica_sync import ReplicaSync
 
     emb.replica_sync = ReplicaSync(emb, layout.num_groups, lambda: groups.get("replica"),
-                                   skip=cfg.embedding.debug_skip_replica_sync)
+                                   skip=testing_hooks.active().skip_replica_sync)
 
 
 def metrics(emb) -> dict:

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nestpipe.trainer import testing_hooks
 from nestpipe.datasets.shards import Manifest
 from nestpipe.trainer.config import EmbeddingConfig
 from nestpipe.trainer.data import NEG_SLOT, PreparedBatch
@@ -167,7 +168,7 @@ class ShardedEmbeddingCollection:
                 pl = make_placement(self.table_ids[t], v, world, owners=owners)
                 self.stores[t] = RowStore(t, pl, rank, self.dims[t], seed, cfg.init_scale, dtype,
                                           eager_rows=cfg.eager_init_max_rows, huge_pages=cfg.huge_pages)
-                self.req_placement[t] = make_placement(self.table_ids[t], v, world, salt=cfg.debug_requester_salt,
+                self.req_placement[t] = make_placement(self.table_ids[t], v, world, salt=testing_hooks.active().requester_salt,
                                                        owners=owners)
         self.slots = [t for t in names if t in self.stores]
         # 2D sparse parallelism (nestpipe.trainer.distributed.sparse_groups): the sharded tables' accumulator scale and the

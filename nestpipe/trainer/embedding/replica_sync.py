@@ -26,7 +26,7 @@ Consequence for the Dual-Buffer Pipeline (the invariant enforced by :meth:`Repli
 from :meth:`nestpipe.trainer.pipeline.dual_buffer.DualBuffer.sync`): the synchronisation changes rows of this rank's
 shard that its own group did not touch (``U`` minus ``R_mine``), and the prefetch buffer of batch t+1 may have
 gathered them before batch t's synchronisation wrote them back. So the dual-buffer sync must copy every row of
-``U ∩ keys(t+1)``, not only ``keys(t) ∩ keys(t+1)``; ``pipe.debug_replica_refresh_own_keys_only`` restricts it to
+``U ∩ keys(t+1)``, not only ``keys(t) ∩ keys(t+1)``; the ``replica_refresh_own_keys_only`` testing hook restricts it to
 the group's own keys (the negative control, which breaks nested == off).
 """
 

@@ -24,8 +24,8 @@ Why it holds:
    shard that other groups touched (outside this group's keys(u-1)): step 2 copies every row touched by ANY group
    in batch u-1 that batch u holds (:meth:`~nestpipe.trainer.embedding.replica_sync.ReplicaSync.refresh_prefetch`).
 
-``skip_sync`` (debug, ``pipe.debug_skip_dual_buffer_sync``) drops step 2: the negative control for this invariant;
-``replica_own_keys_only`` (debug, ``pipe.debug_replica_refresh_own_keys_only``) drops 2' (the 2D-SP control).
+``skip_sync`` (the ``skip_dual_buffer_sync`` testing hook) drops step 2: the negative control for this invariant;
+``replica_own_keys_only`` (the ``replica_refresh_own_keys_only`` testing hook) drops 2' (the 2D-SP control).
 """
 
 from __future__ import annotations

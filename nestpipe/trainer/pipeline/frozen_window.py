@@ -27,7 +27,7 @@ gradients accumulate on the compute thread in the same
 order. Hence the batch's gradient and update are bitwise those of ``--pipeline off`` in both layouts. Only the
 first embedding All2All (when not primed) and the last gradient All2All are exposed.
 
-``pipe.debug_update_per_micro_batch`` (negative control) applies the full update after every micro-batch but the
+The ``update_per_micro_batch`` testing hook (negative control, :mod:`nestpipe.trainer.testing_hooks`) applies the full update after every micro-batch but the
 last (and stops prefetching the next micro-batch's rows so it sees the update): the window is no longer frozen.
 """
 
@@ -41,6 +41,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from nestpipe.trainer import testing_hooks
 from nestpipe.trainer.embedding.collection import Routing
 from nestpipe.trainer.step import StepState, dense_forward_backward
 
@@ -84,7 +85,7 @@ class FrozenWindow:
         self.embed_worker = embed_worker
         self.grad_worker = grad_worker
         self.update_fn = update_fn  # only for the per-micro-batch-update negative control
-        self.debug_per_mb = bool(state.cfg.pipe.debug_update_per_micro_batch)
+        self.update_per_micro_batch = testing_hooks.active().update_per_micro_batch
         # embedding All2Alls in flight ahead of the micro-batch being computed (1: micro-batch i+1 during i)
         self.lookahead = max(1, int(getattr(state.cfg.pipe, "embed_lookahead", 1)))
         self._primed: Dict[int, Dict[int, concurrent.futures.Future]] = {}  # step -> micro-batch -> future
@@ -95,7 +96,7 @@ class FrozenWindow:
         there on; the scheduler calls it while the previous batch's dense all-reduce is still in flight."""
         n = len(routing.batch.micro)
         k = self.lookahead + 1 if count is None else max(1, int(count))
-        k = 1 if self.debug_per_mb else min(n, k)
+        k = 1 if self.update_per_micro_batch else min(n, k)
         t = time.perf_counter()
         self._primed[routing.batch.step] = {i: self.embed_worker.submit(self._embed_job, routing, i) for i in range(k)}
         if self.state.timeline is not None:  # an instant whose micro-batch field is the number of All2Alls started
@@ -142,7 +143,7 @@ class FrozenWindow:
         total = torch.zeros((), dtype=torch.float64)
         for i in range(n):
             j = i + self.lookahead
-            if j < n and j not in pending and not self.debug_per_mb:
+            if j < n and j not in pending and not self.update_per_micro_batch:
                 pending[j] = self.embed_worker.submit(self._embed_job, routing, j)  # overlaps dense(i)
             recv = self._wait(pending.pop(i), step, i)
             t0 = time.perf_counter()
@@ -153,11 +154,11 @@ class FrozenWindow:
             if st.timeline is not None:
                 st.timeline.record("dense", step, i, t0, time.perf_counter())
             j = i + 1 + self.lookahead
-            if j < n and j not in pending and not self.debug_per_mb:  # not already primed at the boundary
+            if j < n and j not in pending and not self.update_per_micro_batch:  # not already primed at the boundary
                 # queued before gradient i: on one comm thread embedding i+2 goes first and overlaps dense(i+1)
                 pending[j] = self.embed_worker.submit(self._embed_job, routing, j)
             grads.append(self.grad_worker.submit(self._grad_job, routing, i, g))  # overlaps dense(i+1)
-            if self.debug_per_mb and i + 1 < n:
+            if self.update_per_micro_batch and i + 1 < n:
                 for f in grads:
                     self._wait(f, step, i)
                 grads.clear()

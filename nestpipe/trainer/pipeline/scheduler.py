@@ -37,6 +37,8 @@ from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 
+from nestpipe.trainer import testing_hooks
+from nestpipe.trainer.config import PIPELINE_MODES
 from nestpipe.trainer.pipeline.dual_buffer import DualBuffer, Stopped
 from nestpipe.trainer.pipeline.frozen_window import CommWorker, FrozenWindow
 from nestpipe.trainer.distributed.process_groups import issuers
@@ -44,7 +46,6 @@ from nestpipe.trainer.pipeline.streams import StageStream, wait_handoff
 from nestpipe.trainer.step import (StepState, _span, stage_forward_backward, stage_h2d, stage_prefetch,
                                    stage_route, stage_update, train_step, update_begin, update_dense)
 
-MODES = ("off", "dbp", "fwp", "nested")
 
 
 class _Failure:
@@ -73,27 +74,19 @@ def _get(q: queue.Queue, stop: threading.Event):
 
 class PipelineRunner:
     def __init__(self, state: StepState, mode: str):
-        if mode not in MODES:
-            raise ValueError(f"--pipeline {mode!r}: expected one of {', '.join(MODES)}")
+        if mode not in PIPELINE_MODES:
+            raise ValueError(f"--pipeline {mode!r}: expected one of {', '.join(PIPELINE_MODES)}")
         self.state = state
         self.mode = mode
         self.dbp = mode in ("dbp", "nested")
         self.fwp = mode in ("fwp", "nested")
         pc = state.cfg.pipe
-        if pc.depth < 1:
-            raise ValueError(f"pipe.depth = {pc.depth}: must be >= 1")
-        if int(pc.boundary_prime) < 1:
-            raise ValueError(f"pipe.boundary_prime = {pc.boundary_prime}: must be >= 1 (micro-batch 0's All2All "
-                             "always starts at the boundary)")
-        if pc.debug_update_per_micro_batch and not self.fwp:
-            raise ValueError("pipe.debug_update_per_micro_batch needs --pipeline fwp or nested")
+        self.hooks = testing_hooks.active()
+        if self.hooks.update_per_micro_batch and not self.fwp:
+            raise ValueError("the update_per_micro_batch testing hook needs --pipeline fwp or nested")
         self.rows_synced = 0
-        # FWP communication threads (``pipe.comm_threads``): 2 (default: one per exchange group, embedding and
-        # gradient All2Alls run concurrently) or 1 (both groups from one thread in one fixed order). Measured in
-        # benchmarks/pipeline_bench.py (docs/pipeline.md): 2 was as fast or faster in every run here.
+        # FWP communication threads: 2 (one per exchange group) or 1 (both groups in one fixed order)
         self.comm_threads = int(pc.comm_threads)
-        if self.comm_threads not in (1, 2):
-            raise ValueError(f"pipe.comm_threads = {pc.comm_threads}: expected 1 or 2")
 
     # -- public --------------------------------------------------------------------------------------------------
     def run(self, records: Iterator[Tuple[int, dict, str]], start: int, stop: int,
@@ -154,9 +147,9 @@ class PipelineRunner:
         if st.timeline is not None:
             st.timeline.record("wait.batch", step, -1, t0, t1)
 
-    def _debug_sleep(self) -> None:
-        if self.state.cfg.debug_step_sleep_s:
-            time.sleep(self.state.cfg.debug_step_sleep_s)  # debug: a window to kill the run with a batch in flight
+    def _hook_sleep(self) -> None:
+        if self.hooks.step_sleep_s:
+            time.sleep(self.hooks.step_sleep_s)  # testing hook: a window to kill the run with a batch in flight
 
     # -- off / fwp: stages 1-4 on the compute thread -------------------------------------------------------------
     def _run_sequential(self, records, start, stop, before_step, fw):
@@ -178,8 +171,8 @@ class PipelineRunner:
         pc = st.cfg.pipe
         n = stop - start
         halt = threading.Event()
-        dual = DualBuffer(st.emb, skip_sync=pc.debug_skip_dual_buffer_sync,
-                          replica_own_keys_only=pc.debug_replica_refresh_own_keys_only)
+        dual = DualBuffer(st.emb, skip_sync=self.hooks.skip_dual_buffer_sync,
+                          replica_own_keys_only=self.hooks.replica_refresh_own_keys_only)
         q_data, q_h2d, q_route = (queue.Queue(maxsize=pc.depth) for _ in range(3))
         q_ready: queue.Queue = queue.Queue(maxsize=1)  # retrieval: at most one batch ahead of compute
         h2d_stream = StageStream(st.device)
@@ -278,7 +271,7 @@ class PipelineRunner:
                     before_step(step)
                 routing, feats = nxt if nxt is not None else take(step)
                 nxt = None
-                self._debug_sleep()
+                self._hook_sleep()
                 with _span(tl, "fwd_bwd", step):
                     release_synced()  # batch step-1's buffer: the retrieval of step+1 starts as step computes
                     loss = self._forward_backward(fw, routing, feats)
@@ -287,7 +280,7 @@ class PipelineRunner:
                     red = update_begin(st, loss, async_op=True)
                     st.emb.update(routing, release=False)
                 active = routing  # its updated rows stay until synced into batch step+1's buffer
-                if fw is not None and step + 1 < stop and not st.cfg.pipe.debug_update_per_micro_batch:
+                if fw is not None and step + 1 < stop and not self.hooks.update_per_micro_batch:
                     # the next batch's buffer is final once synced: its first embedding All2Alls start now,
                     # while this batch's dense all-reduce and AdamW finish
                     nxt = take(step + 1, early=True)

@@ -7,31 +7,27 @@ import importlib
 import sys
 from typing import List, Optional
 
-# (module, description). Every module exposes ``add_parser(subparsers)`` which registers one or more subcommands
-# and sets ``func`` on them. A component that is not there yet is simply absent from ``--help``.
-COMMAND_MODULES = [
-    "nestpipe.datasets.cli",
-    "nestpipe.ingest.cli",
-    "nestpipe.clustering.cli",
-    "nestpipe.trainer.cli",
-    "nestpipe.kernels.cli",
-    "nestpipe.planning.cli",
-    "nestpipe.measure.cli",
-    "nestpipe.demo",
-]
+from nestpipe import __version__
 
-# Which module registers each command: ``nestpipe COMMAND ...`` imports only that one (``nestpipe.kernels`` imports
-# torch, about a second that ``nestpipe ingest`` has no use for). A command missing here is still found: every
-# module is imported when the first argument is not a known command (``--help``, a typo).
-COMMAND_OWNERS = {
-    "synth": "nestpipe.datasets.cli", "check-raw": "nestpipe.datasets.cli",
-    "ingest": "nestpipe.ingest.cli", "shard-report": "nestpipe.ingest.cli",
+# The one command registry: command -> the module that registers it. Every module exposes ``add_parser(subparsers)``,
+# which registers its commands and sets ``func`` on them. ``nestpipe COMMAND ...`` imports only the owner of COMMAND
+# (``nestpipe.kernels`` imports torch, about a second that ``nestpipe ingest`` has no use for); ``--help`` or an
+# unknown command imports every module. A module that is not installed is simply absent from ``--help``.
+COMMANDS = {
+    "synth": "nestpipe.datasets.cli",
+    "check-raw": "nestpipe.datasets.cli",
+    "ingest": "nestpipe.ingest.cli",
+    "shard-report": "nestpipe.ingest.cli",
     "cluster-report": "nestpipe.clustering.cli",
-    "train": "nestpipe.trainer.cli", "eval": "nestpipe.trainer.cli", "export": "nestpipe.trainer.cli",
+    "train": "nestpipe.trainer.cli",
+    "eval": "nestpipe.trainer.cli",
+    "export": "nestpipe.trainer.cli",
     "kernels-info": "nestpipe.kernels.cli",
-    "plan": "nestpipe.planning.cli", "simulate": "nestpipe.measure.cli",
+    "plan": "nestpipe.planning.cli",
+    "simulate": "nestpipe.measure.cli",
     "demo": "nestpipe.demo",
 }
+COMMAND_MODULES = list(dict.fromkeys(COMMANDS.values()))  # in the order of --help
 
 
 def build_parser(modules: Optional[List[str]] = None) -> argparse.ArgumentParser:
@@ -45,8 +41,6 @@ def build_parser(modules: Optional[List[str]] = None) -> argparse.ArgumentParser
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Run `nestpipe COMMAND --help` for the options of one command.",
     )
-    from nestpipe import __version__
-
     parser.add_argument("--version", action="version", version=f"nestpipe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in modules or COMMAND_MODULES:
@@ -62,7 +56,7 @@ def build_parser(modules: Optional[List[str]] = None) -> argparse.ArgumentParser
 
 def main(argv: Optional[List[str]] = None) -> int:
     words = sys.argv[1:] if argv is None else argv
-    owner = COMMAND_OWNERS.get(words[0]) if words else None
+    owner = COMMANDS.get(words[0]) if words else None
     parser = build_parser([owner] if owner else None)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

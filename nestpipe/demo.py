@@ -13,6 +13,10 @@ import os
 import subprocess
 import sys
 import time
+from nestpipe.datasets.synth import generate
+from nestpipe.ingest import IngestConfig, ingest
+from nestpipe.ingest.report import format_report, shard_report
+from nestpipe.trainer.evaluate import evaluate_run
 
 
 def add_parser(sub) -> None:
@@ -51,9 +55,6 @@ def _train(shards: str, run: str, model: str, epochs: int, nproc: int) -> None:
 
 
 def run(args) -> int:
-    from nestpipe.datasets.synth import generate
-    from nestpipe.ingest import IngestConfig, ingest
-    from nestpipe.ingest.report import format_report, shard_report
 
     t0 = time.time()
     raw = os.path.join(args.out, "raw")
@@ -77,7 +78,6 @@ def run(args) -> int:
         _log(f"done in {time.time() - t0:.1f} s")
         return 0
 
-    from nestpipe.trainer.evaluate import evaluate_run
 
     summary = {}
     for model, task, epochs in (("hstu", "gr", args.hstu_epochs), ("dlrm", "ctr", args.dlrm_epochs)):

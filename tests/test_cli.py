@@ -18,7 +18,10 @@ def _registered():
 
 
 def test_every_command_is_mapped_to_the_module_that_registers_it():
-    assert cli.COMMAND_OWNERS == _registered()
+    assert cli.COMMANDS == _registered()
+    # control: a registry entry pointing at another module is caught
+    wrong = dict(cli.COMMANDS, simulate="nestpipe.planning.cli")
+    assert wrong != _registered()
 
 
 def test_ingest_does_not_import_torch():

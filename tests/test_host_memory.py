@@ -66,7 +66,7 @@ def test_small_tensors_and_the_switch_off_use_the_torch_allocator(monkeypatch):
 @needs_thp
 def test_row_stores_use_huge_pages_when_resident():
     from nestpipe.trainer.embedding.store import RowStore
-    from nestpipe.trainer.placement import make_placement
+    from nestpipe.trainer.embedding.placement import make_placement
 
     pl = make_placement(0, 140_000, 1)  # 140k x 64 float32 = 34 MiB on the one rank
     eager = RowStore("t", pl, 0, 64, seed=1, init_scale=0.05, eager_rows=200_000)

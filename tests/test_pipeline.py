@@ -272,7 +272,7 @@ def test_2dsp_replicas_of_every_shard_are_bitwise_equal(runs, model, name):
     """Worker j of every group holds shard j: after training the checkpoint's rank files j and j + 2 hold the same
     rows, weights and AdaGrad state, bitwise (the export reads group 0's files)."""
     from nestpipe.trainer import checkpoint
-    from nestpipe.trainer.distributed.sparse_groups import replica_mismatches
+    from nestpipe.trainer.checkpoint import replica_mismatches
 
     ck = checkpoint.latest(runs[(4, model, name)])
     assert replica_mismatches(ck, 2) == []

@@ -13,7 +13,7 @@ from nestpipe.planning.planner import PlannerConfig, TableInfo, make_plan, save_
 from nestpipe.planning.hardware import load_hardware
 from nestpipe.trainer.config import EmbeddingConfig
 from nestpipe.trainer.embedding.collection import choose_kind, table_dims
-from nestpipe.trainer.placement import TablePlacement, make_placement
+from nestpipe.trainer.embedding.placement import TablePlacement, make_placement
 from nestpipe.trainer.sharding_plan import resolve_plan, table_owners
 from shard_sets import make_shards
 

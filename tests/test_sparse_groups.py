@@ -31,8 +31,9 @@ from nestpipe.trainer.embedding.collection import choose_kind, table_dims
 from nestpipe.trainer.export import assemble
 from nestpipe.trainer.models import build_model
 from nestpipe.measure.launcher import run_plan, write_run
-from nestpipe.trainer.placement import init_rows
-from nestpipe.trainer.distributed.sparse_groups import momentum_scale, replica_mismatches, resolve
+from nestpipe.trainer.embedding.placement import init_rows
+from nestpipe.trainer.checkpoint import replica_mismatches
+from nestpipe.trainer.distributed.sparse_groups import momentum_scale, resolve
 from nestpipe.trainer.step import model_feats, num_negatives
 from shard_sets import make_shards
 

@@ -3,7 +3,7 @@
 import torch
 
 from nestpipe.trainer.embedding.store import RowStore
-from nestpipe.trainer.placement import make_placement
+from nestpipe.trainer.embedding.placement import make_placement
 
 
 def test_eager_and_lazy_initialisation_agree_bitwise():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nestpipe.trainer import testing_hooks
-from nestpipe.trainer.placement import init_rows, make_placement, to_vocab
+from nestpipe.trainer.embedding.placement import init_rows, make_placement, to_vocab
 from shard_sets import make_shards
 
 SETS = ["--set", "embedding.replicate_max_rows=200", "--set", "hstu.num_layers=1",

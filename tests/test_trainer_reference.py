@@ -23,7 +23,7 @@ from nestpipe.trainer.config import load_run_config
 from nestpipe.trainer.data import ShardStream, prepare_batch
 from nestpipe.trainer.embedding.collection import choose_kind, table_dims
 from nestpipe.trainer.models import build_model
-from nestpipe.trainer.placement import init_rows
+from nestpipe.trainer.embedding.placement import init_rows
 from nestpipe.trainer.step import model_feats, num_negatives
 from shard_sets import make_shards
 

@@ -40,7 +40,7 @@ def balanced_argmax(score: np.ndarray, caps: np.ndarray) -> np.ndarray:
 
 def load_kernel():
     """The compiled assignment (:mod:`nestpipe.clustering._compiled`; importing it loads Numba)."""
-    from nestpipe.clustering._compiled import balanced_argmax_compiled
+    from nestpipe.clustering._compiled import balanced_argmax_compiled  # loads Numba: only when first needed
 
     return balanced_argmax_compiled
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from nestpipe.clustering.report import cluster_report, format_report
 
 
 def add_parser(subparsers) -> None:
@@ -25,8 +26,6 @@ def add_parser(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from nestpipe.clustering.report import cluster_report, format_report
-
     if args.max_batches is not None and args.max_batches < 1:
         raise ValueError(f"--max-batches must be >= 1, got {args.max_batches}")
     figures = cluster_report(args.shards, split=args.split, max_batches=args.max_batches, seed=args.seed)

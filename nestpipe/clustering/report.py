@@ -15,6 +15,7 @@ import numpy as np
 
 from nestpipe.clustering.core import assign
 from nestpipe.clustering.incidence import distinct_codes, sample_of_occurrence, unique_inverse
+from nestpipe.datasets.shards import iter_shard, load_manifest, shard_paths, table_offsets
 
 
 @dataclasses.dataclass
@@ -57,7 +58,6 @@ def _rows(values: np.ndarray, offsets: np.ndarray, mb: np.ndarray):
 def cluster_report(directory: str, split: Optional[str] = None, max_batches: Optional[int] = None,
                    seed: int = 0) -> List[TableFigures]:
     """Per-table figures for the shards of ``directory`` (an ingest output with its manifest)."""
-    from nestpipe.datasets.shards import iter_shard, load_manifest, shard_paths, table_offsets
 
     manifest = load_manifest(directory)
     splits = [split] if split else sorted(manifest.sets)

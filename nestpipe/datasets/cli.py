@@ -66,7 +66,7 @@ def add_parser(subparsers) -> None:
 
 
 def run_synth(args) -> int:
-    from nestpipe.datasets import synth
+    from nestpipe.datasets import synth  # start-up time: Polars only for the command that runs
 
     start = time.perf_counter()
     result = synth.generate(
@@ -85,7 +85,7 @@ def run_synth(args) -> int:
 
 
 def run_check_raw(args) -> int:
-    from nestpipe.datasets import kuairand
+    from nestpipe.datasets import kuairand  # start-up time: Polars only for the command that runs
 
     found = kuairand.discover(args.dir, release=args.release)
     print(f"{found.root}: KuaiRand {found.release} release, all headers as published")

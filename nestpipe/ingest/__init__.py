@@ -9,7 +9,7 @@ def __getattr__(name):
     # The stages (Polars, NumPy) are imported on first use, so `nestpipe ingest` can start its worker pool first
     # (nestpipe.ingest.executor) and let the workers import it alongside this process.
     if name in ("IngestError", "ingest"):
-        from nestpipe.ingest import stages
+        from nestpipe.ingest import stages  # start-up time: see above
 
         return getattr(stages, name)
     raise AttributeError(f"module 'nestpipe.ingest' has no attribute {name!r}")

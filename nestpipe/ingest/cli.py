@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from nestpipe.ingest.executor import usable_cores
+from nestpipe.ingest.config import IngestConfig
+from nestpipe.ingest.executor import Executor, usable_cores  # standard library only: the pool starts before Polars
 
 
 def add_parser(sub) -> None:
@@ -64,9 +65,6 @@ def add_parser(sub) -> None:
 
 
 def run_ingest(args) -> int:
-    from nestpipe.ingest.config import IngestConfig
-    from nestpipe.ingest.executor import Executor
-
     cfg = IngestConfig(
         raw=args.raw, out=args.out, task=args.task, batch_size=args.batch_size, micro_batches=args.micro_batches,
         max_seq_len=args.max_seq_len, history_len=args.history_len, max_reject_fraction=args.max_reject_fraction,
@@ -75,8 +73,9 @@ def run_ingest(args) -> int:
         ctr_eval_days=args.ctr_eval_days, release=args.release, keep_work=args.keep_work, progress=not args.quiet,
     )
     cfg.validate()
-    with Executor(cfg.workers) as ex:  # the workers import the pipeline while this process does
-        from nestpipe.ingest.stages import ingest
+    # the workers import the ingest's stages while this process does
+    with Executor(cfg.workers, preload=("nestpipe.ingest.stages",)) as ex:
+        from nestpipe.ingest.stages import ingest  # start-up: after the pool started (see above)
 
         m = ingest(cfg, executor=ex)
     t = m.totals()
@@ -90,14 +89,12 @@ def run_ingest(args) -> int:
 
 
 def run_report(args) -> int:
-    from nestpipe.ingest.report import shard_report
+    from nestpipe.ingest.report import format_report, shard_report  # start-up time: Polars, NumPy
 
     rep = shard_report(args.shards, verify=not args.no_verify)
     if args.json:
         json.dump(rep, sys.stdout, indent=1)
         print()
     else:
-        from nestpipe.ingest.report import format_report
-
         print(format_report(rep))
     return 0 if rep["ok"] else 1

@@ -8,11 +8,12 @@ of after it (about a quarter of a second of a short ingest on two cores).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import importlib
 import multiprocessing as mp
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 
 class WorkerDied(RuntimeError):
@@ -34,11 +35,12 @@ def _progress(total: int, desc: str, enabled: bool, unit: str = "unit"):
                 mininterval=0.5)
 
 
-def _import_ingest(polars_threads: int) -> None:
-    """Worker initializer: import the ingest's modules now, while the parent is still starting up. The thread count
-    is also set here, for a worker the pool launches later than :meth:`Executor.__enter__`."""
+def _preload(polars_threads: int, modules: Tuple[str, ...]) -> None:
+    """Worker initializer: import ``modules`` (the caller's stage functions) now, while the parent is still starting
+    up. The thread count is also set here, for a worker the pool launches later than :meth:`Executor.__enter__`."""
     os.environ.setdefault("POLARS_MAX_THREADS", str(polars_threads))
-    import nestpipe.ingest.stages  # noqa: F401
+    for name in modules:
+        importlib.import_module(name)
 
 
 def _noop(_: int) -> None:
@@ -53,8 +55,9 @@ class Executor:
     in; ``stage_seconds`` records each stage's wall time.
     """
 
-    def __init__(self, workers: int):
+    def __init__(self, workers: int, preload: Sequence[str] = ()):
         self.workers = int(workers)
+        self.preload = tuple(preload)  # modules every worker imports at start (by name: this module imports none)
         self.pool: Optional[cf.ProcessPoolExecutor] = None
         self.stage_seconds: Dict[str, float] = {}
 
@@ -65,7 +68,7 @@ class Executor:
             os.environ["POLARS_MAX_THREADS"] = str(threads)
             try:
                 self.pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"),
-                                                   initializer=_import_ingest, initargs=(threads,))
+                                                   initializer=_preload, initargs=(threads, self.preload))
                 # Each submit launches one more worker until there are ``workers`` (the launch is synchronous, so
                 # they all see the variable); nothing waits for them here.
                 for i in range(self.workers):

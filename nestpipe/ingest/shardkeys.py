@@ -103,7 +103,7 @@ def group_keys(values: np.ndarray, batch: np.ndarray, table: np.ndarray, mb: np.
 def load_kernel():
     """The compiled per-segment keys (:mod:`nestpipe.ingest._compiled`; importing it loads Numba, which the parse
     and join workers never do)."""
-    from nestpipe.ingest._compiled import segment_keys
+    from nestpipe.ingest._compiled import segment_keys  # loads Numba: only in the shard units
 
     return segment_keys
 

@@ -39,7 +39,7 @@ from nestpipe.datasets import shards as S
 from nestpipe.ingest import ctr, gr
 from nestpipe.ingest.config import IngestConfig
 from nestpipe.ingest.executor import Executor
-from nestpipe.ingest.parse import ColumnSpec, Reject, parse_chunk, plan_chunks, read_chunk_bytes
+from nestpipe.ingest.parse import Chunk, ColumnSpec, Reject, parse_chunk, plan_chunks, read_chunk_bytes
 from nestpipe.ingest.spill import read_partition, write_partitioned
 
 WORK = "_work"
@@ -132,8 +132,6 @@ def _unit_parse(args: Tuple[str, str, str, int, str, int, int, int, int, int]) -
         with open(out + ".stats.json") as f:
             return json.load(f)
     _crash_point("parse", file_idx)  # parse:F dies when a chunk of input file F starts
-    from nestpipe.ingest.parse import Chunk
-
     data = read_chunk_bytes(Chunk(path, chunk_idx, start, end, first_line))
     df, rejects = parse_chunk(data, _spec_for(kind, task), path=path, first_line=first_line)
     n_lines = len(df) + len(rejects)  # parse_chunk returns every line of the chunk as a row or as a reject
@@ -426,6 +424,7 @@ def _ctr_shard_records(cache: "_PartitionCache", parts: np.ndarray, idxs: np.nda
     ``single`` (no lengths: one id per sample and table), the ``tag`` and ``history`` bags as packed group
     ``bags``. Every batch is clustered on its own, exactly as :func:`cluster_fields` would; the unique keys of all
     batches come from one pass per group (:mod:`nestpipe.ingest.shardkeys`)."""
+    # the shard units' modules: a worker that only parses or joins never loads the clustering (Numba)
     from nestpipe import clustering
     from nestpipe.ingest.shardkeys import group_keys, load_kernel
 
@@ -588,7 +587,7 @@ def ingest(cfg: IngestConfig, executor: Optional[Executor] = None) -> S.Manifest
         print(f"{cfg.out}: already complete for these inputs and options; nothing to do", file=sys.stderr)
         return S.load_manifest(cfg.out)
     work = os.path.join(cfg.out, WORK)
-    with contextlib.nullcontext(executor) if executor is not None else Executor(cfg.workers) as ex:
+    with contextlib.nullcontext(executor) if executor is not None else Executor(cfg.workers, preload=(__name__,)) as ex:
         return _ingest_stages(cfg, ex, found, inputs, fps, num_parts, semantic, fingerprint, work, t_start)
 
 

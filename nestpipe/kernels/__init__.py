@@ -45,16 +45,17 @@ __all__ = [
 
 def backend(path: str):
     """The module implementing ``path`` (``reference`` has no module of segment primitives: see callers)."""
+    # each backend is an optional dependency (Numba, Triton, torch_npu): imported only when its path is taken
     if path == "numba":
-        from . import cpu
+        from . import cpu  # optional: numba
 
         return cpu
     if path == "triton":
-        from . import triton_kernels
+        from . import triton_kernels  # optional: triton
 
         return triton_kernels
     if path == "npu":
-        from . import npu
+        from . import npu  # optional: torch_npu
 
         return npu
     raise ValueError(f"path {path!r} has no kernel module")

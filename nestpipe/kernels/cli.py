@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from nestpipe.kernels.select import FORCE_ENV, kernel_paths
 
 
 def add_parser(subparsers) -> None:
@@ -13,7 +14,6 @@ def add_parser(subparsers) -> None:
 
 
 def _run(args) -> int:
-    from .select import FORCE_ENV, kernel_paths
     import os
 
     paths = kernel_paths(args.device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 from .cost_model import Scales, Scenario, step_costs
 from .hardware import HardwareConfig

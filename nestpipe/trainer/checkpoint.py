@@ -18,12 +18,13 @@ import json
 import os
 import shutil
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from nestpipe.trainer.metrics import write_json_atomic
+from nestpipe.trainer.distributed.sparse_groups import resolve
+from nestpipe.utils.jsonio import write_json_atomic
 
 FORMAT = "nestpipe-trainer-checkpoint-1"
 
@@ -142,3 +143,23 @@ def clean_partial(run: str) -> None:
         for d in os.listdir(root):
             if d.startswith(".tmp-"):
                 shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def replica_mismatches(ckpt: str, group_size: int) -> List[str]:
+    """Check a 2D-SP checkpoint: for every sharded table and shard ``j``, the rank files of ``j, j + M, ...`` must
+    hold the same materialised rows, weights and AdaGrad state, bitwise. Returns ``table/shard j/field: ranks``
+    for every difference (empty: all replicas equal)."""
+    meta = read_meta(ckpt)
+    layout = resolve(group_size, meta["world"])
+    files = {r: load_rank_file(ckpt, r) for r in range(meta["world"])}
+    out = []
+    for j in range(layout.group_size):
+        ranks = layout.replica_ranks(j)
+        first = files[ranks[0]]["tables"]
+        for r in ranks[1:]:
+            for t in sorted(first):
+                for k in ("rows", "weight", "state"):
+                    a, b = first[t][k], files[r]["tables"][t][k]
+                    if a.shape != b.shape or not torch.equal(a, b):
+                        out.append(f"{t}/shard {j}/{k}: rank {ranks[0]} != rank {r}")
+    return out

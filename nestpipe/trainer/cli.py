@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -148,7 +147,7 @@ def _print_metrics(run: str) -> None:
 
 
 def _eval(args) -> int:
-    from nestpipe.trainer.evaluate import evaluate_run
+    from nestpipe.trainer.evaluate import evaluate_run  # start-up time: torch only for this command
 
     res = evaluate_run(args.run, max_batches=args.max_batches)
     print(json.dumps(res, indent=1, sort_keys=True))
@@ -156,7 +155,7 @@ def _eval(args) -> int:
 
 
 def _export(args) -> int:
-    from nestpipe.trainer.export import export_run
+    from nestpipe.trainer.export import export_run  # start-up time: torch only for this command
 
     res = export_run(args.run, args.out, args.max_rows_in_memory)
     print(f"exported {res['tensors']} tensors at step {res['step']} to {res['file']}"

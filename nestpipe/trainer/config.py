@@ -19,11 +19,11 @@ import textwrap
 import typing
 from typing import Any, Dict, List, Optional, Tuple
 
+from nestpipe.trainer.embedding.config import EXCHANGE_KINDS, EmbeddingConfig
 from nestpipe.utils.jsonio import read_json, write_json_atomic
+from nestpipe.utils.options import opt
 
 PIPELINE_MODES = ("off", "dbp", "fwp", "nested")
-EXCHANGE_KINDS = ("auto", "unique", "reduction", "replicated")
-HUGE_PAGES = ("resident", "always", "never")
 MODELS = ("hstu", "dlrm")
 
 # Keys of configs written before the test-only hooks left the configuration: dropped on load with a warning.
@@ -32,52 +32,6 @@ RETIRED_KEYS = {
     "embedding.debug_requester_salt", "embedding.debug_skip_replica_sync",
     "pipe.debug_skip_dual_buffer_sync", "pipe.debug_update_per_micro_batch", "pipe.debug_replica_refresh_own_keys_only",
 }
-
-
-def opt(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = dataclasses.MISSING,
-        choices: Optional[Tuple] = None, minimum: Optional[float] = None) -> Any:
-    """A config field with its meaning (``help``) and, optionally, its allowed values or lower bound."""
-    meta = {"help": help, "choices": choices, "minimum": minimum}
-    if factory is not dataclasses.MISSING:
-        return dataclasses.field(default_factory=factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
-
-
-@dataclasses.dataclass
-class EmbeddingConfig:
-    """Sparse tables: exchange kind per table, placement, optimizer, initialisation."""
-
-    kinds: Dict[str, str] = opt(
-        factory=dict, help="exchange kind per table name (unique | reduction | replicated), overriding the automatic "
-        "choice: tables of at most replicate_max_rows rows are replicated, pooled tables reduction-based, sequence "
-        "and single tables unique-based")
-    placement: str = opt(
-        "planned", help="which ranks hold each sharded table's rows: planned (cost-driven planner) | hashed (row-wise "
-        "over every rank) | path to a `nestpipe plan --no-column-split --out FILE` document")
-    replicate_max_rows: int = opt(1024, help="tables with at most this many rows are replicated on every rank",
-                                  minimum=0)
-    eager_init_max_rows: int = opt(
-        1_000_000, help="stores of at most this many rows on a rank are initialised whole at start, larger ones row "
-        "by row on first touch (the values are the same either way)", minimum=0)
-    huge_pages: str = opt(
-        "resident", help="transparent huge pages for stores of 32 MiB or more: resident (the stores initialised whole "
-        "at start), always, never (NESTPIPE_HUGE_PAGES=0 also turns them off)", choices=HUGE_PAGES)
-    dbp_update_in_store: bool = opt(
-        True, help="DBP with host-resident buffers: batch t's update goes to the store in place and the dual-buffer "
-        "sync copies keys(t) ∩ keys(t+1) from the store; false: update the active buffer and write it back (the "
-        "device path's order). Bitwise the same results")
-    dim: Optional[int] = opt(None, help="embedding dimension of every table (null: each table's manifest dim)",
-                             minimum=1)
-    init_scale: float = opt(0.05, help="rows are initialised uniform in [-init_scale, init_scale]", minimum=0)
-    lr: float = opt(0.05, help="row-wise AdaGrad learning rate", minimum=0)
-    eps: float = opt(1e-8, help="row-wise AdaGrad epsilon", minimum=0)
-    momentum_scale_groups: int = opt(
-        1, help="explicit accumulator scale M of row-wise AdaGrad for every table: w -= lr * g / (sqrt(v / M) + eps); "
-        "1 = off", minimum=1)
-    optimizer: str = opt(
-        "rowwise_adagrad", help="sharded tables' optimizer: rowwise_adagrad, or rowwise_adagrad_2dsp (2D sparse "
-        "parallelism's momentum-scaled variant: accumulator divided by world / sparse_groups)",
-        choices=("rowwise_adagrad", "rowwise_adagrad_2dsp"))
 
 
 @dataclasses.dataclass

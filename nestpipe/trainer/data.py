@@ -14,24 +14,21 @@ generator keyed by (seed, step, rank) and shared by all micro-batches.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import numpy as np
 import torch
 
 from nestpipe.datasets.shards import (Manifest, ShardError, decode_sample, load_manifest, table_offsets,
                                       verify_shard)
-from nestpipe.trainer.placement import to_vocab
+from nestpipe.trainer.embedding.batch import MicroBatchData, PreparedBatch
+from nestpipe.trainer.embedding.placement import mix64, to_vocab
 
-NEG_SLOT = "item#neg"  # the GR negatives: a per-batch key list served by the ``item`` store
 
 
 def keyed_generator(seed: int, step: int, micro_batch: int, rank: int) -> torch.Generator:
     """A torch.Generator keyed by (seed, step, micro-batch, rank); the global RNG is never used."""
-    from nestpipe.trainer.placement import mix64
-
     key = np.array([seed, step, micro_batch, rank], dtype=np.int64).view(np.uint64)
     h = np.uint64(0)
     for k in key:
@@ -39,29 +36,6 @@ def keyed_generator(seed: int, step: int, micro_batch: int, rank: int) -> torch.
     g = torch.Generator()
     g.manual_seed(int(h) & ((1 << 63) - 1))
     return g
-
-
-@dataclasses.dataclass
-class MicroBatchData:
-    """One micro-batch's host arrays. Per table: value positions into the batch keys and each value's sample."""
-
-    index: int
-    samples: np.ndarray  # int64 sample indices in the batch (ascending)
-    lengths: Dict[str, np.ndarray]  # table -> int64 [b]
-    value_key: Dict[str, np.ndarray]  # table -> int64 [nnz_i], position of each value in the table's batch keys
-    value_sample: Dict[str, np.ndarray]  # table -> int64 [nnz_i], sample index within the micro-batch
-    mb_keys: Dict[str, np.ndarray]  # table -> int64 [U_i] sorted positions into the batch keys (shard's mb_unique)
-    value_pos: Dict[str, np.ndarray]  # table -> int64 [nnz_i], position of each value in mb_keys
-    fields: Dict[str, np.ndarray]  # dense, labels, play, duration, user ... restricted to the micro-batch
-
-
-@dataclasses.dataclass
-class PreparedBatch:
-    step: int
-    batch_size: int
-    keys: Dict[str, np.ndarray]  # slot -> in-vocabulary ids of the batch's unique keys (shard order)
-    micro: List[MicroBatchData]
-    negatives: Optional[np.ndarray] = None  # GR: in-vocabulary item ids [K] shared by all micro-batches
 
 
 def _sequence_tables(manifest: Manifest) -> List[str]:

@@ -26,9 +26,9 @@ from nestpipe.trainer.config import load_run_config
 from nestpipe.trainer.data import ShardStream, iter_shard
 from nestpipe.trainer.embedding.collection import table_dims
 from nestpipe.trainer.export import assemble
-from nestpipe.trainer.metrics import write_json_atomic
+from nestpipe.utils.jsonio import write_json_atomic
 from nestpipe.trainer.models import build_model
-from nestpipe.trainer.placement import to_vocab
+from nestpipe.trainer.embedding.placement import to_vocab
 
 KS = (10, 50)
 

@@ -20,7 +20,9 @@ import torch
 
 from nestpipe.trainer import checkpoint
 from nestpipe.trainer.config import load_run_config
-from nestpipe.trainer.placement import TablePlacement, init_rows
+from nestpipe.trainer.embedding.placement import TablePlacement, init_rows
+from nestpipe.trainer.models import build_model
+from nestpipe.trainer.embedding.collection import table_dims
 
 
 def _table_blocks(ckpt: str, name: str, pmeta: Dict, seed: int, rank_files: Dict[int, Dict],
@@ -93,8 +95,6 @@ def _assemble(run, ckpt, stream_prefix, max_rows_in_memory):
         out[f"dense.{k}"] = r0["dense"][k]
     # AdamW state: optimizer params are in model.parameters() order
     from nestpipe.datasets.shards import load_manifest
-    from nestpipe.trainer.models import build_model
-    from nestpipe.trainer.embedding.collection import table_dims
 
     manifest = load_manifest(cfg.shards)
     model = build_model(cfg, manifest, table_dims(manifest, cfg.embedding))

@@ -16,6 +16,9 @@ import traceback
 from typing import List, Optional
 
 import torch.distributed as dist
+from nestpipe.trainer.distributed import device as devmod
+from nestpipe.trainer.config import load_run_config
+from nestpipe.trainer.loop import train_worker
 
 
 def launch_training(run: str, nproc_per_node: int, resume: bool, torchrun_args: Optional[List[str]] = None) -> int:
@@ -70,9 +73,6 @@ def worker_main(argv: Optional[List[str]] = None) -> int:
 
     @record
     def _main() -> int:
-        from nestpipe.trainer.distributed import device as devmod
-        from nestpipe.trainer.config import load_run_config
-        from nestpipe.trainer.loop import train_worker
 
         cfg = load_run_config(a.worker_run)
         dev = devmod.resolve(cfg.device, devmod.local_rank())

@@ -24,16 +24,19 @@ import torch.distributed as dist
 from nestpipe.trainer import testing_hooks
 from nestpipe.trainer import checkpoint
 from nestpipe.trainer.config import TrainConfig
+from nestpipe.trainer.embedding import replica_sync
 from nestpipe.trainer.data import ShardStream
 from nestpipe.trainer.distributed import device as devmod
 from nestpipe.trainer.distributed.device import Device
-from nestpipe.trainer.metrics import ScalarLog, write_json_atomic
+from nestpipe.trainer.metrics import ScalarLog
+from nestpipe.utils.jsonio import write_json_atomic
 from nestpipe.trainer.pipeline import timeline as tlmod
 from nestpipe.kernels import kernel_paths
 from nestpipe.kernels.memory import huge_pages_mode
 from nestpipe.trainer.pipeline.scheduler import PipelineRunner
 from nestpipe.trainer.step import build_state
 from nestpipe.trainer.distributed import sparse_groups
+from nestpipe.planning.planner import format_plan, save_plan
 
 
 def total_steps(cfg: TrainConfig, batches_per_rank: int) -> int:
@@ -79,8 +82,6 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
     runner = PipelineRunner(state, cfg.pipeline)
     log = ScalarLog(os.path.join(cfg.out, "scalars.jsonl") if rank == 0 else None)
     if rank == 0 and state.emb.plan is not None:
-        from nestpipe.planning.planner import format_plan, save_plan
-
         save_plan(state.emb.plan, os.path.join(cfg.out, "plan.json"))
         if cfg.progress:
             print(format_plan(state.emb.plan), flush=True)
@@ -138,7 +139,7 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
             "exposed_communication_s": t.exposed_communication(),
             "exposed_lookup_s": t.exposed_lookup(), "communication_total_s": t.communication_total(),
             "lookup_total_s": t.lookup_total(), "dbp_rows_synced": runner.rows_synced,
-            **sparse_groups.metrics(state.emb),
+            **replica_sync.metrics(state.emb),
             "network_bytes": dict(t.bytes),
             "timeline": state.timeline.export()}
     gathered = [None] * world

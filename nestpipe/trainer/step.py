@@ -30,9 +30,13 @@ import torch.distributed as dist
 from nestpipe.trainer import testing_hooks
 from nestpipe.datasets.shards import Manifest
 from nestpipe.trainer.config import TrainConfig
-from nestpipe.trainer.data import NEG_SLOT, PreparedBatch, prepare_batch
+from nestpipe.trainer.data import prepare_batch
+from nestpipe.trainer.embedding.batch import NEG_SLOT, PreparedBatch
 from nestpipe.trainer.embedding.collection import Routing, ShardedEmbeddingCollection
-from nestpipe.trainer.metrics import StageTimer
+from nestpipe.trainer.distributed import sparse_groups
+from nestpipe.trainer.embedding import replica_sync
+from nestpipe.trainer.models import build_model
+from nestpipe.utils.timing import StageTimer
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -263,19 +267,15 @@ def train_step(state: StepState, step: int, record: Dict, where: str = "",
 
 def build_state(cfg: TrainConfig, manifest: Manifest, rank: int, world: int, device: torch.device,
                 group=None, groups=None, timeline=None) -> StepState:
-    from nestpipe.trainer.models import build_model
-
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype {cfg.dtype!r}: expected one of {sorted(DTYPES)}")
-    from nestpipe.trainer.distributed import sparse_groups
-
     timer = StageTimer()
     # 2D-SP: the tables are sharded over the rank's model-parallel group (its local rank of M); plain: over the world
     layout = sparse_groups.resolve(cfg.sparse_groups, world, rank)
     emb = ShardedEmbeddingCollection(manifest, cfg.embedding, cfg.seed, layout.local_rank, layout.group_size, device,
                                      negatives=cfg.model == "hstu", group=group, timer=timer,
                                      dtype=DTYPES[cfg.dtype])
-    sparse_groups.attach(emb, layout, cfg, groups)
+    replica_sync.attach(emb, layout, cfg.embedding.optimizer, cfg.embedding.momentum_scale_groups, groups)
     model = build_model(cfg, manifest, emb.dims).to(device=device, dtype=DTYPES[cfg.dtype])
     o = cfg.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,

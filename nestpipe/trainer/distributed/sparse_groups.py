@@ -5,7 +5,7 @@ world size ``W`` there are ``G = W / M`` groups; group ``g`` is ranks ``g*M .. g
 planner's plan files) and rank ``r`` is worker ``r % M`` inside group ``r // M``.
 
 - Inside a group every sharded table is placed over the group's ``M`` workers exactly as plain training places it
-  over ``W`` ranks (:mod:`nestpipe.trainer.placement` with world ``M``); key routing and the embedding and gradient
+  over ``W`` ranks (:mod:`nestpipe.trainer.embedding.placement` with world ``M``); key routing and the embedding and gradient
   All2Alls stay inside the group (their own process groups). Each group holds a full replica of every sharded table.
 - Each rank still reads its own data (split by global rank) and the loss is still normalised by the global batch
   ``B * W``; dense parameters and replicated tables are all-reduced over the whole world, as in plain training.
@@ -32,7 +32,6 @@ from typing import List, Optional
 
 import torch.distributed as dist
 
-from nestpipe.trainer import testing_hooks
 from nestpipe.trainer.distributed import process_groups
 
 OPTIMIZERS = ("rowwise_adagrad", "rowwise_adagrad_2dsp")
@@ -124,53 +123,3 @@ def create_stage_groups(layout: SparseLayout) -> process_groups.StageGroups:
                 mine["replica"] = pg
         cache[key] = mine
     return process_groups.StageGroups(dict(cache[key]))
-
-
-def attach(emb, layout: SparseLayout, cfg, groups: Optional[process_groups.StageGroups]) -> None:
-    """Give the collection (built over the group: ``layout.local_rank`` of ``layout.group_size``) its sharded
-    tables' optimizer scale and, with more than one group, the replica synchronisation."""
-    emb.sparse_momentum_scale = momentum_scale(cfg.embedding.optimizer, layout, cfg.embedding.momentum_scale_groups)
-    emb.layout = layout
-    if not layout.enabled:
-        return
-    if groups is None or "replica" not in groups.groups:
-        raise RuntimeError(f"--sparse-groups {layout.group_size}: the stage groups were not created for 2D sparse "
-                           "parallelism (use sparse_groups.create_stage_groups)")
-    from nestpipe.trainer.embedding.replica_sync import ReplicaSync
-
-    emb.replica_sync = ReplicaSync(emb, layout.num_groups, lambda: groups.get("replica"),
-                                   skip=testing_hooks.active().skip_replica_sync)
-
-
-def metrics(emb) -> dict:
-    """Per-rank figures for ``metrics.json`` (empty in plain training)."""
-    layout = getattr(emb, "layout", None)
-    if layout is None or not layout.enabled:
-        return {}
-    return {"sparse_groups": {"group_size": layout.group_size, "num_groups": layout.num_groups,
-                              "group": layout.group, "local_rank": layout.local_rank,
-                              **(emb.replica_sync.stats if emb.replica_sync is not None else {})}}
-
-
-def replica_mismatches(ckpt: str, group_size: int) -> List[str]:
-    """Check a 2D-SP checkpoint: for every sharded table and shard ``j``, the rank files of ``j, j + M, ...`` must
-    hold the same materialised rows, weights and AdaGrad state, bitwise. Returns ``table/shard j/field: ranks``
-    for every difference (empty: all replicas equal)."""
-    from nestpipe.trainer import checkpoint
-
-    import torch
-
-    meta = checkpoint.read_meta(ckpt)
-    layout = resolve(group_size, meta["world"])
-    files = {r: checkpoint.load_rank_file(ckpt, r) for r in range(meta["world"])}
-    out = []
-    for j in range(layout.group_size):
-        ranks = layout.replica_ranks(j)
-        first = files[ranks[0]]["tables"]
-        for r in ranks[1:]:
-            for t in sorted(first):
-                for k in ("rows", "weight", "state"):
-                    a, b = first[t][k], files[r]["tables"][t][k]
-                    if a.shape != b.shape or not torch.equal(a, b):
-                        out.append(f"{t}/shard {j}/{k}: rank {ranks[0]} != rank {r}")
-    return out

@@ -1,7 +1,7 @@
 """The sharded embedding collection: fused key routing, retrieval, per-micro-batch exchange, owner-side update.
 
 Who owns what
-- Every sharded table's row belongs to exactly one rank (:mod:`nestpipe.trainer.placement`); that rank's
+- Every sharded table's row belongs to exactly one rank (:mod:`nestpipe.trainer.embedding.placement`); that rank's
   :class:`~nestpipe.trainer.embedding.store.RowStore` holds it with its AdaGrad state. Replicated tables live on
   every rank. A *slot* is one request stream into a store: one per sharded table, plus ``item#neg`` (the GR
   negatives) served by the ``item`` store.
@@ -41,15 +41,16 @@ import torch.distributed as dist
 
 from nestpipe.trainer import testing_hooks
 from nestpipe.datasets.shards import Manifest
-from nestpipe.trainer.config import EmbeddingConfig
-from nestpipe.trainer.data import NEG_SLOT, PreparedBatch
+from nestpipe.trainer.embedding.config import EmbeddingConfig
+from nestpipe.trainer.embedding.batch import NEG_SLOT, PreparedBatch
 from nestpipe.trainer.embedding.reduction_based import ReductionBased, ShardedReductionBased
 from nestpipe.trainer.embedding.replicated import ReplicatedTable, owner_bounds, owner_order
 from nestpipe.trainer.embedding.store import RowStore, apply_adagrad
 from nestpipe.trainer.embedding.unique_based import ShardedUniqueBased, UniqueBased
-from nestpipe.trainer.placement import make_placement
+from nestpipe.trainer.embedding.placement import make_placement
 from nestpipe.trainer.sharding_plan import resolve_plan, table_owners
-from nestpipe.trainer.metrics import StageTimer
+from nestpipe.utils.timing import StageTimer
+from nestpipe import kernels
 
 
 def choose_kind(name: str, vocab: int, table_kind: str, cfg: EmbeddingConfig) -> str:
@@ -325,7 +326,6 @@ class ShardedEmbeddingCollection:
                     raw_mb, own_b, block_off, grad_mb_off) -> _OwnStore:
         """The owner's plan of store ``st`` for one batch: dedup of the entries into rows, and the pair lists of the
         forward (per micro-batch, grouped by output segment) and of the update (per entry, all micro-batches)."""
-        import nestpipe.kernels as K
 
         W, N = self.world, len(raw_mb)
         dim = self.dims[st]
@@ -335,13 +335,13 @@ class ShardedEmbeddingCollection:
         # dedup by one stable sort, which also gives each row's entries in ascending entry order: the update sums
         # them in that order. A counting sort over the store's rows when they are few against the entries (linear;
         # numpy's stable argsort of int64 is a merge sort), else numpy's argsort (faster than torch.unique here).
-        numba_ok = K.select_path("adagrad_update", "cpu") == "numba"
+        numba_ok = kernels.select_path("adagrad_update", "cpu") == "numba"
         n_rows = self.stores[st].num_rows
         if numba_ok and n_rows <= 8 * len(rows_all):
             # one fused counting-sort pass (the same arrays as the argsort formulation below)
-            order, uniq, starts, inv_sorted, inv = K.backend("numba").dedup_rows(rows_all, n_rows)
+            order, uniq, starts, inv_sorted, inv = kernels.backend("numba").dedup_rows(rows_all, n_rows)
         else:
-            order, uniq, starts, inv_sorted, inv = K.reference.dedup_rows(rows_all)
+            order, uniq, starts, inv_sorted, inv = kernels.reference.dedup_rows(rows_all)
         slots = [s for s in self.slots if self.store_of(s) == st]
         pooled = self.slot_exchange(slots[0]) == "reduction" if slots else False
         fwd_pos, fwd_offsets, fwd_out = [], [], []
@@ -390,8 +390,8 @@ class ShardedEmbeddingCollection:
         renum = np.empty(len(order), dtype=np.int64)
         renum[order] = np.arange(len(order), dtype=np.int64)
         key = torch.from_numpy(renum[pe])
-        p_order, entry_offsets = K.backend("numba").csr_by_segment(key, len(rows_all)) \
-            if K.select_path("adagrad_update", "cpu") == "numba" else _csr_numpy(key.numpy(), len(rows_all))
+        p_order, entry_offsets = kernels.backend("numba").csr_by_segment(key, len(rows_all)) \
+            if kernels.select_path("adagrad_update", "cpu") == "numba" else _csr_numpy(key.numpy(), len(rows_all))
         return _OwnStore(torch.from_numpy(uniq.astype(np.int64, copy=False)), torch.from_numpy(inv_sorted).to(self.device),
                          base, seg_order=torch.arange(len(order), dtype=torch.int64),
                          seg_offsets=torch.from_numpy(np.append(starts, len(rows_all)).astype(np.int64)),
@@ -440,13 +440,12 @@ class ShardedEmbeddingCollection:
         """Owner side of micro-batch ``i``: rows (unique-based) or partial pools (reduction-based) from the frozen
         buffer (or the store, direct), for every requester in rank order, written straight into the payload (one
         kernel call per store). Reads the rows only."""
-        import nestpipe.kernels as K
 
         t0 = time.perf_counter()
         send = torch.empty(sum(routing.send_splits[i]), dtype=self.dtype, device=self.device)
         for o in routing.own.values():
             if len(o.fwd_out[i]):
-                K.pool_segments(o.src, o.fwd_idx[i], o.fwd_offsets[i] if o.pooled else None, send, o.fwd_out[i])
+                kernels.pool_segments(o.src, o.fwd_idx[i], o.fwd_offsets[i] if o.pooled else None, send, o.fwd_out[i])
         self.timer.add("embed.owner", time.perf_counter() - t0)
         return send
 
@@ -579,7 +578,6 @@ class ShardedEmbeddingCollection:
         store's row after batch t's write-back. Rows of t+1 not in t were not changed by t (and retrieval of t+1
         started after batch t-1's write-back, see :class:`~nestpipe.trainer.pipeline.dual_buffer.DualBuffer`);
         rows in both are overwritten here with the exact updated values. Copies are bitwise."""
-        import nestpipe.kernels as K
 
         t0 = time.perf_counter()
         n = 0
@@ -591,10 +589,10 @@ class ShardedEmbeddingCollection:
             if a.update_in_store:  # the updated rows are in the store (the active buffer holds the old ones)
                 store = self.stores[st]
                 with store.lock:
-                    n += K.dual_buffer_sync_rows(a.rows, p.rows, store.weight, None, p.buf_w, None,
+                    n += kernels.dual_buffer_sync_rows(a.rows, p.rows, store.weight, None, p.buf_w, None,
                                                  from_store=True)  # weights only: the state stays in the store
             else:
-                n += K.dual_buffer_sync_rows(a.rows, p.rows, a.buf_w, a.buf_s, p.buf_w, p.buf_s)
+                n += kernels.dual_buffer_sync_rows(a.rows, p.rows, a.buf_w, a.buf_s, p.buf_w, p.buf_s)
         self.timer.add("dbp.sync", time.perf_counter() - t0)
         return n
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from nestpipe.trainer.embedding.replicated import owner_bounds, owner_order
+from nestpipe import kernels
 
 
 class ReductionBased:
@@ -161,10 +162,9 @@ def segment_pool(buffer: torch.Tensor, samples: torch.Tensor, entry_rows: torch.
         out = torch.empty(num_samples, buffer.shape[1], dtype=buffer.dtype)
         serial(buffer.numpy(), entry_rows.contiguous().numpy(), offsets.numpy(), out.numpy())
         return out
-    import nestpipe.kernels as K
 
     with torch.no_grad():
-        return K.pooled_lookup(buffer, entry_rows, offsets)
+        return kernels.pooled_lookup(buffer, entry_rows, offsets)
 
 
 _SERIAL = []
@@ -202,10 +202,10 @@ def scatter_add_rows(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
     if (out.device.type != "cpu" or src.device.type != "cpu" or out.dtype not in (torch.float32, torch.float64)
             or src.dtype != out.dtype or not out.is_contiguous() or out.dim() != 2 or len(index) == 0):
         return False
-    kernels = _scatter_kernels()
-    if kernels is None:
+    compiled = _scatter_kernels()
+    if compiled is None:
         return False
-    gather_scatter, scatter = kernels
+    gather_scatter, scatter = compiled
     src = src.detach().contiguous()
     # indices checked here once (vectorised) instead of per access inside the loop (bounds checks there kept it
     # from vectorising: about 1.6x slower)

@@ -39,6 +39,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nestpipe.trainer import testing_hooks
+from nestpipe.trainer.distributed.process_groups import StageGroups
+from nestpipe.trainer.distributed.sparse_groups import SparseLayout, momentum_scale
+
 
 class ReplicaSync:
     """Averages the replicas of this rank's shard over its ``replica`` group (see the module docstring).
@@ -184,3 +188,27 @@ def _pad(t: torch.Tensor, n: int) -> torch.Tensor:
     out = torch.zeros(n, dtype=t.dtype)
     out[:t.numel()] = t
     return out
+
+
+def attach(emb, layout: SparseLayout, optimizer: str, explicit_scale: int, groups: Optional[StageGroups]) -> None:
+    """Give the collection (built over the group: ``layout.local_rank`` of ``layout.group_size``) its sharded
+    tables' optimizer scale and, with more than one group, the replica synchronisation."""
+    emb.sparse_momentum_scale = momentum_scale(optimizer, layout, explicit_scale)
+    emb.layout = layout
+    if not layout.enabled:
+        return
+    if groups is None or "replica" not in groups.groups:
+        raise RuntimeError(f"--sparse-groups {layout.group_size}: the stage groups were not created for 2D sparse "
+                           "parallelism (use sparse_groups.create_stage_groups)")
+    emb.replica_sync = ReplicaSync(emb, layout.num_groups, lambda: groups.get("replica"),
+                                   skip=testing_hooks.active().skip_replica_sync)
+
+
+def metrics(emb) -> dict:
+    """Per-rank figures for ``metrics.json`` (empty in plain training)."""
+    layout = getattr(emb, "layout", None)
+    if layout is None or not layout.enabled:
+        return {}
+    return {"sparse_groups": {"group_size": layout.group_size, "num_groups": layout.num_groups,
+                              "group": layout.group, "local_rank": layout.local_rank,
+                              **(emb.replica_sync.stats if emb.replica_sync is not None else {})}}

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from nestpipe.trainer.embedding.store import rowwise_adagrad
-from nestpipe.trainer.placement import init_rows
+from nestpipe.trainer.embedding.placement import init_rows
 
 
 def owner_order(dest: np.ndarray, world: int) -> np.ndarray:

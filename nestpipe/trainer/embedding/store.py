@@ -1,7 +1,7 @@
 """The DRAM tier: the rows one rank owns for one table, with their row-wise AdaGrad state beside them.
 
 Invariants
-- Rank ``r`` holds exactly the rows :class:`~nestpipe.trainer.placement.TablePlacement` assigns it, as one
+- Rank ``r`` holds exactly the rows :class:`~nestpipe.trainer.embedding.placement.TablePlacement` assigns it, as one
   contiguous ``[local_rows, dim]`` float32 tensor plus a ``[local_rows]`` accumulator. The store is the source of
   truth between batches: a batch's rows are gathered from it (retrieval) and written back after the update.
 - :meth:`RowStore.gather` and :meth:`RowStore.write_back` hold the store's lock: the retrieval stage (its own
@@ -22,7 +22,9 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from nestpipe.trainer.placement import TablePlacement, init_rows
+from nestpipe.trainer.embedding.placement import TablePlacement, init_rows
+from nestpipe.kernels.memory import host_empty, host_zeros
+from nestpipe import kernels
 
 
 class RowStore:
@@ -35,7 +37,6 @@ class RowStore:
         self.seed = seed
         self.init_scale = init_scale
         n = placement.local_rows(rank)
-        from nestpipe.kernels.memory import host_empty, host_zeros
 
         eager = 0 < n <= eager_rows
         self.huge_pages = huge_pages == "always" or (huge_pages == "resident" and eager)
@@ -133,15 +134,11 @@ def apply_adagrad(weight: torch.Tensor, state: torch.Tensor, rows: torch.Tensor,
     ``nestpipe.kernels.adagrad_update``). float32 on CPU: the fused ``nestpipe.kernels.adagrad_update`` (one pass,
     no temporaries); otherwise (the float64 test runs) ``index_add_`` and the same formula in plain torch."""
     if weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous():
-        import nestpipe.kernels as K
-
-        K.adagrad_update(weight, state, rows, grad_entries.to(torch.float32), lr, eps, float(groups),
+        kernels.adagrad_update(weight, state, rows, grad_entries.to(torch.float32), lr, eps, float(groups),
                          grad_segments=segments, grad_pairs=pairs)
         return
     if pairs is not None:
-        import nestpipe.kernels as K
-
-        grad_entries = K.entry_grads_from_pairs(grad_entries, pairs[0], pairs[1], weight.shape[1])
+        grad_entries = kernels.entry_grads_from_pairs(grad_entries, pairs[0], pairs[1], weight.shape[1])
     grad = torch.zeros(int(segments[1].numel() - 1), grad_entries.shape[1],
                        dtype=grad_entries.dtype, device=grad_entries.device)
     grad.index_add_(0, inv.to(grad.device), grad_entries)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from nestpipe.trainer.embedding.replicated import owner_bounds, owner_order
+from nestpipe.trainer.embedding.reduction_based import scatter_add_rows
 
 
 class UniqueBased:
@@ -61,7 +62,6 @@ class ShardedUniqueBased:
     @staticmethod
     def accumulate(grad_entries: torch.Tensor, entries: torch.Tensor, grad_rows: torch.Tensor) -> None:
         """``grad_entries.index_add_(0, entries, grad_rows)`` (CPU: the same serial loop in index order, in Numba)."""
-        from nestpipe.trainer.embedding.reduction_based import scatter_add_rows
 
         if not scatter_add_rows(grad_entries, entries, grad_rows):
             grad_entries.index_add_(0, entries, grad_rows)

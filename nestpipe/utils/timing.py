@@ -1,0 +1,115 @@
+"""Per-stage timing of one rank's threads.
+
+:class:`StageTimer` sums seconds per stage name from every thread, and separately what the *compute thread* (the
+thread that built the timer: it runs the dense model and the update) spent. *Exposed communication* is the compute
+thread's time inside collectives (``*.comm``) plus its waits on communication threads (``wait.comm``); *exposed
+lookup* is its time in retrieval and in the owner's gather/pool work plus its waits on the retrieval stage
+(``wait.lookup``). In ``--pipeline off`` everything runs on the compute thread, so exposed equals total; in the
+pipelined modes the same work runs on stage threads and only the waiting is exposed.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Dict
+
+LOOKUP_STAGES = ("retrieve", "embed.owner")
+
+
+class StageTimer:
+    def __init__(self):
+        self.total: Dict[str, float] = collections.defaultdict(float)
+        self.count: Dict[str, int] = collections.defaultdict(int)
+        self.exposed: Dict[str, float] = collections.defaultdict(float)
+        self.bytes: Dict[str, int] = collections.defaultdict(int)  # payload bytes sent to other ranks, per stage
+        # process CPU seconds (every thread) while a stage ran: the CPU a collective costs, where nothing else runs
+        # beside it (``--pipeline off``); in the pipelined modes other threads' work is counted too
+        self.cpu: Dict[str, float] = collections.defaultdict(float)
+        self.compute_thread = threading.get_ident()
+        self._lock = threading.Lock()
+
+    def add(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self.total[name] += seconds
+            self.count[name] += 1
+            if threading.get_ident() == self.compute_thread:
+                self.exposed[name] += seconds
+
+    def add_split(self, name: str, total_s: float, exposed_s: float) -> None:
+        """Work that ran ``total_s`` in the background (e.g. an asynchronous collective) while the compute thread
+        waited ``exposed_s`` of it."""
+        with self._lock:
+            self.total[name] += total_s
+            self.count[name] += 1
+            self.exposed[name] += exposed_s
+
+    def add_cpu(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self.cpu[name] += seconds
+
+    def add_bytes(self, name: str, n: int) -> None:
+        with self._lock:
+            self.bytes[name] += int(n)
+
+    def span(self, name: str):
+        timer = self
+
+        class _Span:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.add(name, time.perf_counter() - self.t0)
+
+        return _Span()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.total.clear()
+            self.count.clear()
+            self.exposed.clear()
+            self.cpu.clear()
+
+    def snapshot(self) -> "StageTimer":
+        """A copy of the sums so far (steady-state figures are final minus a snapshot taken after warm-up)."""
+        c = StageTimer()
+        with self._lock:
+            c.total.update(self.total)
+            c.count.update(self.count)
+            c.exposed.update(self.exposed)
+            c.bytes.update(self.bytes)
+            c.cpu.update(self.cpu)
+        return c
+
+    def minus(self, earlier: "StageTimer") -> "StageTimer":
+        c = StageTimer()
+        with self._lock:
+            for k, v in self.total.items():
+                c.total[k] = v - earlier.total.get(k, 0.0)
+            for k, v in self.exposed.items():
+                c.exposed[k] = v - earlier.exposed.get(k, 0.0)
+            for k, v in self.bytes.items():
+                c.bytes[k] = v - earlier.bytes.get(k, 0)
+            for k, v in self.cpu.items():
+                c.cpu[k] = v - earlier.cpu.get(k, 0.0)
+        return c
+
+    def summary(self) -> Dict[str, float]:
+        return {k: round(v, 6) for k, v in sorted(self.total.items())}
+
+    def exposed_communication(self) -> float:
+        """Seconds the compute thread spent in, or waiting on, communication."""
+        return sum(v for k, v in self.exposed.items() if k.endswith(".comm"))
+
+    def exposed_lookup(self) -> float:
+        """Seconds the compute thread spent in, or waiting on, embedding lookup (retrieval + owner gather)."""
+        return sum(v for k, v in self.exposed.items() if k in LOOKUP_STAGES or k == "wait.lookup")
+
+    def communication_total(self) -> float:
+        """Seconds inside collectives on any thread (what ``--pipeline off`` would expose, measured here)."""
+        return sum(v for k, v in self.total.items() if k.endswith(".comm") and not k.startswith("wait."))
+
+    def lookup_total(self) -> float:
+        return sum(v for k, v in self.total.items() if k in LOOKUP_STAGES)

@@ -129,7 +129,7 @@ def stage_forward_backward(state: StepState, routing: Routing, feats: List[Dict[
         with _span(tl, "dense", step, i):
             total += dense_forward_backward(state, routing, emb_out, feats[i])
         with _span(tl, "grad.a2a", step, i):
-            state.emb.exchange_grad(routing, i, leaf, _group(state, "grad"))
+            state.emb.grad_exchange_and_accumulate(routing, i, leaf, _group(state, "grad"))
     return total
 
 

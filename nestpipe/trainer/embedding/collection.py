@@ -14,7 +14,7 @@ Per batch (each step is a method, called in this order by :mod:`nestpipe.trainer
    deduplicates them into the batch's owner rows.
 2. :meth:`retrieve` (embedding retrieval): the owner gathers its batch rows (weights and AdaGrad state) from the
    store into a buffer on the device. The buffer is frozen for the whole batch (no update inside a batch).
-3. :meth:`embed` / :meth:`exchange_grad`, per micro-batch in order: one fused embedding All2All (owner -> requester)
+3. :meth:`embed` / :meth:`grad_exchange_and_accumulate`, per micro-batch in order: one fused embedding All2All (owner -> requester)
    and, after the micro-batch's backward, one fused gradient All2All (requester -> owner) whose payload the owner
    adds into per-entry gradients with ``index_add_``. Each entry thus sums its micro-batches in order.
 4. :meth:`update`: per store, the row gradient is the sum of its entries in entry order, i.e. over requester ranks
@@ -502,7 +502,9 @@ class ShardedEmbeddingCollection:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
 
     # -- per micro-batch: gradient All2All ----------------------------------------------------------------------
-    def exchange_grad(self, routing: Routing, i: int, leaf: torch.Tensor, group=None) -> None:
+    def grad_exchange_and_accumulate(self, routing: Routing, i: int, leaf: torch.Tensor, group=None) -> None:
+        """Micro-batch ``i``'s backward path: :meth:`grad_exchange` (the All2All to owners) then
+        :meth:`grad_accumulate` (the owner adds each entry's gradient, in order)."""
         g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
         self.grad_accumulate(routing, i, self.grad_exchange(routing, i, g, group))
 

@@ -133,7 +133,6 @@ class FrozenWindow:
     def forward_backward(self, routing: Routing, feats: List[Dict[str, torch.Tensor]]) -> torch.Tensor:
         """All micro-batches of one batch; returns the loss sum / (B * W) like the synchronous step. On return
         every gradient All2All has completed and been accumulated (the update may run)."""
-        st = self.state
         n = len(routing.batch.micro)
         step = routing.batch.step
         if step not in self._primed:
@@ -142,28 +141,42 @@ class FrozenWindow:
         grads: List[concurrent.futures.Future] = []
         total = torch.zeros((), dtype=torch.float64)
         for i in range(n):
-            j = i + self.lookahead
-            if j < n and j not in pending and not self.update_per_micro_batch:
-                pending[j] = self.embed_worker.submit(self._embed_job, routing, j)  # overlaps dense(i)
+            self._start_embedding(pending, routing, i + self.lookahead)  # overlaps dense(i)
             recv = self._wait(pending.pop(i), step, i)
-            t0 = time.perf_counter()
-            emb_out, leaf = st.emb.embed_unpack(routing, i, recv)
-            loss_i = dense_forward_backward(st, routing, emb_out, feats[i])
+            loss_i, grad_i = self._dense(routing, i, recv, feats[i])
             total += loss_i
-            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            if st.timeline is not None:
-                st.timeline.record("dense", step, i, t0, time.perf_counter())
-            j = i + 1 + self.lookahead
-            if j < n and j not in pending and not self.update_per_micro_batch:  # not already primed at the boundary
-                # queued before gradient i: on one comm thread embedding i+2 goes first and overlaps dense(i+1)
-                pending[j] = self.embed_worker.submit(self._embed_job, routing, j)
-            grads.append(self.grad_worker.submit(self._grad_job, routing, i, g))  # overlaps dense(i+1)
+            # queued before gradient i: on one comm thread embedding i+2 goes first and overlaps dense(i+1)
+            self._start_embedding(pending, routing, i + 1 + self.lookahead)
+            grads.append(self.grad_worker.submit(self._grad_job, routing, i, grad_i))  # overlaps dense(i+1)
             if self.update_per_micro_batch and i + 1 < n:
-                for f in grads:
-                    self._wait(f, step, i)
-                grads.clear()
-                self.update_fn(routing, loss_i)  # NOT frozen: the negative control
-                pending[i + 1] = self.embed_worker.submit(self._embed_job, routing, i + 1)
+                self._update_inside_window(routing, i, loss_i, grads, pending)  # the negative control
         for f in grads:
             self._wait(f, step, n - 1)
         return total
+
+    def _start_embedding(self, pending: Dict[int, concurrent.futures.Future], routing: Routing, j: int) -> None:
+        """Submit micro-batch ``j``'s embedding All2All unless it is past the batch or already started (primed at
+        the boundary, or by an earlier call)."""
+        if j < len(routing.batch.micro) and j not in pending and not self.update_per_micro_batch:
+            pending[j] = self.embed_worker.submit(self._embed_job, routing, j)
+
+    def _dense(self, routing: Routing, i: int, recv: torch.Tensor, feats: Dict[str, torch.Tensor]):
+        """Micro-batch ``i``'s dense forward/backward on its received embeddings: (loss, embedding gradient)."""
+        st = self.state
+        t0 = time.perf_counter()
+        emb_out, leaf = st.emb.embed_unpack(routing, i, recv)
+        loss_i = dense_forward_backward(st, routing, emb_out, feats)
+        grad_i = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        if st.timeline is not None:
+            st.timeline.record("dense", routing.batch.step, i, t0, time.perf_counter())
+        return loss_i, grad_i
+
+    def _update_inside_window(self, routing: Routing, i: int, loss_i: torch.Tensor,
+                              grads: List[concurrent.futures.Future], pending: Dict[int, concurrent.futures.Future]):
+        """The ``update_per_micro_batch`` testing hook: apply the update after micro-batch ``i``, so the window is
+        NOT frozen (must break the equality with ``off``)."""
+        for f in grads:
+            self._wait(f, routing.batch.step, i)
+        grads.clear()
+        self.update_fn(routing, loss_i)
+        pending[i + 1] = self.embed_worker.submit(self._embed_job, routing, i + 1)

@@ -107,7 +107,8 @@ class PipelineRunner:
                     fw = FrozenWindow(st, workers[0], workers[0], update_fn=self._intermediate_update)
                 threads.update({w.name: w.thread for w in workers})
             if self.dbp:
-                yield from self._run_dbp(records, start, stop, before_step, fw, threads)
+                schedule = DualBufferSchedule(self, records, start, stop, fw)
+                yield from schedule.run(threads, before_step)
             else:
                 self._bind(threads)
                 yield from self._run_sequential(records, start, stop, before_step, fw)
@@ -164,138 +165,183 @@ class PipelineRunner:
             yield step, train_step(st, step, record, path,
                                    forward_backward=lambda routing, feats: self._forward_backward(fw, routing, feats))
 
-    # -- dbp / nested: the five-stage pipeline -------------------------------------------------------------------
-    def _run_dbp(self, records, start, stop, before_step, fw, threads):
-        st = self.state
-        tl = st.timeline
-        pc = st.cfg.pipe
-        n = stop - start
-        halt = threading.Event()
-        dual = DualBuffer(st.emb, skip_sync=self.hooks.skip_dual_buffer_sync,
-                          replica_own_keys_only=self.hooks.replica_refresh_own_keys_only)
-        q_data, q_h2d, q_route = (queue.Queue(maxsize=pc.depth) for _ in range(3))
-        q_ready: queue.Queue = queue.Queue(maxsize=1)  # retrieval: at most one batch ahead of compute
-        h2d_stream = StageStream(st.device)
 
-        def data_fn(k, _):
-            step = start + k
-            s, record, path = next(records)
-            if s != step:
-                raise RuntimeError(f"data stream at step {s}, expected {step}")
-            with _span(tl, "prefetch", step):
-                return stage_prefetch(st, step, record, path)
+class DualBufferSchedule:
+    """``dbp`` / ``nested``: the five-stage Dual-Buffer Pipeline over the steps ``[start, stop)`` of one segment.
 
-        def h2d_fn(k, batch):
-            with _span(tl, "h2d", batch.step), h2d_stream.run():
-                feats = stage_h2d(st, batch)
-                return batch, feats, h2d_stream.handoff()
+    Stages 1-4 run on their own threads joined by bounded queues (prefetch, h2d and route up to ``pipe.depth``
+    batches ahead; retrieval at most one batch ahead: two buffers); stage 5 runs on the calling (compute) thread:
 
-        def route_fn(k, item):
-            batch, feats, ev = item
-            t0 = time.perf_counter()
-            with _span(tl, "route", batch.step):
-                routing = stage_route(st, batch)
-            return routing, feats, ev, {"route": (t0, time.perf_counter())}
+        stage            thread     work                                           paper
+        prefetch(t+k)    data       read + prepare the batch                       1 data prefetch
+        h2d(t+k)         h2d        model inputs to the device                     2 H2D
+        route(t+k)       route      key-routing All2All (group ``route``)           3 key routing
+        retrieve(t+1)    retrieve   gather rows into the prefetch buffer           4 embedding retrieval
+        receive(t)       compute    take batch t, DBP sync from batch t-1          5 forward/backward + update
+        train(t)         compute    forward/backward (FWP inside with ``fw``), update
 
-        def retrieve_fn(k, item):
-            routing, feats, ev, when = item
-            t0 = dual.retrieve(routing, halt, tl)
-            when["retrieve"] = (t0, time.perf_counter())
-            return routing, feats, ev, when
+    Invariant (:mod:`.dual_buffer`): when :meth:`receive` returns batch t, every row of keys(t-1) ∩ keys(t) in t's
+    buffer holds batch t-1's update, so batch t trains on exactly the parameters synchronous training would.
+    The schedule ends drained: every stage thread joined, no buffer held.
+    """
 
-        def stage(name, fn, q_in, q_out):
-            def body():
-                try:
-                    for k in range(n):
-                        item = _get(q_in, halt) if q_in is not None else None
-                        if isinstance(item, _Failure):
-                            _put(q_out, item, halt)
-                            return
-                        _put(q_out, fn(k, item), halt)
-                except Stopped:
-                    return
-                except BaseException as e:  # noqa: BLE001 - forwarded to the compute thread
-                    try:
-                        _put(q_out, _Failure(name, e), halt)
-                    except Stopped:
-                        pass
-            return threading.Thread(target=body, name=name, daemon=True)
+    def __init__(self, runner: "PipelineRunner", records, start: int, stop: int, fw: Optional[FrozenWindow]):
+        self.runner, self.state, self.records, self.fw = runner, runner.state, records, fw
+        self.start, self.stop = start, stop
+        self.timeline = self.state.timeline
+        pc = self.state.cfg.pipe
+        self.halt = threading.Event()
+        self.dual = DualBuffer(self.state.emb, skip_sync=runner.hooks.skip_dual_buffer_sync,
+                               replica_own_keys_only=runner.hooks.replica_refresh_own_keys_only)
+        self.q_data, self.q_h2d, self.q_route = (queue.Queue(maxsize=pc.depth) for _ in range(3))
+        self.q_ready: queue.Queue = queue.Queue(maxsize=1)  # retrieval: at most one batch ahead of compute
+        self.h2d_stream = StageStream(self.state.device)
+        self.active = None  # the batch whose updated rows are still to be synced into the next batch's buffer
+        self.synced = None  # the active batch, already synced into the next one, whose buffer is still held
 
-        stage_threads = [stage("data", data_fn, None, q_data), stage("h2d", h2d_fn, q_data, q_h2d),
-                         stage("route", route_fn, q_h2d, q_route), stage("retrieve", retrieve_fn, q_route, q_ready)]
-        self._bind(dict(threads, route=stage_threads[2]))  # before any stage thread can issue
-        for t in stage_threads:
-            t.start()
-        active = None
+    # -- the loop: the paper's five-stage table, stage 5 on this thread ------------------------------------------
+    def run(self, threads, before_step=None) -> Iterator[Tuple[int, float]]:
+        stage_threads = self._start_stage_threads(threads)
         finished = False
-
-        synced = None  # the active batch, already synced into the next one, whose buffer is still held
-
-        def take(step, early=False):
-            """Batch ``step`` from the retrieval stage (its buffer gathered), then the DBP sync from the active batch:
-            after it the buffer is final (the invariant of dual_buffer.py) and the window is frozen. ``early``: the
-            active batch's buffer and permit are kept until :func:`release_synced` (so the retrieval of the batch
-            after ``step`` starts when ``step`` starts computing, as without ``early``)."""
-            nonlocal active, synced
-            t0 = time.perf_counter()
-            item = _get(q_ready, halt)
-            t1 = time.perf_counter()
-            if isinstance(item, _Failure):
-                raise RuntimeError(f"pipeline stage {item.stage!r} failed at or before step {step}: "
-                                   f"{type(item.exc).__name__}: {item.exc}") from item.exc
-            routing, feats, ev, when = item
-            self._account_wait(step, t0, t1, when)
-            if routing.batch.step != step:
-                raise RuntimeError(f"pipeline delivered step {routing.batch.step}, expected {step}")
-            wait_handoff(st.device, ev, [t for f in feats for t in f.values()])
-            if active is not None:
-                with _span(tl, "dbp.sync", step):
-                    dual.sync(active, routing)  # the DBP invariant: see dual_buffer.py
-                if early:
-                    synced = active
-                else:
-                    dual.release(active)
-                active = None
-            return routing, feats
-
-        def release_synced():
-            nonlocal synced
-            if synced is not None:
-                dual.release(synced)
-                synced = None
-
         try:
-            nxt = None
-            for step in range(start, stop):
+            ready = None  # batch t+1, received early at batch t's boundary (FWP primes its first All2Alls)
+            for step in range(self.start, self.stop):
                 if before_step:
                     before_step(step)
-                routing, feats = nxt if nxt is not None else take(step)
-                nxt = None
-                self._hook_sleep()
-                with _span(tl, "fwd_bwd", step):
-                    release_synced()  # batch step-1's buffer: the retrieval of step+1 starts as step computes
-                    loss = self._forward_backward(fw, routing, feats)
-                with _span(tl, "update", step):
-                    # dense all-reduce in flight while the owner's sparse update runs (disjoint tensors)
-                    red = update_begin(st, loss, async_op=True)
-                    st.emb.update(routing, release=False)
-                active = routing  # its updated rows stay until synced into batch step+1's buffer
-                if fw is not None and step + 1 < stop and not self.hooks.update_per_micro_batch:
-                    # the next batch's buffer is final once synced: its first embedding All2Alls start now,
-                    # while this batch's dense all-reduce and AdamW finish
-                    nxt = take(step + 1, early=True)
-                    fw.prime(nxt[0], st.cfg.pipe.boundary_prime)
-                with _span(tl, "update.dense", step):
-                    loss = update_dense(st, red)
-                yield step, loss
-            release_synced()
-            if active is not None:
-                dual.hand_over(active, None)
-                active = None
+                routing, feats = ready if ready is not None else self.receive(step)  # stages 1-4 done, DBP sync
+                ready = None
+                self.runner._hook_sleep()
+                loss = self.forward_backward(step, routing, feats)                    # stage 5: FWP inside
+                reduction = self.update_sparse(step, routing, loss)                   # dense all-reduce in flight
+                if self._primes_next_batch(step):
+                    ready = self.receive(step + 1, early=True)                        # t+1's window is frozen now
+                    self.fw.prime(ready[0], self.state.cfg.pipe.boundary_prime)
+                yield step, self.update_dense(step, reduction)
+            self.drain()
             finished = True
         finally:
-            self.rows_synced += dual.rows_synced
+            self.runner.rows_synced += self.dual.rows_synced
             if not finished:
-                halt.set()
+                self.halt.set()
             for t in stage_threads:
                 t.join(timeout=None if finished else 5.0)
+
+    # -- stages 1-4 (stage threads) ------------------------------------------------------------------------------
+    def prefetch(self, k: int, _):
+        step = self.start + k
+        s, record, path = next(self.records)
+        if s != step:
+            raise RuntimeError(f"data stream at step {s}, expected {step}")
+        with _span(self.timeline, "prefetch", step):
+            return stage_prefetch(self.state, step, record, path)
+
+    def h2d(self, k: int, batch):
+        with _span(self.timeline, "h2d", batch.step), self.h2d_stream.run():
+            feats = stage_h2d(self.state, batch)
+            return batch, feats, self.h2d_stream.handoff()
+
+    def route(self, k: int, item):
+        batch, feats, event = item
+        t0 = time.perf_counter()
+        with _span(self.timeline, "route", batch.step):
+            routing = stage_route(self.state, batch)
+        return routing, feats, event, {"route": (t0, time.perf_counter())}
+
+    def retrieve(self, k: int, item):
+        routing, feats, event, when = item
+        t0 = self.dual.retrieve(routing, self.halt, self.timeline)
+        when["retrieve"] = (t0, time.perf_counter())
+        return routing, feats, event, when
+
+    def _start_stage_threads(self, threads) -> List[threading.Thread]:
+        stage_threads = [self._stage_thread("data", self.prefetch, None, self.q_data),
+                         self._stage_thread("h2d", self.h2d, self.q_data, self.q_h2d),
+                         self._stage_thread("route", self.route, self.q_h2d, self.q_route),
+                         self._stage_thread("retrieve", self.retrieve, self.q_route, self.q_ready)]
+        self.runner._bind(dict(threads, route=stage_threads[2]))  # before any stage thread can issue
+        for t in stage_threads:
+            t.start()
+        return stage_threads
+
+    def _stage_thread(self, name: str, fn, q_in: Optional[queue.Queue], q_out: queue.Queue) -> threading.Thread:
+        """A thread running ``fn`` on each of the segment's batches from ``q_in`` into ``q_out``; a failure is
+        forwarded down the queues to the compute thread, which raises it."""
+        n, halt = self.stop - self.start, self.halt
+
+        def body():
+            try:
+                for k in range(n):
+                    item = _get(q_in, halt) if q_in is not None else None
+                    if isinstance(item, _Failure):
+                        _put(q_out, item, halt)
+                        return
+                    _put(q_out, fn(k, item), halt)
+            except Stopped:
+                return
+            except BaseException as e:  # noqa: BLE001 - forwarded to the compute thread
+                try:
+                    _put(q_out, _Failure(name, e), halt)
+                except Stopped:
+                    pass
+        return threading.Thread(target=body, name=name, daemon=True)
+
+    # -- stage 5 (compute thread) --------------------------------------------------------------------------------
+    def receive(self, step: int, early: bool = False):
+        """Batch ``step`` from the retrieval stage (its buffer gathered), then the DBP sync from the active batch:
+        after it the buffer is final (the invariant of dual_buffer.py) and the window is frozen. ``early``: the
+        active batch's buffer and permit are kept until :meth:`forward_backward` releases them (so the retrieval
+        of the batch after ``step`` starts when ``step`` starts computing, as without ``early``)."""
+        t0 = time.perf_counter()
+        item = _get(self.q_ready, self.halt)
+        t1 = time.perf_counter()
+        if isinstance(item, _Failure):
+            raise RuntimeError(f"pipeline stage {item.stage!r} failed at or before step {step}: "
+                               f"{type(item.exc).__name__}: {item.exc}") from item.exc
+        routing, feats, event, when = item
+        self.runner._account_wait(step, t0, t1, when)
+        if routing.batch.step != step:
+            raise RuntimeError(f"pipeline delivered step {routing.batch.step}, expected {step}")
+        wait_handoff(self.state.device, event, [t for f in feats for t in f.values()])
+        if self.active is not None:
+            with _span(self.timeline, "dbp.sync", step):
+                self.dual.sync(self.active, routing)  # the DBP invariant: see dual_buffer.py
+            if early:
+                self.synced = self.active
+            else:
+                self.dual.release(self.active)
+            self.active = None
+        return routing, feats
+
+    def forward_backward(self, step: int, routing, feats) -> torch.Tensor:
+        with _span(self.timeline, "fwd_bwd", step):
+            self._release_synced()  # batch step-1's buffer: the retrieval of step+1 starts as step computes
+            return self.runner._forward_backward(self.fw, routing, feats)
+
+    def update_sparse(self, step: int, routing, loss: torch.Tensor):
+        """The owner's row-wise update of batch ``step`` while the dense all-reduce is in flight (disjoint
+        tensors); the batch stays active until its updated rows are synced into the next batch's buffer."""
+        with _span(self.timeline, "update", step):
+            reduction = update_begin(self.state, loss, async_op=True)
+            self.state.emb.update(routing, release=False)
+        self.active = routing
+        return reduction
+
+    def update_dense(self, step: int, reduction) -> float:
+        with _span(self.timeline, "update.dense", step):
+            return update_dense(self.state, reduction)
+
+    def _primes_next_batch(self, step: int) -> bool:
+        """With FWP, the next batch's buffer is final once synced: its first embedding All2Alls start at the
+        boundary, while this batch's dense all-reduce and AdamW finish."""
+        return self.fw is not None and step + 1 < self.stop and not self.runner.hooks.update_per_micro_batch
+
+    def drain(self) -> None:
+        self._release_synced()
+        if self.active is not None:
+            self.dual.hand_over(self.active, None)
+            self.active = None
+
+    def _release_synced(self) -> None:
+        if self.synced is not None:
+            self.dual.release(self.synced)
+            self.synced = None

@@ -20,11 +20,14 @@ import typing
 from typing import Any, Dict, List, Optional, Tuple
 
 from nestpipe.trainer.embedding.config import EXCHANGE_KINDS, EmbeddingConfig
+from nestpipe.trainer.models import MODEL_SPECS
+from nestpipe.trainer.models.dlrm import DLRMConfig
+from nestpipe.trainer.models.hstu import HSTUConfig
 from nestpipe.utils.jsonio import read_json, write_json_atomic
 from nestpipe.utils.options import opt
 
 PIPELINE_MODES = ("off", "dbp", "fwp", "nested")
-MODELS = ("hstu", "dlrm")
+MODELS = tuple(MODEL_SPECS)
 
 # Keys of configs written before the test-only hooks left the configuration: dropped on load with a warning.
 RETIRED_KEYS = {
@@ -32,33 +35,6 @@ RETIRED_KEYS = {
     "embedding.debug_requester_salt", "embedding.debug_skip_replica_sync",
     "pipe.debug_skip_dual_buffer_sync", "pipe.debug_update_per_micro_batch", "pipe.debug_replica_refresh_own_keys_only",
 }
-
-
-@dataclasses.dataclass
-class HSTUConfig:
-    """HSTU-style causal sequential transducer (item + action tokens), next-item sampled softmax."""
-
-    num_layers: int = opt(2, help="HSTU layers", minimum=1)
-    num_heads: int = opt(2, help="attention heads per layer", minimum=1)
-    linear_dim: int = opt(16, help="per-head dimension of u/v/q/k", minimum=1)
-    max_seq_len: int = opt(64, help="longest sequence the positional encoding covers", minimum=1)
-    num_random_negatives: int = opt(512, help="uniform random negatives, shared by the batch", minimum=0)
-    num_popular_negatives: int = opt(
-        0, help="in-batch popularity negatives (they push popular items down, which costs full-catalog HR/NDCG "
-        "without a logQ correction: off by default)", minimum=0)
-    temperature: float = opt(0.1, help="softmax temperature of the sampled softmax", minimum=0)
-    dropout: float = opt(0.0, help="dropout probability", minimum=0)
-
-
-@dataclasses.dataclass
-class DLRMConfig:
-    """DLRM with a DCNv2 cross network: bottom MLP on dense features, cross layers, top MLP, BCE on the target."""
-
-    bottom_mlp: Tuple[int, ...] = opt((64, 32), help="bottom MLP widths (dense features)")
-    cross_layers: int = opt(2, help="DCNv2 cross layers", minimum=0)
-    cross_rank: int = opt(16, help="low-rank DCNv2 (U V^T) rank; 0 = full rank", minimum=0)
-    top_mlp: Tuple[int, ...] = opt((64, 32), help="top MLP widths")
-    target: str = opt("is_click", help="label column trained on (one of the manifest's labels)")
 
 
 @dataclasses.dataclass

@@ -25,10 +25,10 @@ from nestpipe.datasets.shards import load_manifest, table_offsets
 from nestpipe.trainer.config import load_run_config
 from nestpipe.trainer.data import ShardStream, iter_shard
 from nestpipe.trainer.embedding.collection import table_dims
-from nestpipe.trainer.export import assemble
-from nestpipe.utils.jsonio import write_json_atomic
-from nestpipe.trainer.models import build_model
 from nestpipe.trainer.embedding.placement import to_vocab
+from nestpipe.trainer.export import assemble
+from nestpipe.trainer.models import build_model, model_spec
+from nestpipe.utils.jsonio import write_json_atomic
 
 KS = (10, 50)
 
@@ -137,6 +137,10 @@ def evaluate_dlrm(cfg, man, full, model, max_batches):
             "baseline_constant": {"AUC": 0.5, "logloss": _logloss(y, const), "rate": rate}}
 
 
+# the evaluation protocol of each shard task: next-item (HR/NDCG) for gr, CTR (AUC/logloss) for ctr
+PROTOCOLS = {"gr": evaluate_hstu, "ctr": evaluate_dlrm}
+
+
 def evaluate_run(run: str, max_batches: Optional[int] = None) -> Dict:
     cfg = load_run_config(run)
     torch.set_num_threads(max(1, cfg.threads))
@@ -145,10 +149,7 @@ def evaluate_run(run: str, max_batches: Optional[int] = None) -> Dict:
     model = build_model(cfg, man, table_dims(man, cfg.embedding))
     model.load_state_dict({k[len("dense."):]: v.float() for k, v in full.items() if k.startswith("dense.")})
     model.eval()
-    if cfg.model == "hstu":
-        res = evaluate_hstu(cfg, man, full, model, max_batches)
-    else:
-        res = evaluate_dlrm(cfg, man, full, model, max_batches)
+    res = PROTOCOLS[model_spec(cfg.model).task](cfg, man, full, model, max_batches)
     res.update({"run": os.path.abspath(run), "step": int(full["meta.step"]), "model_name": cfg.model})
     write_json_atomic(os.path.join(run, "eval.json"), res)
     return res

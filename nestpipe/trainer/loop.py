@@ -13,7 +13,7 @@ checkpoints (and export and eval, which read checkpoints) never see a batch in f
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import time
 from typing import Iterator, Tuple
@@ -21,22 +21,22 @@ from typing import Iterator, Tuple
 import torch
 import torch.distributed as dist
 
+from nestpipe.kernels import kernel_paths
+from nestpipe.kernels.memory import huge_pages_mode
+from nestpipe.planning.planner import format_plan, save_plan
 from nestpipe.trainer import testing_hooks
 from nestpipe.trainer import checkpoint
 from nestpipe.trainer.config import TrainConfig
-from nestpipe.trainer.embedding import replica_sync
 from nestpipe.trainer.data import ShardStream
 from nestpipe.trainer.distributed import device as devmod
-from nestpipe.trainer.distributed.device import Device
-from nestpipe.trainer.metrics import ScalarLog
-from nestpipe.utils.jsonio import write_json_atomic
-from nestpipe.trainer.pipeline import timeline as tlmod
-from nestpipe.kernels import kernel_paths
-from nestpipe.kernels.memory import huge_pages_mode
-from nestpipe.trainer.pipeline.scheduler import PipelineRunner
-from nestpipe.trainer.step import build_state
 from nestpipe.trainer.distributed import sparse_groups
-from nestpipe.planning.planner import format_plan, save_plan
+from nestpipe.trainer.distributed.device import Device
+from nestpipe.trainer.embedding import replica_sync
+from nestpipe.trainer.metrics import ScalarLog
+from nestpipe.trainer.pipeline import timeline as tlmod
+from nestpipe.trainer.pipeline.scheduler import PipelineRunner
+from nestpipe.trainer.step import StepState, build_state
+from nestpipe.utils.jsonio import read_json, write_json_atomic
 
 
 def total_steps(cfg: TrainConfig, batches_per_rank: int) -> int:
@@ -54,83 +54,146 @@ def segments(start: int, total: int, every: int) -> Iterator[Tuple[int, int]]:
         s = stop
 
 
+@dataclasses.dataclass
+class RankRun:
+    """What one rank trains in this run: its config, place in the world, data stream and state."""
+
+    cfg: TrainConfig
+    device: Device
+    rank: int
+    world: int
+    hooks: testing_hooks.TestingHooks
+    flush_denormal: bool
+    stream: ShardStream
+    steps: int
+    state: StepState
+
+
+class Progress:
+    """Counts the steps trained, writes ``RUN/scalars.jsonl`` and the progress bar (rank 0), and marks the start
+    of the steady state: the figures in metrics.json leave out the first ``warm`` steps (pipeline fill, first
+    contact)."""
+
+    def __init__(self, run: RankRun, start: int, log: ScalarLog):
+        self.run, self.start, self.log = run, start, log
+        cfg, rank = run.cfg, run.rank
+        self.bar = None
+        if rank == 0 and cfg.progress:
+            from tqdm import tqdm  # start-up time: only a rank that shows the bar
+
+            self.bar = tqdm(total=run.steps, initial=start, unit="step", dynamic_ncols=True)
+        self.done, self.loss = 0, float("nan")
+        self.warm = 2 if run.steps - start > 4 else 0
+        self.t_start = time.perf_counter()
+        self.snap, self.t_warm, self.cpu_warm = run.state.timer.snapshot(), self.t_start, time.process_time()
+
+    def step_done(self, step: int, loss: float) -> None:
+        self.done += 1
+        self.loss = loss
+        if self.done == self.warm:
+            self.snap, self.t_warm, self.cpu_warm = (self.run.state.timer.snapshot(), time.perf_counter(),
+                                                     time.process_time())
+        if self.run.rank == 0:
+            el = time.perf_counter() - self.t_start
+            sps = self.done * self.run.stream.manifest.batch_size * self.run.world / max(el, 1e-9)
+            if (step + 1) % max(self.run.cfg.log_every, 1) == 0:
+                self.log.write(step + 1, loss=loss, samples_per_s=sps)
+            if self.bar:
+                self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{sps:.0f}")
+                self.bar.update(1)
+
+    def close(self) -> Tuple[float, float]:
+        """(elapsed seconds, steady-state CPU seconds) at the end of training."""
+        elapsed = time.perf_counter() - self.t_start
+        steady_cpu_s = time.process_time() - self.cpu_warm
+        if self.bar:
+            self.bar.close()
+        return elapsed, steady_cpu_s
+
+
 def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume: bool) -> dict:
+    """Train one rank: the algorithm of the module docstring."""
+    run = set_up(cfg, device, rank, world)
+    start = resume_step(run) if resume else 0
+    if resume and start >= run.steps:
+        # a finished run: nothing to train, and its metrics.json and final checkpoint stay as they are
+        if rank == 0:
+            print(f"{cfg.out}: run already finished (checkpoint at step {start}, {run.steps} steps configured); "
+                  "nothing to resume. Train further with a larger --steps or --epochs.", flush=True)
+        return {"final_loss": None, "steps": run.steps, "resumed_from_step": start, "already_finished": True}
+    run.state.timeline = tlmod.Timeline(rank, start, cfg.pipe.trace_steps)
+    runner = PipelineRunner(run.state, cfg.pipeline)
+    log = ScalarLog(os.path.join(cfg.out, "scalars.jsonl") if rank == 0 else None)
+    announce(run, start, log)
+    progress = Progress(run, start, log)
+    train_segments(run, runner, start, progress)
+    elapsed, steady_cpu_s = progress.close()
+    checkpoint.save(cfg.out, run.state, run.steps)
+    return report(run, runner, start, progress, elapsed, steady_cpu_s)
+
+
+def set_up(cfg: TrainConfig, device: Device, rank: int, world: int) -> RankRun:
+    """Threads, floating-point mode, this rank's data stream, the stage process groups and the state."""
     torch.set_num_threads(cfg.threads)
     hooks = testing_hooks.active()
     if rank == 0 and hooks.changed():
         print(f"testing hooks set (not a normal run): {hooks.changed()}", flush=True)
     flush_denormal = devmod.set_flush_denormal(cfg.flush_denormal)  # this thread; the pipeline's threads inherit it
     stream = ShardStream(cfg.shards, "train", rank, world, verify=cfg.verify_shards)
-    manifest = stream.manifest
     steps = total_steps(cfg, stream.batches_per_rank)
     groups = sparse_groups.create_stage_groups(sparse_groups.resolve(cfg.sparse_groups, world, rank))
-    state = build_state(cfg, manifest, rank, world, device.torch, groups=groups)
-    start = 0
-    if resume:
-        ck = checkpoint.latest(cfg.out)
-        if rank == 0:
-            checkpoint.clean_partial(cfg.out)
-        if ck is not None:
-            start = checkpoint.load(ck, state)
-    if resume and start >= steps:
-        # a finished run: nothing to train, and its metrics.json and final checkpoint stay as they are
-        if rank == 0:
-            print(f"{cfg.out}: run already finished (checkpoint at step {start}, {steps} steps configured); nothing "
-                  "to resume. Train further with a larger --steps or --epochs.", flush=True)
-        return {"final_loss": None, "steps": steps, "resumed_from_step": start, "already_finished": True}
-    state.timeline = tlmod.Timeline(rank, start, cfg.pipe.trace_steps)
-    runner = PipelineRunner(state, cfg.pipeline)
-    log = ScalarLog(os.path.join(cfg.out, "scalars.jsonl") if rank == 0 else None)
-    if rank == 0 and state.emb.plan is not None:
-        save_plan(state.emb.plan, os.path.join(cfg.out, "plan.json"))
-        if cfg.progress:
-            print(format_plan(state.emb.plan), flush=True)
-    if rank == 0:
-        log.write(start, event="start", resumed_from_step=start, world=world, steps=steps, pipeline=cfg.pipeline,
-                  dropped_batches=stream.dropped, kinds=state.emb.kinds, kernel_paths=kernel_paths(device.torch),
-                  store_huge_pages=_huge_pages(cfg), flush_denormal=flush_denormal, testing_hooks=hooks.changed())
-    bar = None
-    if rank == 0 and cfg.progress:
-        from tqdm import tqdm
+    state = build_state(cfg, stream.manifest, rank, world, device.torch, groups=groups)
+    return RankRun(cfg, device, rank, world, hooks, flush_denormal, stream, steps, state)
 
-        bar = tqdm(total=steps, initial=start, unit="step", dynamic_ncols=True)
-    B = manifest.batch_size
-    t_start = time.perf_counter()
-    done = 0
-    loss = float("nan")
+
+def resume_step(run: RankRun) -> int:
+    """Load the latest complete checkpoint into the state (rank 0 removes partial ones); its step, or 0."""
+    ck = checkpoint.latest(run.cfg.out)
+    if run.rank == 0:
+        checkpoint.clean_partial(run.cfg.out)
+    return checkpoint.load(ck, run.state) if ck is not None else 0
+
+
+def announce(run: RankRun, start: int, log: ScalarLog) -> None:
+    """Rank 0: save and print the sharding plan, and log the run's start with its metadata."""
+    if run.rank != 0:
+        return
+    cfg, emb = run.cfg, run.state.emb
+    if emb.plan is not None:
+        save_plan(emb.plan, os.path.join(cfg.out, "plan.json"))
+        if cfg.progress:
+            print(format_plan(emb.plan), flush=True)
+    log.write(
+        start, event="start", resumed_from_step=start, world=run.world, steps=run.steps, pipeline=cfg.pipeline,
+        dropped_batches=run.stream.dropped, kinds=emb.kinds, kernel_paths=kernel_paths(run.device.torch),
+        store_huge_pages=_huge_pages(cfg), flush_denormal=run.flush_denormal, testing_hooks=run.hooks.changed())
+
+
+def train_segments(run: RankRun, runner: PipelineRunner, start: int, progress: Progress) -> None:
+    """The pipeline over each segment; a checkpoint at every segment end before the last (drained there)."""
+    hooks, rank = run.hooks, run.rank
 
     def before_step(step: int) -> None:
         if step == hooks.fail_step and rank == hooks.fail_rank:
             raise RuntimeError(f"rank {rank}: injected failure at step {step} (testing hook fail_step)")
 
-    # steady state: the figures in metrics.json leave out the first ``warm`` steps (pipeline fill, first contact)
-    warm = 2 if steps - start > 4 else 0
-    snap, t_warm, cpu_warm = state.timer.snapshot(), t_start, time.process_time()
-    records = stream.records(start)
-    for seg_start, seg_stop in segments(start, steps, cfg.checkpoint_every):
+    records = run.stream.records(start)
+    for seg_start, seg_stop in segments(start, run.steps, run.cfg.checkpoint_every):
         for step, loss in runner.run(records, seg_start, seg_stop, before_step):
-            done += 1
-            if done == warm:
-                snap, t_warm, cpu_warm = state.timer.snapshot(), time.perf_counter(), time.process_time()
-            if rank == 0:
-                el = time.perf_counter() - t_start
-                sps = done * B * world / max(el, 1e-9)
-                if (step + 1) % max(cfg.log_every, 1) == 0:
-                    log.write(step + 1, loss=loss, samples_per_s=sps)
-                if bar:
-                    bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{sps:.0f}")
-                    bar.update(1)
+            progress.step_done(step, loss)
         # drained: every stage thread joined, no buffer held, nothing in flight
-        if seg_stop < steps:
-            checkpoint.save(cfg.out, state, seg_stop, hooks.checkpoint_sleep_s)
-    elapsed = time.perf_counter() - t_start
-    steady_cpu_s = time.process_time() - cpu_warm
-    if bar:
-        bar.close()
-    checkpoint.save(cfg.out, state, steps)
-    t = state.timer.minus(snap)
+        if seg_stop < run.steps:
+            checkpoint.save(run.cfg.out, run.state, seg_stop, hooks.checkpoint_sleep_s)
+
+
+def report(run: RankRun, runner: PipelineRunner, start: int, progress: Progress, elapsed: float,
+           steady_cpu_s: float) -> dict:
+    """Gather every rank's steady-state figures; rank 0 writes trace.json, timeline.png and metrics.json."""
+    cfg, state, rank, world = run.cfg, run.state, run.rank, run.world
+    B, done, warm, loss = run.stream.manifest.batch_size, progress.done, progress.warm, progress.loss
+    t = state.timer.minus(progress.snap)
     steady = max(done - warm, 0) if done >= warm else done
-    steady_s = t_start + elapsed - t_warm
+    steady_s = progress.t_start + elapsed - progress.t_warm
     mine = {"rank": rank, "samples_per_s": steady * B / max(steady_s, 1e-9), "elapsed_s": elapsed, "steps": done,
             "measured_steps": steady, "measured_s": steady_s, "warmup_steps": done - steady,
             "step_s": steady_s / max(steady, 1),
@@ -147,7 +210,7 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
         dist.all_gather_object(gathered, mine)
     else:
         gathered = [mine]
-    result = {"final_loss": loss, "steps": steps, "resumed_from_step": start}
+    result = {"final_loss": loss, "steps": run.steps, "resumed_from_step": start}
     if rank == 0:
         spans = tlmod.merge(g.pop("timeline") for g in gathered)
         tlmod.write_chrome_trace(os.path.join(cfg.out, "trace.json"), spans)
@@ -161,11 +224,12 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
                    "steps_run": done, "resumed_from_step": start, "final_loss": loss,
                    "samples_per_s": total_sps, "samples_per_s_per_rank": [g["samples_per_s"] for g in gathered],
                    "per_rank": gathered, "exchange_kinds": state.emb.kinds,
-                   "kernel_paths": kernel_paths(device.torch), "store_huge_pages": _huge_pages(cfg),
-                   "flush_denormal": flush_denormal, "testing_hooks": hooks.changed(), **exposure_summary(gathered, cfg.pipe.baseline_metrics)}
+                   "kernel_paths": kernel_paths(run.device.torch), "store_huge_pages": _huge_pages(cfg),
+                   "flush_denormal": run.flush_denormal, "testing_hooks": run.hooks.changed(),
+                   **exposure_summary(gathered, cfg.pipe.baseline_metrics)}
         write_json_atomic(os.path.join(cfg.out, "metrics.json"), metrics)
-        log.write(steps, event="end", final_loss=loss, samples_per_s=total_sps)
-        log.close()
+        progress.log.write(run.steps, event="end", final_loss=loss, samples_per_s=total_sps)
+        progress.log.close()
         result["metrics"] = metrics
     else:
         for g in gathered:
@@ -189,8 +253,7 @@ def exposure_summary(gathered, baseline_path: str = "") -> dict:
            "communication_s_per_step": _per_step(gathered, "communication_total_s"),
            "lookup_s_per_step": _per_step(gathered, "lookup_total_s")}
     if baseline_path:
-        with open(baseline_path) as f:
-            base = json.load(f)
+        base = read_json(baseline_path, "metrics.json of the --pipeline off baseline (pipe.baseline_metrics)")
         off_comm, off_look = base["exposed_communication_s_per_step"], base["exposed_lookup_s_per_step"]
         out["ratio_source"] = os.path.abspath(baseline_path)
     else:

@@ -23,19 +23,18 @@ import dataclasses
 import time
 from typing import Callable, Dict, List, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from nestpipe.trainer import testing_hooks
 from nestpipe.datasets.shards import Manifest
+from nestpipe.trainer import testing_hooks
 from nestpipe.trainer.config import TrainConfig
 from nestpipe.trainer.data import prepare_batch
-from nestpipe.trainer.embedding.batch import NEG_SLOT, PreparedBatch
-from nestpipe.trainer.embedding.collection import Routing, ShardedEmbeddingCollection
 from nestpipe.trainer.distributed import sparse_groups
 from nestpipe.trainer.embedding import replica_sync
-from nestpipe.trainer.models import build_model
+from nestpipe.trainer.embedding.batch import NEG_SLOT, PreparedBatch
+from nestpipe.trainer.embedding.collection import Routing, ShardedEmbeddingCollection
+from nestpipe.trainer.models import build_model, model_spec
 from nestpipe.utils.timing import StageTimer
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -60,27 +59,14 @@ class StepState:
 
 
 def num_negatives(cfg: TrainConfig):
-    if cfg.model != "hstu":
-        return (0, 0)
-    return (cfg.hstu.num_random_negatives, cfg.hstu.num_popular_negatives)
+    """(random, popular) negatives drawn per batch for the model."""
+    return model_spec(cfg.model).negatives(cfg)
 
 
 def model_feats(cfg: TrainConfig, manifest: Manifest, batch: PreparedBatch, i: int,
                 device: torch.device) -> Dict[str, torch.Tensor]:
-    dtype = DTYPES[cfg.dtype]
     """The dense model's non-embedding inputs of micro-batch ``i``."""
-    mbd = batch.micro[i]
-    if cfg.model == "hstu":
-        return {
-            "lengths": torch.from_numpy(mbd.lengths["item"]).to(device),
-            "item_ids": torch.from_numpy(batch.keys["item"][mbd.value_key["item"]]).to(device),
-            "neg_ids": torch.from_numpy(batch.negatives).to(device),
-        }
-    k = manifest.labels.index(cfg.dlrm.target)
-    return {
-        "dense": torch.from_numpy(np.ascontiguousarray(mbd.fields["dense"], dtype=np.float32)).to(device, dtype),
-        "labels": torch.from_numpy(np.ascontiguousarray(mbd.fields["labels"][:, k], dtype=np.float32)).to(device, dtype),
-    }
+    return model_spec(cfg.model).dense_inputs(cfg, manifest, batch, i, device, DTYPES[cfg.dtype])
 
 
 # -- stage 1: data prefetch ---------------------------------------------------------------------------------------
@@ -273,7 +259,7 @@ def build_state(cfg: TrainConfig, manifest: Manifest, rank: int, world: int, dev
     # 2D-SP: the tables are sharded over the rank's model-parallel group (its local rank of M); plain: over the world
     layout = sparse_groups.resolve(cfg.sparse_groups, world, rank)
     emb = ShardedEmbeddingCollection(manifest, cfg.embedding, cfg.seed, layout.local_rank, layout.group_size, device,
-                                     negatives=cfg.model == "hstu", group=group, timer=timer,
+                                     negatives=model_spec(cfg.model).shared_negatives, group=group, timer=timer,
                                      dtype=DTYPES[cfg.dtype])
     replica_sync.attach(emb, layout, cfg.embedding.optimizer, cfg.embedding.momentum_scale_groups, groups)
     model = build_model(cfg, manifest, emb.dims).to(device=device, dtype=DTYPES[cfg.dtype])

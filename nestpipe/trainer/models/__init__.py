@@ -1,4 +1,4 @@
-"""Dense models consuming the embedding layer's outputs, and the one function that builds them."""
+"""Dense models consuming the embedding layer's outputs: the registry of model specs and the one build function."""
 
 from __future__ import annotations
 
@@ -7,35 +7,30 @@ from typing import Dict
 import torch
 
 from nestpipe.datasets.shards import Manifest
+from nestpipe.trainer.models import dlrm, hstu
 from nestpipe.trainer.models.common import init_parameters
-from nestpipe.trainer.models.hstu import HSTU
-from nestpipe.trainer.models.dlrm import DLRM
+from nestpipe.trainer.models.spec import ModelSpec
 
-MODEL_TASK = {"hstu": "gr", "dlrm": "ctr"}
+MODEL_SPECS: Dict[str, ModelSpec] = {spec.name: spec for spec in (hstu.SPEC, dlrm.SPEC)}
+MODEL_TASK = {name: spec.task for name, spec in MODEL_SPECS.items()}
+
+
+def model_spec(name: str) -> ModelSpec:
+    if name not in MODEL_SPECS:
+        raise ValueError(f"unknown model {name!r} ({', '.join(MODEL_SPECS)})")
+    return MODEL_SPECS[name]
 
 
 def build_model(cfg, manifest: Manifest, dims: Dict[str, int]) -> torch.nn.Module:
     """The dense model for ``cfg.model``, initialised from a generator keyed by ``cfg.seed`` (identical on all ranks)."""
-
-    want = MODEL_TASK.get(cfg.model)
-    if want is None:
-        raise ValueError(f"unknown model {cfg.model!r} (hstu, dlrm)")
-    if manifest.task != want:
+    spec = model_spec(cfg.model)
+    if manifest.task != spec.task:
+        right = [name for name, s in MODEL_SPECS.items() if s.task == manifest.task]
         raise ValueError(
-            f"model {cfg.model!r} trains on {want!r} shards, but {cfg.shards or 'the shards'} hold task "
-            f"{manifest.task!r} (use --model {'hstu' if manifest.task == 'gr' else 'dlrm'})"
+            f"model {cfg.model!r} trains on {spec.task!r} shards, but {cfg.shards or 'the shards'} hold task "
+            f"{manifest.task!r} (use --model {' or '.join(right) or '?'})"
         )
-    if cfg.model == "hstu":
-        seq = [t for t, s in manifest.tables.items() if s.kind == "sequence"]
-        dset = {dims[t] for t in seq}
-        if len(dset) != 1:
-            raise ValueError(f"hstu needs one embedding dim for all sequence tables, got {dims}")
-        model = HSTU(cfg.hstu, dset.pop(), seq, int(manifest.max_seq_len or cfg.hstu.max_seq_len))
-    else:
-        if cfg.dlrm.target not in manifest.labels:
-            raise ValueError(f"dlrm target {cfg.dlrm.target!r} not among the shards' labels {manifest.labels}")
-        sparse = {t: dims[t] for t, s in manifest.tables.items() if s.kind != "sequence"}
-        model = DLRM(cfg.dlrm, len(manifest.dense_features), sparse)
+    model = spec.build(cfg, manifest, dims)
     g = torch.Generator()
     g.manual_seed(int(cfg.seed) * 1_000_003 + 17)
     init_parameters(model, g)

@@ -8,14 +8,32 @@ matrix when ``cross_rank == 0``); top MLP to one logit; per-sample binary cross-
 
 from __future__ import annotations
 
-from typing import Dict, List
+import dataclasses
+from typing import Dict, List, Tuple
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nestpipe.trainer.config import DLRMConfig
+from nestpipe.datasets.shards import Manifest
+from nestpipe.trainer.embedding.batch import PreparedBatch
 from nestpipe.trainer.models.common import mlp
+from nestpipe.trainer.models.spec import ModelSpec
+from nestpipe.utils.options import opt
+
+
+
+@dataclasses.dataclass
+class DLRMConfig:
+    """DLRM with a DCNv2 cross network: bottom MLP on dense features, cross layers, top MLP, BCE on the target."""
+
+    bottom_mlp: Tuple[int, ...] = opt((64, 32), help="bottom MLP widths (dense features)")
+    cross_layers: int = opt(2, help="DCNv2 cross layers", minimum=0)
+    cross_rank: int = opt(16, help="low-rank DCNv2 (U V^T) rank; 0 = full rank", minimum=0)
+    top_mlp: Tuple[int, ...] = opt((64, 32), help="top MLP widths")
+    target: str = opt("is_click", help="label column trained on (one of the manifest's labels)")
 
 
 class CrossLayer(nn.Module):
@@ -54,3 +72,29 @@ class DLRM(nn.Module):
         """Per-sample loss ``[b]``."""
         logit = self.logits(emb, feats["dense"])
         return F.binary_cross_entropy_with_logits(logit, feats["labels"], reduction="none")
+
+
+def build(cfg, manifest: Manifest, dims: Dict[str, int]) -> DLRM:
+    if cfg.dlrm.target not in manifest.labels:
+        raise ValueError(f"dlrm target {cfg.dlrm.target!r} not among the shards' labels {manifest.labels}")
+    sparse = {t: dims[t] for t, s in manifest.tables.items() if s.kind != "sequence"}
+    return DLRM(cfg.dlrm, len(manifest.dense_features), sparse)
+
+
+def dense_inputs(cfg, manifest: Manifest, batch: PreparedBatch, i: int, device: torch.device,
+                 dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    """Micro-batch ``i``'s non-embedding inputs: dense features and the target label."""
+    mbd = batch.micro[i]
+    k = manifest.labels.index(cfg.dlrm.target)
+    return {
+        "dense": torch.from_numpy(np.ascontiguousarray(mbd.fields["dense"], dtype=np.float32)).to(device, dtype),
+        "labels": torch.from_numpy(np.ascontiguousarray(mbd.fields["labels"][:, k], dtype=np.float32)).to(device, dtype),
+    }
+
+
+def negatives(cfg) -> Tuple[int, int]:
+    return (0, 0)
+
+
+SPEC = ModelSpec(name="dlrm", task="ctr", build=build, dense_inputs=dense_inputs, negatives=negatives,
+                 shared_negatives=False)

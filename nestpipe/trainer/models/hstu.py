@@ -13,15 +13,35 @@ the batch is partitioned into micro-batches.
 
 from __future__ import annotations
 
-from typing import Dict, List
+import dataclasses
+from typing import Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nestpipe.trainer.config import HSTUConfig
+from nestpipe.datasets.shards import Manifest
+from nestpipe.trainer.embedding.batch import NEG_SLOT, PreparedBatch
+from nestpipe.trainer.models.spec import ModelSpec
+from nestpipe.utils.options import opt
 
-NEG = "item#neg"
+NEG = NEG_SLOT
+
+
+@dataclasses.dataclass
+class HSTUConfig:
+    """HSTU-style causal sequential transducer (item + action tokens), next-item sampled softmax."""
+
+    num_layers: int = opt(2, help="HSTU layers", minimum=1)
+    num_heads: int = opt(2, help="attention heads per layer", minimum=1)
+    linear_dim: int = opt(16, help="per-head dimension of u/v/q/k", minimum=1)
+    max_seq_len: int = opt(64, help="longest sequence the positional encoding covers", minimum=1)
+    num_random_negatives: int = opt(512, help="uniform random negatives, shared by the batch", minimum=0)
+    num_popular_negatives: int = opt(
+        0, help="in-batch popularity negatives (they push popular items down, which costs full-catalog HR/NDCG "
+        "without a logQ correction: off by default)", minimum=0)
+    temperature: float = opt(0.1, help="softmax temperature of the sampled softmax", minimum=0)
+    dropout: float = opt(0.0, help="dropout probability", minimum=0)
 
 
 class HSTULayer(nn.Module):
@@ -106,3 +126,30 @@ class HSTU(nn.Module):
         count = torch.zeros(b, dtype=token_loss.dtype, device=lengths.device).index_add(
             0, q_sample, torch.ones_like(token_loss))
         return per_sample / count.clamp(min=1)
+
+
+def build(cfg, manifest: Manifest, dims: Dict[str, int]) -> HSTU:
+    seq = [t for t, s in manifest.tables.items() if s.kind == "sequence"]
+    dset = {dims[t] for t in seq}
+    if len(dset) != 1:
+        raise ValueError(f"hstu needs one embedding dim for all sequence tables, got {dims}")
+    return HSTU(cfg.hstu, dset.pop(), seq, int(manifest.max_seq_len or cfg.hstu.max_seq_len))
+
+
+def dense_inputs(cfg, manifest: Manifest, batch: PreparedBatch, i: int, device: torch.device,
+                 dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    """Micro-batch ``i``'s non-embedding inputs: sequence lengths, target item ids and the shared negatives."""
+    mbd = batch.micro[i]
+    return {
+        "lengths": torch.from_numpy(mbd.lengths["item"]).to(device),
+        "item_ids": torch.from_numpy(batch.keys["item"][mbd.value_key["item"]]).to(device),
+        "neg_ids": torch.from_numpy(batch.negatives).to(device),
+    }
+
+
+def negatives(cfg) -> Tuple[int, int]:
+    return (cfg.hstu.num_random_negatives, cfg.hstu.num_popular_negatives)
+
+
+SPEC = ModelSpec(name="hstu", task="gr", build=build, dense_inputs=dense_inputs, negatives=negatives,
+                 shared_negatives=True)

@@ -1,0 +1,24 @@
+"""What the trainer needs to know about a dense model, in one place per model (``models/<name>.py`` defines its
+config section, its module and a ``SPEC``; ``models/__init__.py`` registers it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, Tuple
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """``task``: the shard task it trains on (``gr`` or ``ctr``; also selects the evaluation protocol).
+    ``build(cfg, manifest, dims)``: the module, before initialisation. ``dense_inputs(cfg, manifest, batch, i,
+    device, dtype)``: micro-batch ``i``'s non-embedding inputs. ``negatives(cfg)``: (random, popular) negatives per
+    batch. ``shared_negatives``: the batch carries one key list of negatives served by the ``item`` store."""
+
+    name: str
+    task: str
+    build: Callable[..., torch.nn.Module]
+    dense_inputs: Callable[..., Dict[str, torch.Tensor]]
+    negatives: Callable[..., Tuple[int, int]]
+    shared_negatives: bool

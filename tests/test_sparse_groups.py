@@ -35,6 +35,7 @@ from nestpipe.trainer.embedding.placement import init_rows
 from nestpipe.trainer.checkpoint import replica_mismatches
 from nestpipe.trainer.distributed.sparse_groups import momentum_scale, resolve
 from nestpipe.trainer.step import model_feats, num_negatives
+from reference_training import adamw_step_, compare, micro_batch_embeddings
 from shard_sets import make_shards
 
 STEPS = 10
@@ -90,16 +91,7 @@ def reference(run: str, group_size: int, sharded_scale: float):
             if batch.negatives is not None and "item" in sharded:
                 touched[(g, "item")].append(batch.negatives)
             for i, mbd in enumerate(batch.micro):
-                emb = {}
-                for t in names:
-                    rows = table(g, t).index_select(0, torch.from_numpy(batch.keys[t][mbd.value_key[t]]))
-                    if man.tables[t].kind == "sequence":
-                        emb[t] = rows
-                    else:
-                        emb[t] = rows.new_zeros(len(mbd.samples), dims[t]).index_add(
-                            0, torch.from_numpy(mbd.value_sample[t]), rows)
-                if batch.negatives is not None:
-                    emb["item#neg"] = table(g, "item").index_select(0, torch.from_numpy(batch.negatives))
+                emb = micro_batch_embeddings(functools.partial(table, g), man, batch, mbd, dims, names)
                 feats = {k: (v.double() if v.is_floating_point() else v)
                          for k, v in model_feats(cfg, man, batch, i, torch.device("cpu")).items()}
                 (model(emb, feats).sum() / (B * WORLD)).backward()
@@ -116,15 +108,7 @@ def reference(run: str, group_size: int, sharded_scale: float):
                     mean = sum(copies[(g, t)][x][u] for g in range(G)) / G
                     for g in range(G):
                         copies[(g, t)][x][u] = mean
-            k = step + 1
-            for n, p in params.items():  # AdamW, written out
-                m, v = adam[n]
-                gr = p.grad
-                p.mul_(1 - o.lr * o.weight_decay)
-                m.mul_(o.betas[0]).add_((1 - o.betas[0]) * gr)
-                v.mul_(o.betas[1]).add_((1 - o.betas[1]) * gr * gr)
-                p -= o.lr * (m / (1 - o.betas[0] ** k)) / ((v / (1 - o.betas[1] ** k)).sqrt() + o.eps)
-                p.grad = None
+            adamw_step_(params, adam, o, step + 1)
     out = {}
     for t in names:
         w, v = copies[(0 if t in sharded else None, t)]
@@ -132,12 +116,6 @@ def reference(run: str, group_size: int, sharded_scale: float):
     out.update({f"dense.{n}": p.detach() for n, p in params.items()})
     out.update({f"optim.dense.{n}.exp_avg": adam[n][0] for n in params})
     return out, sharded
-
-
-def compare(exported, ref, rtol=1e-5, atol=1e-6):
-    for k, v in ref.items():
-        assert k in exported, k
-        torch.testing.assert_close(exported[k].double(), v, rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
 
 
 @pytest.fixture(scope="module")

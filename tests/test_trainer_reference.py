@@ -25,6 +25,7 @@ from nestpipe.trainer.embedding.collection import choose_kind, table_dims
 from nestpipe.trainer.models import build_model
 from nestpipe.trainer.embedding.placement import init_rows
 from nestpipe.trainer.step import model_feats, num_negatives
+from reference_training import adamw_step_, compare, micro_batch_embeddings
 from shard_sets import make_shards
 
 STEPS = 10
@@ -79,17 +80,7 @@ def reference(run: str):
             assert s == step
             batch = prepare_batch(rec, man, step, r, cfg.seed, num_negatives(cfg))
             for i, mbd in enumerate(batch.micro):
-                emb = {}
-                for t in names:
-                    ids = torch.from_numpy(batch.keys[t][mbd.value_key[t]])
-                    rows = tables[t].index_select(0, ids)
-                    if man.tables[t].kind == "sequence":
-                        emb[t] = rows
-                    else:
-                        emb[t] = rows.new_zeros(len(mbd.samples), dims[t]).index_add(
-                            0, torch.from_numpy(mbd.value_sample[t]), rows)
-                if batch.negatives is not None:
-                    emb["item#neg"] = tables["item"].index_select(0, torch.from_numpy(batch.negatives))
+                emb = micro_batch_embeddings(tables.__getitem__, man, batch, mbd, dims, names)
                 feats = {k: (v.double() if v.is_floating_point() else v)
                          for k, v in model_feats(cfg, man, batch, i, torch.device("cpu")).items()}
                 (model(emb, feats).sum() / (B * WORLD)).backward()
@@ -100,17 +91,7 @@ def reference(run: str):
                 # eps outside the square root; M = momentum_scale_groups (1: plain row-wise AdaGrad)
                 tables[t] -= (ec.lr / ((states[t] / ec.momentum_scale_groups).sqrt() + ec.eps))[:, None] * g
                 tables[t].grad = None
-            k = step + 1
-            for n, p in params.items():  # AdamW, written out
-                m, v = adam[n]
-                g = p.grad
-                p.mul_(1 - o.lr * o.weight_decay)
-                m.mul_(o.betas[0]).add_((1 - o.betas[0]) * g)
-                v.mul_(o.betas[1]).add_((1 - o.betas[1]) * g * g)
-                mhat = m / (1 - o.betas[0] ** k)
-                vhat = v / (1 - o.betas[1] ** k)
-                p -= o.lr * mhat / (vhat.sqrt() + o.eps)
-                p.grad = None
+            adamw_step_(params, adam, o, step + 1)
     out = {f"embedding.{t}.weight": tables[t].detach() for t in names}
     out.update({f"embedding.{t}.adagrad_state": states[t] for t in names})
     out.update({f"dense.{n}": p.detach() for n, p in params.items()})
@@ -125,12 +106,6 @@ def initial(run: str):
     return {f"embedding.{t}.weight": torch.from_numpy(
         init_rows(cfg.seed, tid, np.arange(man.tables[t].vocab), dims[t], cfg.embedding.init_scale)).double()
         for tid, t in enumerate(sorted(man.tables))}
-
-
-def compare(exported, ref, rtol=1e-5, atol=1e-6):
-    for k, v in ref.items():
-        assert k in exported, k
-        torch.testing.assert_close(exported[k].double(), v, rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
 
 
 @pytest.fixture(scope="module")

@@ -105,7 +105,7 @@ def test_ctr_records_keys_partition_and_history(raw, tmp_path):
     user's previous ids in chronological order."""
     from nestpipe import clustering
     from nestpipe.ingest import ctr
-    from nestpipe.ingest.stages import _batch_seed
+    from nestpipe.ingest.common import batch_seed as _batch_seed
 
     out = str(tmp_path / "o")
     H = 5

@@ -13,18 +13,21 @@ are shifted by one so 0 means missing.
 from __future__ import annotations
 
 import datetime
-import math
+import glob
+import os
 from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import polars as pl
 
-from nestpipe.datasets import kuairand as K
-from nestpipe.datasets import shards as S
+from nestpipe.datasets import kuairand, shards
+from nestpipe.ingest.common import PartitionCache, batch_seed, crash_point, runs
 from nestpipe.ingest.gr import sort_interactions
 from nestpipe.ingest.parse import ColumnSpec
+from nestpipe.ingest.spill import read_partition, write_partitioned
+from nestpipe.utils.jsonio import read_json, write_json_atomic
 
-USER_SPEC = ColumnSpec(K.USER_COLUMNS, K.USER_DTYPES, ["user_id"], quoted_any=True)
+USER_SPEC = ColumnSpec(kuairand.USER_COLUMNS, kuairand.USER_DTYPES, ["user_id"], quoted_any=True)
 VIDEO_BASIC_FEATURES = ["author_id", "video_type", "upload_type", "video_duration", "music_id", "tag"]
 STAT_FEATURES = [
     "show_cnt", "play_cnt", "complete_play_cnt", "valid_play_cnt", "long_time_play_cnt", "like_cnt",
@@ -46,20 +49,22 @@ POOLED_TABLES = ["tag", "history"]
 # Clustering serves the unique-based tables; pooled bags (tag, history) travel as pooled sums, where the partition
 # does not change the volume, so they are left out of the clustering keys.
 CLUSTER_TABLES = ["user_id", "video_id", "author_id"]
+VSTAT_SPEC = ColumnSpec(kuairand.VIDEO_STAT_COLUMNS, kuairand.VIDEO_STAT_DTYPES, ["video_id"],
+                        keep=["video_id", *STAT_FEATURES])
 
 
-def tables(cfg, maxima: Dict[str, int]) -> Dict[str, S.TableSpec]:
+def tables(cfg, maxima: Dict[str, int]) -> Dict[str, shards.TableSpec]:
     videos = maxima.get("video_id", 0) + 1
     vocab = {
         "user_id": maxima.get("user_id", 0) + 1, "video_id": videos, "author_id": maxima.get("author_id", 0) + 1,
         "music_id": maxima.get("music_id", 0) + 1, "user_active_degree": 5, "video_type": 3, "tab": 16,
         "hour": 24,
     }
-    for i, card in enumerate(K.USER_ONEHOT_CARDINALITY):
+    for i, card in enumerate(kuairand.USER_ONEHOT_CARDINALITY):
         vocab[f"onehot_feat{i}"] = card + 1
-    out = {t: S.TableSpec(vocab=int(vocab[t]), dim=cfg.dim, kind="single") for t in SINGLE_TABLES}
-    out["tag"] = S.TableSpec(vocab=maxima.get("tag", 0) + 1, dim=cfg.dim, kind="pooled")
-    out["history"] = S.TableSpec(vocab=videos, dim=cfg.dim, kind="pooled")
+    out = {t: shards.TableSpec(vocab=int(vocab[t]), dim=cfg.dim, kind="single") for t in SINGLE_TABLES}
+    out["tag"] = shards.TableSpec(vocab=maxima.get("tag", 0) + 1, dim=cfg.dim, kind="pooled")
+    out["history"] = shards.TableSpec(vocab=videos, dim=cfg.dim, kind="pooled")
     return out
 
 
@@ -76,7 +81,7 @@ def build_partition(rows: pl.DataFrame, users: pl.DataFrame, opts: Dict[str, Any
         f"onehot_feat{i}" for i in range(18)
     ]
     if len(users) == 0:
-        users = pl.DataFrame(schema={c: K.USER_DTYPES[c] for c in ucols})
+        users = pl.DataFrame(schema={c: kuairand.USER_DTYPES[c] for c in ucols})
     df = rows.join(users.select(ucols).with_columns(pl.lit(True).alias("_known_user")), on="user_id", how="left",
                    maintain_order="left")
     missing_users = int(df["_known_user"].null_count())
@@ -127,7 +132,7 @@ def build_partition(rows: pl.DataFrame, users: pl.DataFrame, opts: Dict[str, Any
     single = cat.select(pl.col(SINGLE_TABLES).cast(pl.Int64)).to_numpy(order="c")
     if single.dtype != np.int64:  # a null survived the fill_null above: never expected, never silently cast
         raise ValueError(f"CTR single-id features hold nulls ({single.dtype}); columns {SINGLE_TABLES}")
-    arrays = {"single": S.narrow_int(single.reshape(len(df), len(SINGLE_TABLES))),
+    arrays = {"single": shards.narrow_int(single.reshape(len(df), len(SINGLE_TABLES))),
               "video_id": cat["video_id"].to_numpy().astype(np.int64)}
     arrays.update({
         "dense": np.ascontiguousarray(dense.to_numpy(order="c"), dtype=np.float32).reshape(len(df), len(DENSE_FEATURES)),
@@ -182,3 +187,152 @@ def gather(pieces: List[Tuple[Dict[str, np.ndarray], np.ndarray]], split: str, h
         add("dense", take(arrays["dense"]))
         add("labels", take(arrays["labels"]))
     return {k: np.concatenate(v) for k, v in out.items()}
+
+
+# -- stage 2: logs x video tables, per video partition ----------------------------------------------------------
+def unit_join(args: Tuple[str, int, int]) -> Dict[str, Any]:
+    work, p, num_parts = args
+    out = os.path.join(work, "s2", f"joined-{p:05d}.arrow")
+    if os.path.exists(out):
+        return read_json(out + ".stats.json", "stage-2 unit stats")
+    s1 = os.path.join(work, "s1")
+    logs = read_partition(sorted(glob.glob(os.path.join(s1, "log_*.arrow"))), p)
+    videos = read_partition(sorted(glob.glob(os.path.join(s1, "video_features_basic-*.arrow"))), p)
+    dup = 0
+    if len(videos):
+        n0 = len(videos)
+        videos = videos.sort(["video_id", "src", "line"]).unique(subset="video_id", keep="first", maintain_order=True)
+        dup = n0 - len(videos)
+    vcols = ["video_id", *VIDEO_BASIC_FEATURES]
+    if len(videos) == 0:
+        videos = pl.DataFrame(schema={c: kuairand.VIDEO_BASIC_DTYPES[c] for c in vcols})
+    joined = logs.join(videos.select(vcols), on="video_id", how="left", maintain_order="left")
+    missing = int(joined["author_id"].null_count()) if len(joined) else 0
+    stats_df = read_partition(sorted(glob.glob(os.path.join(s1, "video_features_statistic-*.arrow"))), p)
+    if len(stats_df):
+        stats_df = stats_df.sort(["video_id", "src", "line"]).unique(
+            subset="video_id", keep="first", maintain_order=True
+        )
+    else:
+        stats_df = pl.DataFrame(schema={c: kuairand.VIDEO_STAT_DTYPES[c] for c in ["video_id", *STAT_FEATURES]})
+    joined = joined.join(
+        stats_df.select(["video_id", *STAT_FEATURES]), on="video_id", how="left", maintain_order="left"
+    )
+    joined = joined.with_columns((pl.col("user_id") % num_parts).alias("_part"))
+    write_partitioned(out, joined, "_part", num_parts)
+    stats = {"rows": len(joined), "missing_video_features": missing, "duplicate_video_rows": dup}
+    write_json_atomic(out + ".stats.json", stats)
+    return stats
+
+
+# -- stage 4 ------------------------------------------------------------------------------------------------------
+def shard_records(cache: "PartitionCache", parts: np.ndarray, idxs: np.ndarray, split: str, k: int,
+                  first_batch: int, n_batches: int, opts: Dict[str, Any]):
+    """CTR records of one shard (format: ``nestpipe.datasets.shards``): single-id tables as packed group
+    ``single`` (no lengths: one id per sample and table), the ``tag`` and ``history`` bags as packed group
+    ``bags``. Every batch is clustered on its own, exactly as :func:`cluster_fields` would; the unique keys of all
+    batches come from one pass per group (:mod:`nestpipe.ingest.shardkeys`)."""
+    # the shard units' modules: a worker that only parses or joins never loads the clustering (Numba)
+    from nestpipe import clustering
+    from nestpipe.ingest.shardkeys import group_keys, load_kernel
+
+    load_kernel()  # Numba now, so the clustering's compiled assignment runs from the first batch (same results)
+
+    B, n, nb = opts["batch_size"], opts["micro_batches"], n_batches
+    M = nb * B
+    g = gather(runs(cache, parts[:M], idxs[:M]), split, opts["history_len"])
+    single = g["single"]
+    T = single.shape[1]
+    col = {t: i for i, t in enumerate(SINGLE_TABLES)}
+    ckeys = np.stack([clustering.combine_keys(tid, single[:, col[t]])
+                      for tid, t in enumerate(opts["cluster_tables"])], axis=1)
+    c = ckeys.shape[1]
+    coffs = np.arange(0, B * c + 1, c, dtype=np.int64)
+    mb = np.empty(M, np.int64)
+    for j in range(nb):
+        sl = slice(j * B, (j + 1) * B)
+        mb[sl] = clustering.assign(ckeys[sl].ravel(), coffs, n, method=opts["clustering"],
+                                   seed=batch_seed(opts, split, first_batch + j))
+    # single: occurrences in (batch, table, sample) order
+    s_vals = single.reshape(nb, B, T).transpose(0, 2, 1).ravel()
+    s_batch = np.repeat(np.arange(nb, dtype=np.int64), B * T)
+    s_table = np.tile(np.repeat(np.arange(T, dtype=np.int64), B), nb)
+    s_mb = np.broadcast_to(mb.reshape(nb, 1, B), (nb, T, B)).ravel()
+    sk = group_keys(s_vals, s_batch, s_table, s_mb, nb, T, n)
+    del s_vals, s_batch, s_table, s_mb
+    # bags: occurrences in (batch, table, value) order. Each table's values are in sample order, so batch b's values
+    # of table t are one slice of them: the (batch, table) order interleaves slices (no per-value scatter).
+    P = len(POOLED_TABLES)
+    vals, mbs, counts = [], [], []
+    for name in POOLED_TABLES:
+        lens = g[f"{name}.lengths"]
+        vals.append(g[f"{name}.values"])
+        mbs.append(np.repeat(mb, lens))  # each value's micro-batch
+        counts.append(lens.reshape(nb, B).sum(axis=1))
+    per_bt = np.stack(counts, axis=1).ravel()  # [nb * P] values per (batch, table)
+    bt_start = np.concatenate([[0], np.cumsum(per_bt)]).astype(np.int64)
+    starts = [np.concatenate([[0], np.cumsum(c)]).astype(np.int64) for c in counts]
+
+    def interleave(parts_):
+        return np.concatenate([parts_[t][starts[t][b]:starts[t][b + 1]] for b in range(nb) for t in range(P)])
+
+    bk = group_keys(interleave(vals), np.repeat(np.arange(nb, dtype=np.int64), per_bt.reshape(nb, P).sum(axis=1)),
+                    np.repeat(np.tile(np.arange(P, dtype=np.int64), nb), per_bt), interleave(mbs), nb, P, n)
+    bag_lengths = np.stack([g[f"{name}.lengths"] for name in POOLED_TABLES])  # [P, M]
+    mb_dtype = np.uint8 if n <= 256 else np.int32
+    for j in range(nb):
+        if j == 1:
+            crash_point("shard", k, "mid")
+        bi = first_batch + j
+        sl = slice(j * B, (j + 1) * B)
+        batch: Dict[str, Any] = {"mb": mb[sl].astype(mb_dtype), "dense": g["dense"][sl], "labels": g["labels"][sl]}
+        batch["meta"] = {"index": bi, "split": split, "task": "ctr", "samples": B, "micro_batches": n}
+        u, cnt, mu, mo = sk.batch(j, T)
+        shards.pack_group(batch, "single", list(SINGLE_TABLES), u, cnt, sk.inverse[j * B * T:(j + 1) * B * T],
+                     mu, mo, None)
+        u, cnt, mu, mo = bk.batch(j, P)
+        shards.pack_group(batch, "bags", list(POOLED_TABLES), u, cnt,
+                     bk.inverse[bt_start[j * P]:bt_start[(j + 1) * P]], mu, mo, bag_lengths[:, sl])
+        yield f"{bi:09d}", batch
+
+
+class CTRTask:
+    """Click-through rate: one sample per interaction with user and video features, labels and recent history."""
+
+    name = "ctr"
+    input_kinds = ("log_standard", "log_random", "video_features_basic", "video_features_statistic", "user_features")
+    # about 64 MB of raw input per partition: the samples stage holds every feature column of a partition at once
+    partition_bytes = 64 << 20
+    cluster_tables = CLUSTER_TABLES
+    log_columns = ["user_id", "video_id", "date", "hourmin", "time_ms", *kuairand.ACTION_FLAGS, "tab"]
+    video_basic_columns = ["video_id", *VIDEO_BASIC_FEATURES]
+
+    def column_spec(self, kind: str) -> ColumnSpec:
+        if kind == "video_features_statistic":
+            return VSTAT_SPEC
+        if kind == "user_features":
+            return USER_SPEC
+        raise KeyError(kind)
+
+    def partition_by_user(self, kind: str) -> bool:
+        return kind == "user_features"
+
+    def join(self, ex, cfg, work: str, maxima: Dict[str, int], num_parts: int) -> List[Dict[str, Any]]:
+        return ex.run(unit_join, [(work, p, num_parts) for p in range(num_parts)], cfg, "2/4 join")
+
+    def samples(self, work: str, q: int, opts: Dict[str, Any]):
+        rows = read_partition(sorted(glob.glob(os.path.join(work, "s2", "joined-*.arrow"))), q)
+        users = read_partition(sorted(glob.glob(os.path.join(work, "s1", "user_features-*.arrow"))), q)
+        return build_partition(rows, users, opts)
+
+    def shard_records(self, *args):
+        return shard_records(*args)
+
+    def tables(self, cfg, maxima: Dict[str, int]) -> Dict[str, shards.TableSpec]:
+        return tables(cfg, maxima)
+
+    def manifest_fields(self, cfg) -> Dict[str, Any]:
+        return {"max_seq_len": None, "dense_features": list(DENSE_FEATURES), "labels": list(LABELS)}
+
+    def bytes_per_sample(self, cfg, s3: List[Dict[str, Any]]) -> float:
+        return (len(DENSE_FEATURES) + len(LABELS)) * 4 + (cfg.history_len + 30) * 8 * 2

@@ -13,13 +13,19 @@ give only an eval window; users with 1 give nothing.
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+import glob
+import os
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import polars as pl
 
-from nestpipe.datasets import shards as S
+from nestpipe.datasets import kuairand, shards
 from nestpipe.datasets.kuairand import ACTION_FLAGS
+from nestpipe.ingest.common import PartitionCache, batch_seed, cluster_fields, crash_point, runs
+from nestpipe.ingest.parse import ColumnSpec
+from nestpipe.ingest.spill import read_partition
+from nestpipe.utils.jsonio import read_json, write_json_atomic
 
 TOKEN_FIELDS = ("item", "author", "action", "time", "play", "duration")
 TABLES = ("item", "author", "action")
@@ -104,7 +110,7 @@ def build_partition(df: pl.DataFrame, max_len: int) -> Tuple[Dict[str, np.ndarra
         pl.col("duration_ms").fill_null(0).alias("duration"),
     )
     # int32 where every value fits (all but time here): half the bytes to write now and to gather per shard later
-    arrays = {c: S.narrow_int(tokens[c].to_numpy()) for c in tokens.columns}
+    arrays = {c: shards.narrow_int(tokens[c].to_numpy()) for c in tokens.columns}
     user = arrays["user"]
     if len(user):
         cut = np.flatnonzero(np.diff(user)) + 1
@@ -142,3 +148,132 @@ def assemble(parts: List[Tuple[Dict[str, np.ndarray], np.ndarray, np.ndarray]]) 
     for f in ("time", "play", "duration"):
         out[f] = np.concatenate(cols[f]).astype(np.int64)
     return out
+
+
+# -- stage 2: the author of every video, into a dense table (GR needs no join) ----------------------------------
+AUTHORS = "authors.npy"
+
+
+def authors_table(work: str, n_videos: int, max_author: int) -> str:
+    """Create (once) the dense video -> author table the GR authors units fill: ``author_id + 1`` per video id, 0
+    where the video has no features row. A sparse file of zeros: untouched pages cost no disk and no memory."""
+    path = os.path.join(work, "s2", AUTHORS)
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        dtype = np.int32 if max_author + 1 < np.iinfo(np.int32).max else np.int64
+        tmp = path + ".tmp.npy"
+        np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(max(n_videos, 1),)).flush()
+        os.replace(tmp, path)
+    return path
+
+
+def unit_authors(args: Tuple[str, int]) -> Dict[str, Any]:
+    """GR: the authors of the videos of partition ``p`` into the dense table. Units write disjoint entries
+    (video_id % P == p) and rewriting one gives the same values, so an interrupted unit is simply redone."""
+    work, p = args
+    done = os.path.join(work, "s2", f"authors-{p:05d}.stats.json")
+    if os.path.exists(done):
+        return read_json(done, "stage-2 unit stats")
+    videos = read_partition(sorted(glob.glob(os.path.join(work, "s1", "video_features_basic-*.arrow"))), p)
+    dup = 0
+    if len(videos):
+        n0 = len(videos)
+        # the first row of a video (file order) wins, as in the CTR join
+        videos = videos.sort(["video_id", "src", "line"]).unique(subset="video_id", keep="first", maintain_order=True)
+        dup = n0 - len(videos)
+        table = np.load(os.path.join(work, "s2", AUTHORS), mmap_mode="r+")
+        vid = videos["video_id"].to_numpy()
+        author = videos["author_id"].fill_null(-1).to_numpy()
+        table[vid] = (author + 1).astype(table.dtype)
+        table.flush()
+        del table
+    stats = {"rows": len(videos), "duplicate_video_rows": dup, "missing_video_features": 0}
+    write_json_atomic(done, stats)
+    return stats
+
+
+def rows_with_authors(work: str, q: int) -> Tuple[pl.DataFrame, int]:
+    """The log rows of user partition ``q`` with ``author_id`` from the dense table (-1 where the video has no
+    features row), and how many rows had none."""
+    rows = read_partition(sorted(glob.glob(os.path.join(work, "s1", "log_*.arrow"))), q)
+    table = np.load(os.path.join(work, "s2", AUTHORS), mmap_mode="r")
+    vid = rows["video_id"].to_numpy() if len(rows) else np.zeros(0, np.int64)
+    ok = (vid >= 0) & (vid < len(table))
+    author = np.full(len(vid), -1, np.int64)
+    author[ok] = table[vid[ok]].astype(np.int64) - 1
+    return rows.with_columns(pl.Series("author_id", author)), int(np.count_nonzero(author < 0))
+
+
+# -- stage 4 ------------------------------------------------------------------------------------------------------
+def shard_records(cache: "PartitionCache", parts: np.ndarray, idxs: np.ndarray, split: str, k: int,
+                  first_batch: int, n_batches: int, opts: Dict[str, Any]):
+    """Yield (key, batch) records of one GR shard, built lazily so only one batch is in memory at a time."""
+    B = opts["batch_size"]
+    tables = opts["tables"]
+    key = "train_start" if split == "train" else "eval_start"
+    kend = "train_end" if split == "train" else "eval_end"
+    for j in range(n_batches):
+        if j == 1:
+            crash_point("shard", k, "mid")
+        bi = first_batch + j
+        sl = slice(j * B, (j + 1) * B)
+        pieces = runs(cache, parts[sl], idxs[sl])
+        batch = assemble([(a, a[key][ix], a[kend][ix]) for a, ix in pieces])
+        batch = cluster_fields(batch, tables, ["item"], opts["micro_batches"], opts["clustering"],
+                               batch_seed(opts, split, bi))
+        batch["meta"] = {"index": bi, "split": split, "task": "gr", "samples": B,
+                         "micro_batches": opts["micro_batches"]}
+        # one packed group: values are rebuilt from unique[inverse] by readers (about 40% fewer bytes)
+        shards.pack_tables(batch, "seq", list(tables))
+        batch["mb"] = batch["mb"].astype(np.uint8 if opts["micro_batches"] <= 256 else np.int32)
+        for f in shards.GR_NARROW_FIELDS:  # readers widen them back to int64
+            batch[f] = shards.narrow_int(batch[f])
+        yield f"{bi:09d}", batch
+
+
+class GRTask:
+    """Generative recommendation: per-user chronological windows of item, author and action tokens."""
+
+    name = "gr"
+    input_kinds = ("log_standard", "log_random", "video_features_basic")
+    # about 128 MB of raw input per partition (the unit of memory in stages 2-3)
+    partition_bytes = 128 << 20
+    cluster_tables = ["item"]
+    log_columns = ["user_id", "video_id", "time_ms", *kuairand.ACTION_FLAGS, "play_time_ms", "duration_ms"]
+    video_basic_columns = ["video_id", "author_id"]
+
+    def column_spec(self, kind: str) -> ColumnSpec:
+        raise KeyError(kind)
+
+    def partition_by_user(self, kind: str) -> bool:
+        # GR logs go straight to their user partition: their one video feature (the author) is looked up from a
+        # dense table at the samples stage, so they need no join by video
+        return kind.startswith("log_")
+
+    def join(self, ex, cfg, work: str, maxima: Dict[str, int], num_parts: int) -> List[Dict[str, Any]]:
+        authors_table(work, maxima.get("video_id", -1) + 1, maxima.get("author_id", 0))
+        return ex.run(unit_authors, [(work, p) for p in range(num_parts)], cfg, "2/4 authors")
+
+    def samples(self, work: str, q: int, opts: Dict[str, Any]):
+        rows, missing = rows_with_authors(work, q)
+        arrays, stats = build_partition(rows, opts["max_seq_len"])
+        stats["missing_video_features"] = missing
+        return arrays, stats
+
+    def shard_records(self, *args):
+        return shard_records(*args)
+
+    def tables(self, cfg, maxima: Dict[str, int]) -> Dict[str, shards.TableSpec]:
+        return {
+            "item": shards.TableSpec(vocab=maxima.get("video_id", 0) + 1, dim=cfg.dim, kind="sequence"),
+            "author": shards.TableSpec(vocab=maxima.get("author_id", 0) + 1, dim=cfg.dim, kind="sequence"),
+            "action": shards.TableSpec(vocab=1 << len(kuairand.ACTION_FLAGS), dim=cfg.dim, kind="sequence"),
+        }
+
+    def manifest_fields(self, cfg) -> Dict[str, Any]:
+        return {"max_seq_len": cfg.max_seq_len, "dense_features": [], "labels": []}
+
+    def bytes_per_sample(self, cfg, s3: List[Dict[str, Any]]) -> float:
+        tokens = sum(s["tokens"] for s in s3)
+        samples = max(1, sum(s["train_samples"] for s in s3))
+        return min(cfg.max_seq_len, max(1.0, tokens / samples)) * 6 * 8 * 2

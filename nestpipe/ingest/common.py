@@ -1,0 +1,95 @@
+"""What every ingest task's stage units share: the work directory's layout, fault injection for the resume
+tests, the memory-mapped sample partitions, per-batch seeds, and the clustering of one batch."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from nestpipe.datasets import shards
+
+WORK = "_work"
+
+
+def crash_point(stage: str, unit: int, where: str = "start") -> None:
+    """Fault injection for the resume tests: ``NESTPIPE_INGEST_CRASH_AT=stage:unit[:where]`` makes the process
+    SIGKILL itself there (e.g. ``shard:1:mid`` dies after shard 1 has begun writing records)."""
+    spec = os.environ.get("NESTPIPE_INGEST_CRASH_AT")
+    if not spec:
+        return
+    parts = spec.split(":")
+    if parts[0] == stage and int(parts[1]) == unit and (parts[2] if len(parts) > 2 else "start") == where:
+        import signal  # only on the fault-injection path
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+
+
+class PartitionCache:
+    """Memory-maps per-partition sample arrays on demand, keeping the most recent few open (bounded memory: only
+    the pages of gathered rows are touched)."""
+
+    def __init__(self, work: str, keep: int = 3):
+        self.work = work
+        self.keep = keep
+        self.items: Dict[int, Dict[str, np.ndarray]] = {}
+
+    def get(self, q: int) -> Dict[str, np.ndarray]:
+        if q not in self.items:
+            if len(self.items) >= self.keep:
+                self.items.pop(next(iter(self.items)))
+            d = os.path.join(self.work, "s3", f"samples-{q:05d}")
+            self.items[q] = {f[:-4]: np.load(os.path.join(d, f), mmap_mode="r", allow_pickle=False)
+                             for f in sorted(os.listdir(d)) if f.endswith(".npy")}
+        return self.items[q]
+
+
+def runs(cache: "PartitionCache", bp: np.ndarray, bx: np.ndarray) -> List[Tuple[Dict[str, np.ndarray], np.ndarray]]:
+    """(partition arrays, indices) per consecutive run of one partition, in sample order."""
+    cut = np.flatnonzero(np.diff(bp)) + 1
+    starts = np.concatenate([[0], cut]).astype(np.int64)
+    ends = np.concatenate([cut, [len(bp)]]).astype(np.int64)
+    return [(cache.get(int(bp[s])), bx[s:e]) for s, e in zip(starts, ends)]
+
+
+def batch_seed(opts: Dict[str, Any], split: str, bi: int) -> int:
+    return (opts["seed"] * 1_000_003 + bi * 2 + (0 if split == "train" else 1)) % (2**63)
+
+
+def cluster_fields(batch: Dict[str, Any], tables: Sequence[str], cluster_tables: Sequence[str], n: int,
+                   method: str, seed: int) -> Dict[str, Any]:
+    """Add the micro-batch partition and per-table unique keys to a batch."""
+    from nestpipe import clustering  # here, not at import: parse and join workers never load scipy
+
+    offs = [shards.table_offsets(batch, t) for t in cluster_tables]
+    if len(cluster_tables) == 1:
+        values, offsets = batch[f"{cluster_tables[0]}.values"], offs[0]
+    else:
+        # Several tables: one combined id space, per-sample concatenation of every table's keys.
+        b = len(offs[0]) - 1
+        lens = np.zeros(b, np.int64)
+        for tid, (t, off) in enumerate(zip(cluster_tables, offs)):
+            lens += np.diff(off)
+        offsets = np.zeros(b + 1, np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        values = np.empty(offsets[-1], np.int64)
+        cursor = offsets[:-1].copy()
+        for tid, (t, off) in enumerate(zip(cluster_tables, offs)):
+            v = clustering.combine_keys(tid, batch[f"{t}.values"])
+            ln = np.diff(off)
+            dst = np.repeat(cursor - off[:-1], ln) + np.arange(off[-1])
+            values[dst] = v
+            cursor += ln
+    mb = clustering.assign(values, offsets, n, method=method, seed=seed).astype(np.int32)
+    batch["mb"] = mb
+    results = clustering.unique_keys_packed(
+        [(batch[f"{t}.values"], shards.table_offsets(batch, t)) for t in tables], mb, num_micro_batches=n)
+    for t, (uniq, inverse, mb_unique, mb_offsets) in zip(tables, results):
+        batch[f"{t}.unique"] = uniq
+        batch[f"{t}.inverse"] = inverse
+        batch[f"{t}.mb_unique"] = mb_unique
+        batch[f"{t}.mb_offsets"] = mb_offsets
+    return batch

@@ -213,41 +213,62 @@ class ShardedEmbeddingCollection:
     # -- stage: key routing --------------------------------------------------------------------------------------
     def input_dist(self, batch: PreparedBatch, group=None) -> Routing:
         """Key routing of one batch (two ``all_to_all_single`` on ``group``). Depends only on the batch's keys and
-        the placement, never on parameter values, so it may run any number of batches ahead."""
-        W, S, N = self.world, len(self.slots), len(batch.micro)
-        req: Dict[str, _ReqSlot] = {}
-        neg_inv = None
-        if self.negatives and batch.negatives is not None:
-            _, inv = np.unique(batch.negatives, return_inverse=True)
-            neg_inv = torch.from_numpy(inv.astype(np.int64)).to(self.device)
-        for slot in self.slots:
-            keys = self._slot_keys(batch, slot)
-            pl = self.req_placement[self.store_of(slot)]
-            dest, local = pl.owner_and_row(keys)
-            one = pl.owner_ranks[0] if len(pl.owner_ranks) == 1 else None
-            if one is not None:
-                # a table-wise layout: every key goes to one owner, the stable owner sort is the identity
-                pos_in_dest = np.arange(len(keys), dtype=np.int64)
-                send_rows = [local if r == one else local[:0] for r in range(W)]
+        the placement, never on parameter values, so it may run any number of batches ahead.
+
+        requester: bucket each slot's keys by owner -> one fused counts All2All -> one keys All2All;
+        owner: parse what every requester sent -> per-micro-batch payload sizes -> per-store owner plans."""
+        req = {slot: self._requester_slot(batch, slot) for slot in self.slots}
+        counts, payload = self._route_payload(batch, req)
+        t0 = time.perf_counter()
+        got_counts, got = self._exchange_route(batch, counts, payload, group)
+        entries, base, raw_mb, own_b = self._parse_route(batch, got_counts, got)
+        send_splits, recv_splits, block_off, grad_mb_off = self._payload_splits(batch, req, raw_mb, own_b)
+        own = {st: self._owner_plan(st, entries[st], base[st], raw_mb, own_b, block_off, grad_mb_off)
+               for st in self.stores}
+        self.timer.add("route.total", time.perf_counter() - t0)
+        return Routing(batch, req, own, own_b, send_splits, recv_splits, self._negatives_inverse(batch), grad_mb_off)
+
+    def _negatives_inverse(self, batch: PreparedBatch) -> Optional[torch.Tensor]:
+        if not (self.negatives and batch.negatives is not None):
+            return None
+        _, inv = np.unique(batch.negatives, return_inverse=True)
+        return torch.from_numpy(inv.astype(np.int64)).to(self.device)
+
+    def _requester_slot(self, batch: PreparedBatch, slot: str) -> "_ReqSlot":
+        """Requester side of one slot: each key's owner and row, the keys to send to each owner (stable owner
+        order), and per micro-batch the lists the exchange kind sends (unique positions or pooled entries)."""
+        W = self.world
+        keys = self._slot_keys(batch, slot)
+        pl = self.req_placement[self.store_of(slot)]
+        dest, local = pl.owner_and_row(keys)
+        one = pl.owner_ranks[0] if len(pl.owner_ranks) == 1 else None
+        if one is not None:
+            # a table-wise layout: every key goes to one owner, the stable owner sort is the identity
+            pos_in_dest = np.arange(len(keys), dtype=np.int64)
+            send_rows = [local if r == one else local[:0] for r in range(W)]
+        else:
+            order = owner_order(dest, W)
+            bounds = owner_bounds(dest, W)
+            pos_in_dest = np.empty(len(keys), dtype=np.int64)
+            pos_in_dest[order] = np.arange(len(keys)) - np.repeat(bounds[:-1], np.diff(bounds))
+            send_rows = [local[order[bounds[r]:bounds[r + 1]]] for r in range(W)]
+        mb_lists, unperm = [], []
+        for mbd in batch.micro:
+            if self.slot_exchange(slot) == "unique":
+                mk = np.arange(len(keys), dtype=np.int64) if slot == NEG_SLOT else mbd.mb_keys[slot]
+                lists, up = UniqueBased.plan(dest, pos_in_dest, mk, W)
+                unperm.append(torch.from_numpy(up).to(self.device))
             else:
-                order = owner_order(dest, W)
-                bounds = owner_bounds(dest, W)
-                pos_in_dest = np.empty(len(keys), dtype=np.int64)
-                pos_in_dest[order] = np.arange(len(keys)) - np.repeat(bounds[:-1], np.diff(bounds))
-                send_rows = [local[order[bounds[r]:bounds[r + 1]]] for r in range(W)]
-            mb_lists, unperm = [], []
-            for mbd in batch.micro:
-                if self.slot_exchange(slot) == "unique":
-                    mk = np.arange(len(keys), dtype=np.int64) if slot == NEG_SLOT else mbd.mb_keys[slot]
-                    lists, up = UniqueBased.plan(dest, pos_in_dest, mk, W)
-                    unperm.append(torch.from_numpy(up).to(self.device))
-                else:
-                    lists = ReductionBased.plan(dest, pos_in_dest, mbd.value_key[slot], mbd.value_sample[slot], W,
-                                                one, num_samples=len(mbd.samples))
-                    unperm.append(None)
-                mb_lists.append(lists)
-            req[slot] = _ReqSlot(dest, pos_in_dest, send_rows, mb_lists, unperm)
-        # fused counts: [keys per slot] [list length per (micro-batch, slot)] [samples per micro-batch]
+                lists = ReductionBased.plan(dest, pos_in_dest, mbd.value_key[slot], mbd.value_sample[slot], W,
+                                            one, num_samples=len(mbd.samples))
+                unperm.append(None)
+            mb_lists.append(lists)
+        return _ReqSlot(dest, pos_in_dest, send_rows, mb_lists, unperm)
+
+    def _route_payload(self, batch: PreparedBatch, req: Dict[str, "_ReqSlot"]):
+        """Per destination rank: the fused counts ([keys per slot] [list length per (micro-batch, slot)] [samples
+        per micro-batch]) and the payload (the same lists concatenated in that order)."""
+        W, S, N = self.world, len(self.slots), len(batch.micro)
         counts = np.zeros((W, S + N * S + N), dtype=np.int64)
         payload = []
         for r in range(W):
@@ -262,8 +283,12 @@ class ShardedEmbeddingCollection:
                     parts.append(lst)
                 counts[r, S + N * S + i] = len(mbd.samples)
             payload.append(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
+        return counts, payload
+
+    def _exchange_route(self, batch: PreparedBatch, counts: np.ndarray, payload: List[np.ndarray], group):
+        """The two routing All2Alls: counts, then the payload (int32 where the manifest bounds every value)."""
+        W, S, N = self.world, len(self.slots), len(batch.micro)
         C = counts.shape[1]
-        t0 = time.perf_counter()
         got_counts = self._a2a(torch.from_numpy(counts.reshape(-1)).to(self.device), [C] * W, [C] * W, "route", group)
         got_counts = got_counts.view(W, C).cpu().numpy()
         flat = np.concatenate(payload)
@@ -271,10 +296,15 @@ class ShardedEmbeddingCollection:
             raise RuntimeError(f"step {batch.step}: a routing value ({int(flat.max())}) exceeds int32 although the "
                                f"manifest bounds it (batch size {self.manifest_batch_size})")
         send_payload = torch.from_numpy(flat.astype(self.route_dtype, copy=False)).to(self.device)
-        got = self._a2a(send_payload, [len(p) for p in payload], [int(x) for x in got_counts[:, :S + N * S].sum(1)], "route",
-                        group)
-        got = got.cpu().numpy()
-        # owner side: parse, in (requester, slot) order
+        got = self._a2a(send_payload, [len(p) for p in payload], [int(x) for x in got_counts[:, :S + N * S].sum(1)],
+                        "route", group)
+        return got_counts, got.cpu().numpy()
+
+    def _parse_route(self, batch: PreparedBatch, got_counts: np.ndarray, got: np.ndarray):
+        """Owner side, in (requester, slot) order: the rows every requester asked for per store (``entries``, with
+        each (requester, slot)'s first entry in ``base``), the per-micro-batch lists (``raw_mb[i][r][slot]``) and
+        the requesters' micro-batch sample counts (``own_b[i][r]``)."""
+        W, S, N = self.world, len(self.slots), len(batch.micro)
         cursor = 0
         entries: Dict[str, List[np.ndarray]] = {s: [] for s in self.stores}
         n_entries = {s: 0 for s in self.stores}
@@ -295,6 +325,12 @@ class ShardedEmbeddingCollection:
                     raw_mb[i][r][slot] = got[cursor:cursor + k]
                     cursor += k
                 own_b[i][r] = int(got_counts[r, S + N * S + i])
+        return entries, base, raw_mb, own_b
+
+    def _payload_splits(self, batch: PreparedBatch, req: Dict[str, "_ReqSlot"], raw_mb, own_b):
+        """Per micro-batch: the embedding All2All's send and receive split sizes (elements), each (requester,
+        slot) block's offset in the owner's payload, and each micro-batch's offset in the gradient buffer."""
+        W, N = self.world, len(batch.micro)
         send_splits = [[0] * W for _ in range(N)]
         recv_splits = [[0] * W for _ in range(N)]
         block_off: List[Dict[Tuple[int, str], int]] = []  # [i] (requester, slot) -> element offset in i's payload
@@ -316,11 +352,7 @@ class ShardedEmbeddingCollection:
         grad_mb_off = [0] * N
         for i in range(1, N):
             grad_mb_off[i] = grad_mb_off[i - 1] + sum(send_splits[i - 1])
-        own: Dict[str, _OwnStore] = {}
-        for st in self.stores:
-            own[st] = self._owner_plan(st, entries[st], base[st], raw_mb, own_b, block_off, grad_mb_off)
-        self.timer.add("route.total", time.perf_counter() - t0)
-        return Routing(batch, req, own, own_b, send_splits, recv_splits, neg_inv, grad_mb_off)
+        return send_splits, recv_splits, block_off, grad_mb_off
 
     def _owner_plan(self, st: str, entries: List[np.ndarray], base: Dict[Tuple[int, str], int],
                     raw_mb, own_b, block_off, grad_mb_off) -> _OwnStore:

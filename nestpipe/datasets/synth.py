@@ -59,6 +59,7 @@ of the user's own (structure gone, popularity kept); ``successor_prob=0`` remove
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -694,8 +695,12 @@ def _progress_bar(total: int, enabled: bool):
     return tqdm(total=total, unit="row", unit_scale=True, disable=not enabled, desc="synth", dynamic_ncols=True)
 
 
-def _atomic_writer(path: str):
-    return open(path + ".partial", "wb")
+@contextlib.contextmanager
+def _atomic_file(path: str):
+    """A binary file written as ``path.partial`` and renamed to ``path`` when the block ends without an error."""
+    with open(path + ".partial", "wb") as out:
+        yield out
+    os.replace(path + ".partial", path)
 
 
 def generate(
@@ -721,13 +726,41 @@ def generate(
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     model = _LogModel(cfg)
-    layout = model.layout
     n_buckets = max(1, -(-cfg.interactions // cfg.bucket_rows))
-    rows_per_file = np.zeros(len(LOG_FILES), dtype=np.int64)
     bar = _progress_bar(2 * cfg.interactions + 2 * cfg.num_videos + cfg.num_users, progress)
+    try:
+        rows_per_file = _spill_log_rows(cfg, model, tmp, n_buckets, bar)
+        _write_log_files(cfg, out_dir, tmp, n_buckets, bar)
+        _write_user_features(cfg, model, out_dir, bar)
+        basic_path, stat_paths = _write_video_features(cfg, model.layout, out_dir, bar)
+    finally:
+        bar.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    files = {
+        "log_standard": [os.path.join(out_dir, n) for n in LOG_FILES[:4]],
+        "log_random": [os.path.join(out_dir, LOG_FILES[4])],
+        "user_features": [os.path.join(out_dir, USER_FILE)],
+        "video_features_basic": [basic_path],
+        "video_features_statistic": stat_paths,
+    }
+    counts = {
+        "users": cfg.num_users,
+        "videos": cfg.num_videos,
+        "interactions": int(rows_per_file.sum()),
+        "log_standard_rows": int(rows_per_file[:4].sum()),
+        "log_random_rows": int(rows_per_file[4]),
+        "rows_per_log_file": {n: int(c) for n, c in zip(LOG_FILES, rows_per_file)},
+        "communities": cfg.num_communities,
+    }
+    return {"out_dir": os.path.abspath(out_dir), "files": files, "counts": counts, "config": cfg}
+
+
+def _spill_log_rows(cfg: SynthConfig, model: "_LogModel", tmp: str, n_buckets: int, bar) -> np.ndarray:
+    """Pass 1: generate the log rows user chunk by user chunk and scatter every row to a (file, random bucket)
+    spill file, so no file's rows are ever all in memory. Returns the rows per log file."""
+    rows_per_file = np.zeros(len(LOG_FILES), dtype=np.int64)
     spill = {}
     try:
-        # Pass 1: generate user chunks, scatter every row to (file, random bucket) spill files.
         for idx, u0, u1 in model.user_chunks():
             rng = _rng(cfg, _S_LOG, idx)
             std = model.standard_chunk(rng, u0, u1)
@@ -750,71 +783,53 @@ def generate(
                 recs[part].tofile(spill[k])
             rows_per_file += np.bincount(dest, minlength=len(LOG_FILES))
             bar.update(len(recs))
-        for f in spill.values():
-            f.close()
-        # Pass 2: per file, shuffle each bucket and append it as CSV.
-        paths = {}
-        for fi, name in enumerate(LOG_FILES):
-            path = os.path.join(out_dir, name)
-            with _atomic_writer(path) as out:
-                out.write((",".join(kuairand.LOG_COLUMNS) + "\n").encode())
-                for bucket in range(n_buckets):
-                    sp = os.path.join(tmp, f"spill-{fi * n_buckets + bucket:06d}.bin")
-                    if not os.path.exists(sp):
-                        continue
-                    recs = np.fromfile(sp, dtype=SPILL_DTYPE)
-                    recs = recs[_rng(cfg, _S_SHUFFLE, fi, bucket).permutation(len(recs))]
-                    _log_frame(recs).write_csv(out, include_header=False)
-                    os.remove(sp)
-                    bar.update(len(recs))
-            os.replace(path + ".partial", path)
-            paths[name] = path
-        # User features.
-        path = os.path.join(out_dir, USER_FILE)
-        with _atomic_writer(path) as out:
-            _user_frame(cfg, model.std_counts).write_csv(out)
-        os.replace(path + ".partial", path)
-        bar.update(cfg.num_users)
-        # Video basic and statistic features, chunk by chunk (rows in a seeded permuted id order).
-        basic_path = os.path.join(out_dir, VIDEO_BASIC_FILE)
-        stat_paths = [os.path.join(out_dir, n) for n in VIDEO_STAT_FILES]
-        stat_bounds = [(cfg.num_videos * i) // 3 for i in range(4)]
-        with _atomic_writer(basic_path) as basic_out:
-            header = True
-            for r0 in range(0, cfg.num_videos, cfg.video_chunk_rows):
-                rows = np.arange(r0, min(r0 + cfg.video_chunk_rows, cfg.num_videos), dtype=np.int64)
-                _video_basic_frame(cfg, layout, rows).write_csv(basic_out, include_header=header)
-                header = False
-                bar.update(len(rows))
-        os.replace(basic_path + ".partial", basic_path)
-        for part, path in enumerate(stat_paths):
-            lo, hi = stat_bounds[part], stat_bounds[part + 1]
-            with _atomic_writer(path) as out:
-                out.write((",".join(kuairand.VIDEO_STAT_COLUMNS) + "\n").encode())
-                for r0 in range(lo, hi, cfg.video_chunk_rows):
-                    rows = np.arange(r0, min(r0 + cfg.video_chunk_rows, hi), dtype=np.int64)
-                    _video_stat_frame(cfg, layout, rows).write_csv(out, include_header=False)
-                    bar.update(len(rows))
-            os.replace(path + ".partial", path)
     finally:
         for f in spill.values():
             f.close()
-        bar.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-    files = {
-        "log_standard": [os.path.join(out_dir, n) for n in LOG_FILES[:4]],
-        "log_random": [os.path.join(out_dir, LOG_FILES[4])],
-        "user_features": [os.path.join(out_dir, USER_FILE)],
-        "video_features_basic": [basic_path],
-        "video_features_statistic": stat_paths,
-    }
-    counts = {
-        "users": cfg.num_users,
-        "videos": cfg.num_videos,
-        "interactions": int(rows_per_file.sum()),
-        "log_standard_rows": int(rows_per_file[:4].sum()),
-        "log_random_rows": int(rows_per_file[4]),
-        "rows_per_log_file": {n: int(c) for n, c in zip(LOG_FILES, rows_per_file)},
-        "communities": cfg.num_communities,
-    }
-    return {"out_dir": os.path.abspath(out_dir), "files": files, "counts": counts, "config": cfg}
+    return rows_per_file
+
+
+def _write_log_files(cfg: SynthConfig, out_dir: str, tmp: str, n_buckets: int, bar) -> None:
+    """Pass 2: per log file, shuffle each of its buckets and append it as CSV (rows in no user or time order)."""
+    for fi, name in enumerate(LOG_FILES):
+        with _atomic_file(os.path.join(out_dir, name)) as out:
+            out.write((",".join(kuairand.LOG_COLUMNS) + "\n").encode())
+            for bucket in range(n_buckets):
+                sp = os.path.join(tmp, f"spill-{fi * n_buckets + bucket:06d}.bin")
+                if not os.path.exists(sp):
+                    continue
+                recs = np.fromfile(sp, dtype=SPILL_DTYPE)
+                recs = recs[_rng(cfg, _S_SHUFFLE, fi, bucket).permutation(len(recs))]
+                _log_frame(recs).write_csv(out, include_header=False)
+                os.remove(sp)
+                bar.update(len(recs))
+
+
+def _write_user_features(cfg: SynthConfig, model: "_LogModel", out_dir: str, bar) -> None:
+    with _atomic_file(os.path.join(out_dir, USER_FILE)) as out:
+        _user_frame(cfg, model.std_counts).write_csv(out)
+    bar.update(cfg.num_users)
+
+
+def _write_video_features(cfg: SynthConfig, layout, out_dir: str, bar) -> Tuple[str, List[str]]:
+    """Video basic and statistic features, chunk by chunk (rows in a seeded permuted id order); the statistic
+    table is split over three files like the release's."""
+    basic_path = os.path.join(out_dir, VIDEO_BASIC_FILE)
+    stat_paths = [os.path.join(out_dir, n) for n in VIDEO_STAT_FILES]
+    stat_bounds = [(cfg.num_videos * i) // 3 for i in range(4)]
+    with _atomic_file(basic_path) as basic_out:
+        header = True
+        for r0 in range(0, cfg.num_videos, cfg.video_chunk_rows):
+            rows = np.arange(r0, min(r0 + cfg.video_chunk_rows, cfg.num_videos), dtype=np.int64)
+            _video_basic_frame(cfg, layout, rows).write_csv(basic_out, include_header=header)
+            header = False
+            bar.update(len(rows))
+    for part, path in enumerate(stat_paths):
+        lo, hi = stat_bounds[part], stat_bounds[part + 1]
+        with _atomic_file(path) as out:
+            out.write((",".join(kuairand.VIDEO_STAT_COLUMNS) + "\n").encode())
+            for r0 in range(lo, hi, cfg.video_chunk_rows):
+                rows = np.arange(r0, min(r0 + cfg.video_chunk_rows, hi), dtype=np.int64)
+                _video_stat_frame(cfg, layout, rows).write_csv(out, include_header=False)
+                bar.update(len(rows))
+    return basic_path, stat_paths

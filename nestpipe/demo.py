@@ -8,7 +8,6 @@ Every step is skipped when its output is already complete, so a rerun continues 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from nestpipe.datasets.synth import generate
 from nestpipe.ingest import IngestConfig, ingest
 from nestpipe.ingest.report import format_report, shard_report
 from nestpipe.trainer.evaluate import evaluate_run
+from nestpipe.utils.jsonio import read_json
 
 
 def add_parser(sub) -> None:
@@ -84,11 +84,8 @@ def run(args) -> int:
         run_dir = os.path.join(args.out, model)
         _train(os.path.join(args.out, f"shards-{task}"), run_dir, model, epochs, args.nproc_per_node)
         _log(f"nestpipe eval --run {run_dir}")
-        ev = evaluate_run(run_dir)
-        with open(os.path.join(run_dir, "eval.json"), "w") as f:
-            json.dump(ev, f, indent=1)
-        with open(os.path.join(run_dir, "metrics.json")) as f:
-            metrics = json.load(f)
+        ev = evaluate_run(run_dir)  # also writes RUN/eval.json
+        metrics = read_json(os.path.join(run_dir, "metrics.json"), "metrics")
         summary[model] = {"eval": ev, "samples_per_s": metrics.get("samples_per_s")}
     print("\n== NestPipe demo results ==")
     h = summary["hstu"]["eval"]

@@ -60,6 +60,7 @@ import tarfile
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
+from nestpipe.utils.jsonio import JSONFileError, read_json, write_json_atomic
 
 FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
@@ -402,25 +403,17 @@ class Manifest:
 
 def save_manifest(directory: str, manifest: Manifest) -> str:
     path = os.path.join(directory, MANIFEST_NAME)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(manifest.to_json(), f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    return write_json_atomic(path, manifest.to_json(), fsync=True)
 
 
 def load_manifest(directory: str) -> Manifest:
     path = directory if directory.endswith(".json") else os.path.join(directory, MANIFEST_NAME)
     if not os.path.exists(path):
         raise ShardError(f"{path}: no manifest (is this the output directory of `nestpipe ingest`?)")
-    with open(path) as f:
-        try:
-            d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ShardError(f"{path}: corrupt manifest: {e}") from e
+    try:
+        d = read_json(path, "manifest", expect=dict)
+    except JSONFileError as e:
+        raise ShardError(f"{path}: corrupt manifest: {e.__cause__ or e}") from e
     return Manifest.from_json(d, where=path)
 
 

@@ -10,12 +10,12 @@ uncompressed columnar layout writes several times faster and reads zero-copy.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Dict, List, Optional
 
 import polars as pl
 import pyarrow as pa
+from nestpipe.utils.jsonio import read_json, write_json_atomic
 
 SUFFIX = ".arrow"
 
@@ -34,9 +34,7 @@ def write_partitioned(path: str, df: pl.DataFrame, part_col: str, num_parts: int
             for b in batches:
                 writer.write_batch(b)
             nbatch += len(batches)
-    with open(path + ".json.tmp", "w") as f:
-        json.dump({"batches": index, "rows": len(df), "num_parts": num_parts}, f)
-    os.replace(path + ".json.tmp", path + ".json")
+    write_json_atomic(path + ".json", {"batches": index, "rows": len(df), "num_parts": num_parts}, indent=None)
     os.replace(tmp, path)
     return index
 
@@ -45,8 +43,7 @@ def read_partition(paths: List[str], part: int, schema: Optional[pa.Schema] = No
     """Concatenate partition ``part`` of every file, in the order of ``paths``."""
     tables = []
     for path in paths:
-        with open(path + ".json") as f:
-            index = json.load(f)["batches"]
+        index = read_json(path + ".json", "spill index")["batches"]
         ids = index.get(str(part))
         reader = pa.ipc.open_file(pa.memory_map(path, "r"))
         if schema is None:

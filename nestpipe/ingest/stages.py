@@ -35,12 +35,13 @@ import polars as pl
 
 from nestpipe.datasets import kuairand, shards
 from nestpipe.ingest.common import WORK, PartitionCache, crash_point
-from nestpipe.ingest.ctr import CTRTask
-from nestpipe.ingest.gr import GRTask
 from nestpipe.ingest.config import IngestConfig
+from nestpipe.ingest.ctr import CTRTask
 from nestpipe.ingest.executor import Executor
+from nestpipe.ingest.gr import GRTask
 from nestpipe.ingest.parse import Chunk, ColumnSpec, parse_chunk, plan_chunks, read_chunk_bytes
 from nestpipe.ingest.spill import write_partitioned
+from nestpipe.utils.jsonio import read_json, write_json_atomic
 
 LINE_KEY_BITS = 40  # at most 2**40 lines per chunk
 STATE = "state.json"
@@ -108,8 +109,7 @@ def _unit_parse(args: Tuple[str, str, str, int, str, int, int, int, int, int]) -
     first_line = (chunk_idx << LINE_KEY_BITS) + 1
     out = os.path.join(work, "s1", f"{kind}-{file_idx:03d}-{chunk_idx:05d}.arrow")
     if os.path.exists(out):
-        with open(out + ".stats.json") as f:
-            return json.load(f)
+        return read_json(out + ".stats.json", "stage-1 unit stats")
     crash_point("parse", file_idx)  # parse:F dies when a chunk of input file F starts
     data = read_chunk_bytes(Chunk(path, chunk_idx, start, end, first_line))
     df, rejects = parse_chunk(data, _spec_for(kind, task), path=path, first_line=first_line)
@@ -131,9 +131,7 @@ def _unit_parse(args: Tuple[str, str, str, int, str, int, int, int, int, int]) -
         for r in rejects:
             f.write(json.dumps(dataclasses.asdict(r)) + "\n")
     os.replace(out + ".rejects.jsonl.tmp", out + ".rejects.jsonl")
-    with open(out + ".stats.json.tmp", "w") as f:
-        json.dump(stats, f)
-    os.replace(out + ".stats.json.tmp", out + ".stats.json")
+    write_json_atomic(out + ".stats.json", stats)
     if TASKS[task].partition_by_user(kind):
         df = df.with_columns((pl.col("user_id") % num_parts).alias("_part"))
     else:
@@ -148,16 +146,14 @@ def _unit_samples(args: Tuple[str, str, int, Dict[str, Any]]) -> Dict[str, Any]:
     # the arrays and reads only the rows it gathers instead of loading the whole partition for every shard.
     out = os.path.join(work, "s3", f"samples-{q:05d}")
     if os.path.exists(out):
-        with open(os.path.join(out, "stats.json")) as f:
-            return json.load(f)
+        return read_json(os.path.join(out, "stats.json"), "stage-3 unit stats")
     arrays, stats = TASKS[task].samples(work, q, opts)
     tmp = out + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     for name, arr in arrays.items():
         np.save(os.path.join(tmp, f"{name}.npy"), arr, allow_pickle=False)
-    with open(os.path.join(tmp, "stats.json"), "w") as f:
-        json.dump(stats, f)
+    write_json_atomic(os.path.join(tmp, "stats.json"), stats)
     os.replace(tmp, out)
     return stats
 
@@ -210,15 +206,13 @@ def _prepare_out(cfg: IngestConfig, fingerprint: Dict[str, Any]) -> str:
         same = False
         complete = False
         if os.path.exists(state_path):
-            with open(state_path) as f:
-                same = json.load(f).get("fingerprint") == fingerprint
+            same = read_json(state_path, "ingest state").get("fingerprint") == fingerprint
         elif os.path.exists(manifest_path):
             try:
-                with open(manifest_path) as f:
-                    m = json.load(f)
+                m = read_json(manifest_path, "manifest")
                 same = m.get("stats", {}).get("fingerprint") == fingerprint
                 complete = same
-            except (OSError, json.JSONDecodeError):
+            except (OSError, ValueError):
                 same = False
         if same and not cfg.force:
             if not complete:
@@ -238,10 +232,7 @@ def _prepare_out(cfg: IngestConfig, fingerprint: Dict[str, Any]) -> str:
     os.makedirs(out, exist_ok=True)
     for sub in ("s1", "s2", "s3"):
         os.makedirs(os.path.join(work, sub), exist_ok=True)
-    tmp = os.path.join(work, STATE + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"fingerprint": fingerprint}, f, indent=1, sort_keys=True)
-    os.replace(tmp, os.path.join(work, STATE))
+    write_json_atomic(os.path.join(work, STATE), {"fingerprint": fingerprint})
     return "fresh"
 
 

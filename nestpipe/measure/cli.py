@@ -13,6 +13,7 @@ from nestpipe.planning.cost_model import MODES, Scales, Scenario
 from nestpipe.planning.hardware import load_hardware
 from nestpipe.planning.timeline import write_gantt
 from nestpipe.planning.workload import load_workload
+from nestpipe.utils.jsonio import write_json_atomic
 
 
 def add_parser(sub) -> None:
@@ -67,8 +68,7 @@ def _simulate(args) -> int:
            "scales": scales.__dict__, "predictions": [p.as_dict() for p in preds]}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
+        write_json_atomic(os.path.join(args.out, "results.json"), doc)
         simulate.plot_scaling(preds, os.path.join(args.out, "scaling.png"),
                               f"{wl.name} on {hw.name}: scaling efficiency")
         gw = args.gantt_workers or (bd.workers if bd else max(workers))
@@ -107,8 +107,7 @@ def _simulate_measured(args) -> int:
            "hardware": hw.as_dict(), "predictions": [p.as_dict() for p in preds]}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
+        write_json_atomic(os.path.join(args.out, "results.json"), doc)
     if args.json:
         print(json.dumps(doc, indent=1, sort_keys=True))
         return 0

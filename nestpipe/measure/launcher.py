@@ -10,7 +10,6 @@ negative controls and faults of :mod:`nestpipe.trainer.testing_hooks`, set for t
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from nestpipe.trainer.config import TrainConfig, load_run_config, merge, save_co
 from nestpipe.trainer.distributed import process_groups
 from nestpipe.trainer.distributed import device as devmod
 from nestpipe.trainer.loop import train_worker
+from nestpipe.utils.jsonio import read_json, write_json_atomic
 
 
 def write_run(out: str, shards: str, model: str, pipeline: str, steps: int, sets: Optional[Dict] = None,
@@ -41,8 +41,7 @@ def write_run(out: str, shards: str, model: str, pipeline: str, steps: int, sets
 def run_plan(plan: List[Dict], world: int, plan_path: str, timeout: float = 300,
              prefix: Optional[List[str]] = None) -> subprocess.CompletedProcess:
     """Launch ``world`` ranks that run ``plan``; ``prefix`` wraps the command (e.g. ``ip netns exec NS``)."""
-    with open(plan_path, "w") as f:
-        json.dump(plan, f)
+    write_json_atomic(plan_path, plan, indent=None, sort_keys=False)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([*(prefix or []), sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(world), "--monitor-interval", "0.5", "-m", "nestpipe.measure.launcher",
@@ -52,8 +51,7 @@ def run_plan(plan: List[Dict], world: int, plan_path: str, timeout: float = 300,
 def main(argv=None) -> int:
 
     plan_path = (argv or sys.argv[1:])[0]
-    with open(plan_path) as f:
-        plan = json.load(f)
+    plan = read_json(plan_path, "run plan", expect=list)
     dev = devmod.resolve("cpu")
     # before any thread starts (they inherit it); every run of a plan must ask for the same mode
     modes = {load_run_config(item["run"]).flush_denormal for item in plan}

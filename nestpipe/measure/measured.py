@@ -42,7 +42,6 @@ Everything else is a mechanism, not a fit:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Dict, List, Optional, Tuple
 
@@ -54,6 +53,7 @@ from nestpipe.planning.cost_model import Scenario, StepCosts
 from nestpipe.planning.timeline import simulate_steps
 from nestpipe.trainer.data import ShardStream
 from nestpipe.trainer.pipeline.timeline import load_chrome_trace
+from nestpipe.utils.jsonio import read_json
 
 ROUTE_CALLS = 2  # counts + payload all_to_all_single per step
 TCP_IP_HEADER = 52  # IPv4 20 + TCP 20 + timestamps 12 bytes per packet
@@ -64,14 +64,7 @@ class RunError(ValueError):
 
 
 def _read_json(path: str, what: str) -> Dict:
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no {what} (is {os.path.dirname(path)} the --out directory of "
-                                f"`nestpipe train`?)")
-    with open(path) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise RunError(f"{path}: cannot parse {what}: {e}") from e
+    return read_json(path, what, hint=f"is {os.path.dirname(path)} the --out directory of `nestpipe train`?")
 
 
 # -- workload ------------------------------------------------------------------------------------------------------

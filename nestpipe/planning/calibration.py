@@ -9,13 +9,13 @@ worker count, the micro-batch count, the group size, and what the pipelines hide
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Dict
 
 from .cost_model import Scales, Scenario, step_costs
 from .hardware import HardwareConfig
 from .workload import WorkloadConfig
+from nestpipe.utils.jsonio import read_json
 
 
 @dataclasses.dataclass
@@ -80,13 +80,7 @@ def calibrate(wl: WorkloadConfig, hw: HardwareConfig, bd: Breakdown) -> Scales:
 
 def load_breakdown(path: str) -> Breakdown:
     """A JSON file ``{"workers", "step_ms", "lookup_ms", "comm_ms"}``."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: breakdown file not found")
-    with open(path) as f:
-        try:
-            d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: cannot parse breakdown: {e}") from e
+    d = read_json(path, "breakdown", expect=dict)
     missing = [k for k in ("workers", "step_ms", "lookup_ms", "comm_ms") if k not in d]
     if missing:
         raise ValueError(f"{path}: breakdown lacks {missing}")
@@ -103,13 +97,7 @@ def breakdown_from_run(run: str) -> Dict[str, Any]:
     """The headline figures of ``RUN/metrics.json`` as a breakdown (step from samples/s, lookup and communication
     per step): a quick look at a run; :func:`nestpipe.measure.measured.calibrate_run` is the calibration."""
     path = os.path.join(run, "metrics.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no metrics.json (is {run} the --out directory of `nestpipe train`?)")
-    with open(path) as f:
-        try:
-            m = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: cannot parse metrics: {e}") from e
+    m = read_json(path, "metrics", hint=f"is {run} the --out directory of `nestpipe train`?", expect=dict)
     missing = [k for k in RUN_KEYS if k not in m]
     if missing:
         raise ValueError(f"{path}: metrics lack {missing} (written by an older trainer?)")

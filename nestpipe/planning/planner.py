@@ -30,13 +30,12 @@ synchronisation (AllReduce of the touched rows across groups).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from . import network
 from .hardware import HardwareConfig
+from nestpipe.utils.jsonio import read_json, write_json_atomic
 
 PLAN_FORMAT = "nestpipe-plan"
 PLAN_VERSION = 1
@@ -316,20 +315,12 @@ def format_plan(plan: Dict[str, Any]) -> str:
 
 def save_plan(plan: Dict[str, Any], path: str) -> None:
     """Write ``plan`` as JSON atomically (temporary file, then rename)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(plan, f, indent=1, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, plan)
 
 
 def load_plan(path: str) -> Dict[str, Any]:
     """Read a plan file, checking its format and version (for the trainer's config)."""
-    with open(path) as f:
-        try:
-            d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: cannot parse plan: {e}") from e
+    d = read_json(path, "plan", expect=dict)
     if d.get("format") != PLAN_FORMAT or d.get("version") != PLAN_VERSION:
         raise ValueError(f"{path}: not a {PLAN_FORMAT} v{PLAN_VERSION} file")
     return d

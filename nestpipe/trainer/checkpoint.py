@@ -14,7 +14,6 @@ Checkpoints are taken between steps only: no batch is in flight. Files load with
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nestpipe.trainer.distributed.sparse_groups import resolve
-from nestpipe.utils.jsonio import write_json_atomic
+from nestpipe.utils.jsonio import read_json, write_json_atomic
 
 FORMAT = "nestpipe-trainer-checkpoint-1"
 
@@ -98,8 +97,7 @@ def latest(run: str) -> Optional[str]:
 
 
 def read_meta(ckpt: str) -> Dict:
-    with open(os.path.join(ckpt, "meta.json")) as f:
-        meta = json.load(f)
+    meta = read_json(os.path.join(ckpt, "meta.json"), "checkpoint metadata", expect=dict)
     if meta.get("format") != FORMAT:
         raise ValueError(f"{ckpt}: checkpoint format {meta.get('format')!r}, expected {FORMAT!r}")
     return meta

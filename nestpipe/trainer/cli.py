@@ -6,6 +6,7 @@ import json
 import os
 
 from nestpipe.datasets.shards import load_manifest
+from nestpipe.utils.jsonio import read_json
 from nestpipe.trainer.config import (MODELS, PIPELINE_MODES, TrainConfig, describe, load_config_file, load_run_config,
                                      merge, save_config)
 
@@ -139,8 +140,7 @@ def _train(args) -> int:
 def _print_metrics(run: str) -> None:
     path = os.path.join(run, "metrics.json")
     if os.path.exists(path):
-        with open(path) as f:
-            m = json.load(f)
+        m = read_json(path, "metrics")
         per = ", ".join(f"{x:.0f}" for x in m["samples_per_s_per_rank"])
         print(f"trained {m['model']} on {m['world']} rank(s): {m['steps_run']} steps, final loss {m['final_loss']:.4f}, "
               f"{m['samples_per_s']:.0f} samples/s ({per} per rank); {path}")

@@ -9,11 +9,11 @@ one Chrome-trace process per rank, one track per thread; opens in Perfetto or ch
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
 import time
 from typing import Callable, Dict, Iterable, List, Optional
+from nestpipe.utils.jsonio import read_json, write_json_atomic
 
 Span = Dict[str, object]  # {"rank", "thread", "stage", "step", "mb", "t0", "t1"}
 
@@ -88,16 +88,12 @@ def chrome_trace(spans: List[Span]) -> Dict:
 
 
 def write_chrome_trace(path: str, spans: List[Span]) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(chrome_trace(spans), f)
-    os.replace(tmp, path)
+    write_json_atomic(path, chrome_trace(spans), indent=None, sort_keys=False)
 
 
 def load_chrome_trace(path: str) -> List[Span]:
     """Spans back from a trace written by :func:`write_chrome_trace`."""
-    with open(path) as f:
-        ev = json.load(f)["traceEvents"]
+    ev = read_json(path, "Chrome trace", expect=dict)["traceEvents"]
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in ev if e.get("name") == "thread_name"}
     out = []
     for e in ev:

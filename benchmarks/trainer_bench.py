@@ -70,21 +70,14 @@ def make_batches(rank: int, n: int, batch: int, tables: int, rows: int, dense: i
 # -- NestPipe side ---------------------------------------------------------------------------------------------------
 def _record(b, micro_batches: int, tables):
     """A shard-format record (as ``nestpipe ingest`` writes for CTR) from one generated batch."""
-    from nestpipe.clustering import unique_keys
+    from nestpipe.clustering import table_fields
 
     B = len(b["dense"])
     mb = (np.arange(B) % micro_batches).astype(np.int32)
     rec = {"meta": {"micro_batches": micro_batches}, "mb": mb, "dense": b["dense"],
            "labels": b["labels"][:, None]}
     for name, (lens, ids) in zip(tables, b["feats"]):
-        off = np.zeros(B + 1, dtype=np.int64)
-        np.cumsum(lens, out=off[1:])
-        uniq, inv, per_mb = unique_keys(ids, off, mb)
-        mo = np.zeros(len(per_mb) + 1, dtype=np.int64)
-        np.cumsum([len(p) for p in per_mb], out=mo[1:])
-        rec.update({f"{name}.values": ids, f"{name}.lengths": lens.astype(np.int32), f"{name}.unique": uniq,
-                    f"{name}.inverse": inv.astype(np.int32), f"{name}.mb_unique": np.concatenate(per_mb).astype(np.int32),
-                    f"{name}.mb_offsets": mo})
+        rec.update({f"{name}.{field}": arr for field, arr in table_fields(ids, lens, mb).items()})
     return rec
 
 
@@ -184,21 +177,15 @@ def bench_nestpipe(a):
 
 # -- the full KuaiRand-27K item vocabulary ------------------------------------------------------------------------
 def _gr_record(rng, B, seq, vocab):
-    from nestpipe.clustering import unique_keys
+    from nestpipe.clustering import table_fields
 
     lens = np.full(B, seq, dtype=np.int64)
     item = ((rng.zipf(1.2, B * seq) - 1) % vocab).astype(np.int64)
     action = rng.integers(0, 256, B * seq).astype(np.int64)
     mb = np.zeros(B, dtype=np.int32)
-    off = np.zeros(B + 1, dtype=np.int64)
-    np.cumsum(lens, out=off[1:])
     rec = {"meta": {"micro_batches": 1}, "mb": mb}
     for name, ids in (("item", item), ("action", action)):
-        uniq, inv, per_mb = unique_keys(ids, off, mb)
-        mo = np.array([0, len(per_mb[0])], dtype=np.int64)
-        rec.update({f"{name}.values": ids, f"{name}.lengths": lens.astype(np.int32), f"{name}.unique": uniq,
-                    f"{name}.inverse": inv.astype(np.int32), f"{name}.mb_unique": per_mb[0].astype(np.int32),
-                    f"{name}.mb_offsets": mo})
+        rec.update({f"{name}.{field}": arr for field, arr in table_fields(ids, lens, mb).items()})
     return rec
 
 

@@ -385,12 +385,12 @@ def test_presence_map_scratch_is_clean_between_calls_and_threads():
     smaller span), of a call that failed, or of another thread. Reference: np.unique."""
     import threading
 
-    from nestpipe.clustering import objective as O
+    from nestpipe.clustering import objective
 
     rng = np.random.default_rng(3)
 
     def check(g, span):
-        d, rank = O._dense_or_sorted_unique(g, span)
+        d, rank = objective._dense_or_sorted_unique(g, span)
         ref, inv = np.unique(g, return_inverse=True)
         assert np.array_equal(d, ref) and np.array_equal(rank, inv.reshape(-1))
 
@@ -398,12 +398,12 @@ def test_presence_map_scratch_is_clean_between_calls_and_threads():
         check(rng.integers(0, span, 4000).astype(np.int64), span)
     # a failing call (a value past the span) leaves the buffer clean
     with pytest.raises(IndexError):
-        O._dense_or_sorted_unique(np.array([3, 10, 5000], np.int64), 4000)
+        objective._dense_or_sorted_unique(np.array([3, 10, 5000], np.int64), 4000)
     check(np.array([1, 2], np.int64), 4000)
     # negative control: without the clear, the next call sees the previous call's keys
-    buf = O._scratch("present", 4000, np.bool_)
+    buf = objective._scratch("present", 4000, np.bool_)
     buf[[7, 9]] = True
-    d, _ = O._dense_or_sorted_unique(np.array([1], np.int64), 4000)
+    d, _ = objective._dense_or_sorted_unique(np.array([1], np.int64), 4000)
     assert d.tolist() == [1, 7, 9]
     buf[:] = False
     errors = []

@@ -15,7 +15,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from nestpipe.datasets import kuairand as K
+from nestpipe.datasets import kuairand
 from nestpipe.datasets import shards as S
 from nestpipe.datasets.synth import generate
 from nestpipe.ingest import IngestConfig, IngestError, ingest
@@ -49,9 +49,9 @@ def _copy_raw(raw, dst):
 def test_gr_samples_are_chronological_windows_with_leave_one_out(raw, tmp_path):
     out = str(tmp_path / "o")
     m = ingest(_cfg(raw, out, batches_per_shard=100))
-    logs = pl.concat([pl.read_csv(os.path.join(raw, n), schema=K.LOG_DTYPES)
-                      for n in K.FILE_KINDS_BY_NAME["log_standard"].names["27k"]
-                      + K.FILE_KINDS_BY_NAME["log_random"].names["27k"]])
+    logs = pl.concat([pl.read_csv(os.path.join(raw, n), schema=kuairand.LOG_DTYPES)
+                      for n in kuairand.FILE_KINDS_BY_NAME["log_standard"].names["27k"]
+                      + kuairand.FILE_KINDS_BY_NAME["log_random"].names["27k"]])
     logs = logs.sort(["user_id", "time_ms", "video_id"])
     seqs = {u: g["video_id"].to_list() for (u,), g in logs.group_by(["user_id"], maintain_order=True)}
     last = {u: s[-1] for u, s in seqs.items()}
@@ -110,7 +110,7 @@ def test_ctr_records_keys_partition_and_history(raw, tmp_path):
     out = str(tmp_path / "o")
     H = 5
     m = ingest(_cfg(raw, out, task="ctr", batch_size=64, history_len=H, batches_per_shard=4))
-    logs = pl.concat([pl.read_csv(p, schema_overrides=K.LOG_DTYPES).with_columns(pl.lit(i).alias("src"),
+    logs = pl.concat([pl.read_csv(p, schema_overrides=kuairand.LOG_DTYPES).with_columns(pl.lit(i).alias("src"),
                                                                                  pl.int_range(pl.len()).alias("line"))
                       for i, p in enumerate(sorted(glob.glob(os.path.join(raw, "log_*.csv"))))])
     logs = logs.sort(["user_id", "time_ms", "video_id", "src", "line"])
@@ -194,14 +194,14 @@ def test_deterministic_across_workers(raw, tmp_path):
 
 def test_input_row_order_does_not_matter(raw, tmp_path):
     src = _copy_raw(raw, str(tmp_path / "raw2"))
-    logs = K.FILE_KINDS_BY_NAME["log_standard"].names["27k"]
+    logs = kuairand.FILE_KINDS_BY_NAME["log_standard"].names["27k"]
     # move rows between files and reverse them: same interactions, different order and files
     for name in logs:
         lines = open(os.path.join(src, name)).read().splitlines()
         open(os.path.join(src, name), "w").write("\n".join([lines[0]] + lines[1:][::-1]) + "\n")
     a = ingest(_cfg(raw, str(tmp_path / "a")))
     b = ingest(_cfg(src, str(tmp_path / "b")))
-    ties = pl.concat([pl.read_csv(os.path.join(raw, n), schema=K.LOG_DTYPES) for n in logs]).select(
+    ties = pl.concat([pl.read_csv(os.path.join(raw, n), schema=kuairand.LOG_DTYPES) for n in logs]).select(
         ["user_id", "time_ms", "video_id"]).is_duplicated().sum()
     assert ties == 0  # otherwise the tie-break by (file, line) legitimately differs
     for ea, eb in zip(a.sets["train"], b.sets["train"]):
@@ -253,7 +253,7 @@ def test_rejects_are_kept_with_file_line_and_raw_text(raw, tmp_path):
     # the good CRLF rows were all kept: every other log row made it into the samples
     assert m.stats["tokens"] == sum(
         len(open(os.path.join(raw, n)).read().splitlines()) - 1
-        for n in K.FILE_KINDS_BY_NAME["log_standard"].names["27k"] + K.FILE_KINDS_BY_NAME["log_random"].names["27k"]
+        for n in kuairand.FILE_KINDS_BY_NAME["log_standard"].names["27k"] + kuairand.FILE_KINDS_BY_NAME["log_random"].names["27k"]
     ) - 3  # lines 3, 5, 7 replaced by bad ones; the truncated line was an extra line
 
 
@@ -271,13 +271,13 @@ def test_too_many_rejects_fail_clearly(raw, tmp_path):
 def test_clear_errors_missing_file_wrong_header_foreign_output(raw, tmp_path):
     src = _copy_raw(raw, str(tmp_path / "raw2"))
     os.remove(os.path.join(src, "log_random_4_22_to_5_08_27k.csv"))
-    with pytest.raises(K.SchemaError, match="log_random_4_22_to_5_08_27k.csv: missing"):
+    with pytest.raises(kuairand.SchemaError, match="log_random_4_22_to_5_08_27k.csv: missing"):
         ingest(_cfg(src, str(tmp_path / "o1")))
     src2 = _copy_raw(raw, str(tmp_path / "raw3"))
     p = os.path.join(src2, "video_features_basic_27k.csv")
     text = open(p).read().replace("author_id", "writer_id", 1)
     open(p, "w").write(text)
-    with pytest.raises(K.SchemaError, match=r"(?s)video_features_basic_27k.csv: wrong header.*expected: video_id,author_id"):
+    with pytest.raises(kuairand.SchemaError, match=r"(?s)video_features_basic_27k.csv: wrong header.*expected: video_id,author_id"):
         ingest(_cfg(src2, str(tmp_path / "o2")))
     foreign = tmp_path / "foreign"
     foreign.mkdir()
@@ -457,11 +457,11 @@ def test_user_features_with_quoted_ranges_parse_and_reject(raw, tmp_path):
 @pytest.mark.parametrize("path", ["compiled", "numpy"])
 def test_shard_group_keys_equal_per_batch_unique_keys(spans, max_len, negative, path, monkeypatch):
     from nestpipe.clustering import unique_keys_packed
-    from nestpipe.ingest import shardkeys
+    from nestpipe.ingest import batch_keys
 
-    group_keys = shardkeys.group_keys if path == "compiled" else shardkeys.group_keys_numpy
+    group_keys = batch_keys.group_keys if path == "compiled" else batch_keys.group_keys_numpy
     if path == "compiled":  # the compiled path must be the one that runs (occurrences grouped by batch, table)
-        monkeypatch.setattr(shardkeys, "group_keys_numpy", lambda *a: pytest.fail("fell back to numpy"))
+        monkeypatch.setattr(batch_keys, "group_keys_numpy", lambda *a: pytest.fail("fell back to numpy"))
 
     rng = np.random.default_rng(3)
     nb, b, n, T = 6, 24, 4, len(spans)
@@ -498,7 +498,7 @@ def test_shard_group_keys_presence_path_and_int64_extremes():
     """The compiled per-segment keys rank a segment by a presence map when its ids span little (small tables) and
     sort otherwise; a segment holding both int64 extremes (whose difference overflows) must take the sort. Both
     equal the NumPy composite-code path; a presence map forced on the extremes segment would not."""
-    from nestpipe.ingest import shardkeys
+    from nestpipe.ingest import batch_keys
 
     lo, hi = np.iinfo(np.int64).min, np.iinfo(np.int64).max
     segs = [np.array([7, 3, 7, 5, 3], np.int64), np.array([hi, lo, 0, hi, lo], np.int64),
@@ -507,8 +507,8 @@ def test_shard_group_keys_presence_path_and_int64_extremes():
     batch = np.concatenate([np.full(len(v), j // 2) for j, v in enumerate(segs)]).astype(np.int64)
     table = np.concatenate([np.full(len(v), j % 2) for j, v in enumerate(segs)]).astype(np.int64)
     mb = (np.arange(len(values)) % 3).astype(np.int64)
-    got = shardkeys.group_keys(values, batch, table, mb, 2, 2, 3)
-    ref = shardkeys.group_keys_numpy(values, batch, table, mb, 2, 2, 3)
+    got = batch_keys.group_keys(values, batch, table, mb, 2, 2, 3)
+    ref = batch_keys.group_keys_numpy(values, batch, table, mb, 2, 2, 3)
     for f in ("unique", "ut", "inverse", "mb_unique", "mt", "mb_counts"):
         assert np.array_equal(getattr(got, f), getattr(ref, f)), f
     assert got.unique[got.ut[1]:got.ut[2]].tolist() == [lo, 0, hi]
@@ -524,9 +524,9 @@ def test_gr_authors_first_row_wins_and_missing_videos_are_counted(raw, tmp_path)
     header, body = lines[0], lines[1:]
     cols = header.split(",")
     vi, ai = cols.index("video_id"), cols.index("author_id")
-    logs = pl.concat([pl.read_csv(os.path.join(raw, n), schema=K.LOG_DTYPES)
-                      for n in K.FILE_KINDS_BY_NAME["log_standard"].names["27k"]
-                      + K.FILE_KINDS_BY_NAME["log_random"].names["27k"]])
+    logs = pl.concat([pl.read_csv(os.path.join(raw, n), schema=kuairand.LOG_DTYPES)
+                      for n in kuairand.FILE_KINDS_BY_NAME["log_standard"].names["27k"]
+                      + kuairand.FILE_KINDS_BY_NAME["log_random"].names["27k"]])
     counts = logs["video_id"].value_counts()
     by_id = {int(ln.split(",")[vi]): ln for ln in body}
     hot = [int(v) for v in counts.sort("count", descending=True)["video_id"].to_list() if int(v) in by_id][:2]

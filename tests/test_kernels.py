@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import nestpipe.kernels as K
-from nestpipe.kernels import sharding as P
+from nestpipe.kernels import row_placement
 from nestpipe.kernels import reference as R
 from nestpipe.kernels import routing
 
@@ -31,8 +31,8 @@ def _fast_paths_active():
 
 def _placement_int(table_id, x, vocab, world):
     """Pure Python-int placement: the specification the tensor code must match."""
-    x = x if 0 <= x < vocab else P.splitmix64_int(x) % vocab
-    a, b = P.affine_params(table_id, vocab)
+    x = x if 0 <= x < vocab else row_placement.splitmix64_int(x) % vocab
+    a, b = row_placement.affine_params(table_id, vocab)
     p = (a * x + b) % vocab
     block = -(-vocab // world)
     return p // block, p % block
@@ -40,8 +40,8 @@ def _placement_int(table_id, x, vocab, world):
 
 def test_splitmix64_matches_python_ints_at_extremes():
     ids = EXTREMES + [random.Random(0).randrange(I64_MIN, I64_MAX) for _ in range(200)]
-    got = P.splitmix64(torch.tensor(ids, dtype=torch.int64)).tolist()
-    assert got == [P._signed64(P.splitmix64_int(x)) for x in ids]
+    got = row_placement.splitmix64(torch.tensor(ids, dtype=torch.int64)).tolist()
+    assert got == [row_placement._signed64(row_placement.splitmix64_int(x)) for x in ids]
 
 
 @pytest.mark.parametrize("vocab", [1, 2, 7, 1000, 32_000_000, 2**40 + 15, 2**52])

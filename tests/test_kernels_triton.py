@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import nestpipe.kernels as K
-from nestpipe.kernels import reference as R
+from nestpipe.kernels import reference
 
-from nestpipe.kernels import triton_kernels as T  # noqa: E402  (fails, not skips, when triton is missing)
+from nestpipe.kernels import triton_kernels  # noqa: E402  (fails, not skips, when triton is missing)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
@@ -21,7 +21,7 @@ I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 
 def setup_module():
     assert K.select_path("adagrad_update", "cuda") == "triton", "triton is not installed"
-    assert T.INTERPRETED or torch.cuda.is_available(), "neither the Triton interpreter nor a GPU is active"
+    assert triton_kernels.INTERPRETED or torch.cuda.is_available(), "neither the Triton interpreter nor a GPU is active"
 
 
 def _on(device, *tensors):
@@ -34,7 +34,7 @@ def test_gather(device, dim):
     w = torch.randn(40, dim)
     for rows in (torch.randint(0, 40, (37,)), torch.full((5,), 39), torch.zeros(0, dtype=torch.int64)):
         w_d, rows_d = _on(device, w, rows)
-        assert torch.equal(T.gather_rows(w_d, rows_d).cpu(), R.gather_rows(w, rows))
+        assert torch.equal(triton_kernels.gather_rows(w_d, rows_d).cpu(), reference.gather_rows(w, rows))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -43,9 +43,9 @@ def test_adagrad(device, dim, n, momentum):
     w, s = torch.randn(50, dim), torch.rand(50)
     rows, grads = torch.randperm(50)[:n], torch.randn(n, dim) * 2
     w_ref, s_ref = w.clone(), s.clone()
-    R.adagrad_update(w_ref, s_ref, rows, grads, 0.05, 1e-8, momentum)
+    reference.adagrad_update(w_ref, s_ref, rows, grads, 0.05, 1e-8, momentum)
     w_d, s_d, rows_d, grads_d = _on(device, w, s, rows, grads)
-    T.adagrad_update(w_d, s_d, rows_d, grads_d, 0.05, 1e-8, momentum)
+    triton_kernels.adagrad_update(w_d, s_d, rows_d, grads_d, 0.05, 1e-8, momentum)
     torch.testing.assert_close(s_d.cpu(), s_ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(w_d.cpu(), w_ref, atol=1e-6, rtol=1e-6)
     if n:
@@ -67,9 +67,9 @@ def test_dual_buffer_sync(device, keys):
     a_keys, p_keys = keys
     active, prefetch = torch.randn(a_keys.numel(), 5), torch.randn(p_keys.numel(), 5)
     expect = prefetch.clone()
-    R.dual_buffer_sync(a_keys, active, p_keys, expect)
+    reference.dual_buffer_sync(a_keys, active, p_keys, expect)
     a_keys_d, active_d, p_keys_d, prefetch_d = _on(device, a_keys, active, p_keys, prefetch)
-    T.dual_buffer_sync(a_keys_d, active_d, p_keys_d, prefetch_d)
+    triton_kernels.dual_buffer_sync(a_keys_d, active_d, p_keys_d, prefetch_d)
     assert torch.equal(prefetch_d.cpu(), expect)
 
 
@@ -83,15 +83,15 @@ def test_lookup_segment_sums(device, num_rows, n, dim):
     grad_bag = torch.randn(3, dim)
     rows_d, inv_d, off_d, gt_d, gb_d = _on(device, rows, inverse, offsets, grad_tok, grad_bag)
     # pooled forward: bags are contiguous segments of tokens
-    pooled = T.segment_sum_rows(rows_d, inv_d, off_d).cpu()
-    assert torch.equal(pooled, R.pooled_lookup(rows, inverse, offsets))  # same serial order: bitwise
+    pooled = triton_kernels.segment_sum_rows(rows_d, inv_d, off_d).cpu()
+    assert torch.equal(pooled, reference.pooled_lookup(rows, inverse, offsets))  # same serial order: bitwise
     # sequence backward
-    order, row_offsets = T.csr_by_segment(inv_d, num_rows)
-    assert torch.equal(T.segment_sum_rows(gt_d, order, row_offsets).cpu(), R.sequence_lookup_backward(grad_tok, inverse, num_rows))
+    order, row_offsets = triton_kernels.csr_by_segment(inv_d, num_rows)
+    assert torch.equal(triton_kernels.segment_sum_rows(gt_d, order, row_offsets).cpu(), reference.sequence_lookup_backward(grad_tok, inverse, num_rows))
     # pooled backward
-    src_index = R.bag_of_token(off_d)[order]
-    got = T.segment_sum_rows(gb_d, src_index, row_offsets).cpu()
-    assert torch.equal(got, R.pooled_lookup_backward(grad_bag, inverse, offsets, num_rows))
+    src_index = reference.bag_of_token(off_d)[order]
+    got = triton_kernels.segment_sum_rows(gb_d, src_index, row_offsets).cpu()
+    assert torch.equal(got, reference.pooled_lookup_backward(grad_bag, inverse, offsets, num_rows))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -102,19 +102,19 @@ def test_public_api_dispatches_to_triton(device, monkeypatch):
     if device == "cpu":
         monkeypatch.setattr(package, "select_path", lambda op, dev: "triton")
     calls = []
-    real = T.segment_sum_rows
-    monkeypatch.setattr(T, "segment_sum_rows", lambda *a: calls.append(1) or real(*a))
+    real = triton_kernels.segment_sum_rows
+    monkeypatch.setattr(triton_kernels, "segment_sum_rows", lambda *a: calls.append(1) or real(*a))
     rows = torch.randn(10, 8, device=device, requires_grad=True)
     inverse = torch.randint(0, 10, (30,), device=device)
     offsets = torch.tensor([0, 10, 30], device=device)
     (K.sequence_lookup(rows, inverse).sum() + K.pooled_lookup(rows, inverse, offsets).sum()).backward()
     assert len(calls) == 3  # pooled forward, both backwards
-    expect = R.sequence_lookup_backward(torch.ones(30, 8), inverse.cpu(), 10) * 2
+    expect = reference.sequence_lookup_backward(torch.ones(30, 8), inverse.cpu(), 10) * 2
     assert torch.equal(rows.grad.cpu(), expect)
     w, s = torch.randn(10, 8, device=device), torch.rand(10, device=device)
     w_ref, s_ref = w.cpu().clone(), s.cpu().clone()
     g = torch.randn(3, 8, device=device)
     K.adagrad_update(w, s, torch.tensor([1, 5, 7], device=device), g, 0.1)
-    R.adagrad_update(w_ref, s_ref, torch.tensor([1, 5, 7]), g.cpu(), 0.1, 1e-8)
+    reference.adagrad_update(w_ref, s_ref, torch.tensor([1, 5, 7]), g.cpu(), 0.1, 1e-8)
     torch.testing.assert_close(w.cpu(), w_ref, atol=1e-6, rtol=1e-6)
     assert torch.equal(K.gather_rows(w, torch.tensor([7, 1], device=device)).cpu(), w.cpu()[[7, 1]])

@@ -6,7 +6,7 @@ import tarfile
 import numpy as np
 import pytest
 
-from nestpipe.datasets import shards as S
+from nestpipe.datasets import shards
 
 
 def _records():
@@ -20,7 +20,7 @@ def _tarfile_bytes(records, mtime=0):
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         for key, batch in records:
-            for name, data in S.encode_record(key, batch):
+            for name, data in shards.encode_record(key, batch):
                 info = tarfile.TarInfo(name)
                 info.size, info.mtime, info.mode = len(data), mtime, 0o444
                 info.uid = info.gid = 0
@@ -30,23 +30,23 @@ def _tarfile_bytes(records, mtime=0):
 
 
 def test_write_shard_bytes_equal_tarfile(tmp_path):
-    digest, size = S.write_shard(str(tmp_path / "s.tar"), _records())
+    digest, size = shards.write_shard(str(tmp_path / "s.tar"), _records())
     data = (tmp_path / "s.tar").read_bytes()
     assert data == _tarfile_bytes(_records())
-    assert size == len(data) and digest == S.sha256_file(str(tmp_path / "s.tar"))[0]
+    assert size == len(data) and digest == shards.sha256_file(str(tmp_path / "s.tar"))[0]
     with tarfile.open(tmp_path / "s.tar") as tar:
         assert tar.getnames()[0] == "000000000.a.npy"
 
 
 def test_negative_control_another_mtime_changes_the_bytes(tmp_path, monkeypatch):
-    monkeypatch.setattr(S, "_PINNED_MTIME", 1)
-    S.write_shard(str(tmp_path / "s.tar"), _records())
+    monkeypatch.setattr(shards, "_PINNED_MTIME", 1)
+    shards.write_shard(str(tmp_path / "s.tar"), _records())
     assert (tmp_path / "s.tar").read_bytes() != _tarfile_bytes(_records())
 
 
 @pytest.mark.parametrize("n", [0, 1, 2])
 def test_archive_is_padded_to_whole_records(tmp_path, n):
     records = [(f"{i:09d}", {"x": np.arange(i * 300, dtype=np.int8)}) for i in range(n)]
-    _, size = S.write_shard(str(tmp_path / "s.tar"), records)
+    _, size = shards.write_shard(str(tmp_path / "s.tar"), records)
     assert size % tarfile.RECORDSIZE == 0
     assert (tmp_path / "s.tar").read_bytes() == _tarfile_bytes(records)

@@ -231,10 +231,10 @@ def shard_records(cache: "PartitionCache", parts: np.ndarray, idxs: np.ndarray, 
     """CTR records of one shard (format: ``nestpipe.datasets.shards``): single-id tables as packed group
     ``single`` (no lengths: one id per sample and table), the ``tag`` and ``history`` bags as packed group
     ``bags``. Every batch is clustered on its own, exactly as :func:`cluster_fields` would; the unique keys of all
-    batches come from one pass per group (:mod:`nestpipe.ingest.shardkeys`)."""
+    batches come from one pass per group (:mod:`nestpipe.ingest.batch_keys`)."""
     # the shard units' modules: a worker that only parses or joins never loads the clustering (Numba)
     from nestpipe import clustering
-    from nestpipe.ingest.shardkeys import group_keys, load_kernel
+    from nestpipe.ingest.batch_keys import group_keys, load_kernel
 
     load_kernel()  # Numba now, so the clustering's compiled assignment runs from the first batch (same results)
 

@@ -7,11 +7,11 @@ from typing import Any, Dict
 
 import numpy as np
 
-from nestpipe.datasets import shards as S
+from nestpipe.datasets import shards as shard_format
 
 
 def shard_report(directory: str, verify: bool = True) -> Dict[str, Any]:
-    m = S.load_manifest(directory)
+    m = shard_format.load_manifest(directory)
     errors = []
     sets: Dict[str, Any] = {}
     for split, entries in m.sets.items():
@@ -21,11 +21,11 @@ def shard_report(directory: str, verify: bool = True) -> Dict[str, Any]:
         for e in entries:
             if verify:
                 try:
-                    S.verify_shard(directory, e)
-                except S.ShardError as err:
+                    shard_format.verify_shard(directory, e)
+                except shard_format.ShardError as err:
                     errors.append(str(err))
                     continue
-            for b in S.iter_shard(os.path.join(directory, e.path)):
+            for b in shard_format.iter_shard(os.path.join(directory, e.path)):
                 batches += 1
                 first = next(iter(m.tables))
                 tokens += int(b[f"{first}.values"].size)

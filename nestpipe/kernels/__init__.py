@@ -3,7 +3,7 @@
 Public API (the trainer calls only these):
 
 * placement: :func:`placement`, :func:`placement_hash`, :func:`block_size`, :func:`owner_num_rows`,
-  :func:`affine_params`, :func:`map_into_vocab` (see :mod:`nestpipe.kernels.sharding`).
+  :func:`affine_params`, :func:`map_into_vocab` (see :mod:`nestpipe.kernels.row_placement`).
 * :func:`route_keys`: dedup a batch's keys and bucket them by owner -> :class:`RoutedKeys` (All2All splits,
   local rows per owner, permutation back to the requester's unique-key order).
 * :func:`gather_rows` / :func:`gather_to_device`: store rows at local ids -> a contiguous buffer (on CUDA via a
@@ -23,7 +23,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from . import reference
-from .sharding import (
+from .row_placement import (
     MAX_VOCAB,
     affine_params,
     block_size,

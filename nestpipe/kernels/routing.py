@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .sharding import block_size, placement_hash
+from .row_placement import block_size, placement_hash
 
 
 @dataclass

@@ -157,9 +157,10 @@ def simulate_steps(costs: StepCosts, sc: Scenario, steps: int = 10, measure: int
     return Schedule(tasks, step_time, exposed, (w0, w1))
 
 
-def write_gantt(schedule: Schedule, path: str, title: str, steps: int = 2) -> None:
-    """PNG Gantt chart of the last ``steps`` measured steps, one row per stream, colour by category."""
-    import matplotlib
+def write_gantt(path: str, schedule: Schedule, steps: int = 2, title: str = "") -> None:
+    """PNG Gantt chart of the last ``steps`` measured steps, one row per stream, colour by category (the same
+    signature as the trainer's :func:`nestpipe.trainer.pipeline.timeline.write_gantt`)."""
+    import matplotlib  # optional, slow to import: only when a chart is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

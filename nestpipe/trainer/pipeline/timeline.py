@@ -107,7 +107,7 @@ def load_chrome_trace(path: str) -> List[Span]:
 
 def write_gantt(path: str, spans: List[Span], steps: Optional[Iterable[int]] = None, title: str = "") -> None:
     """A PNG Gantt chart (one row per rank and thread, one colour per step) of ``steps`` (default: the first 4)."""
-    import matplotlib
+    import matplotlib  # optional, slow to import: only when a chart is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

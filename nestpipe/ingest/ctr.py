@@ -166,7 +166,6 @@ def gather(pieces: List[Tuple[Dict[str, np.ndarray], np.ndarray]], split: str, h
         rows = np.asarray(arrays[f"{split}_rows"][ix])
         # The arrays are memory-mapped: reading the rows in ascending order touches each page once, in file order
         # (the kernel maps its neighbours at the same fault), then the rows are put back in sample order.
-        # Measured: 22 ms instead of 47-107 ms for 51,200 random rows of a 550k-row partition.
         order = np.argsort(rows, kind="stable")
         back = np.empty_like(order)
         back[order] = np.arange(len(order))

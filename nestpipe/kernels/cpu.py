@@ -29,9 +29,9 @@ _JIT = dict(nopython=True, nogil=True, cache=True)
 # Rows ahead of the current one whose cache lines are prefetched by the store-row loops. A store row of a random
 # id misses every cache and (with 4 KiB pages) the TLB; a loop body of a few hundred instructions leaves the
 # out-of-order window room for one or two such misses, so without prefetching the loop waits on each row in turn.
-# Measured on the 32M x 64 store (fresh Zipf batches of ~24k sorted rows, one thread, CPU time): the AdaGrad loop
-# went from 1.5 to 3.0 GB/s with a distance of 16 (8: 1.9, 32 and 64: no better than 16). The plain gather loop
-# gains nothing (its short body already keeps many rows in flight), so ``gather_rows`` stays on ``index_select``.
+# 16 rows is the distance that paid on the 32M x 64 store (docs/kernels.md, `kernels_bench.py --prefetch-grid`).
+# The plain gather loop gains nothing (its short body already keeps many rows in flight), so ``gather_rows`` stays
+# on ``index_select``.
 PREFETCH_DISTANCE = 16
 
 

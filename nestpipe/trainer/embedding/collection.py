@@ -417,8 +417,8 @@ class ShardedEmbeddingCollection:
         ps = np.concatenate(upd_src) if upd_src else np.zeros(0, np.int64)
         # For the update, entries are renumbered in row order (entry ``order[k]`` becomes ``k``: each row's entries
         # stay in ascending entry order) and every entry's pairs are grouped by a stable sort, so they stay in
-        # (micro-batch, pair) order. The update then reads its index arrays sequentially (the indirections of
-        # the original numbering measured 2x slower there); the sums and their order are unchanged.
+        # (micro-batch, pair) order. The update then reads its index arrays sequentially instead of through an
+        # indirection per entry; the sums and their order are unchanged.
         renum = np.empty(len(order), dtype=np.int64)
         renum[order] = np.arange(len(order), dtype=np.int64)
         key = torch.from_numpy(renum[pe])

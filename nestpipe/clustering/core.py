@@ -7,17 +7,17 @@ partition changes; the samples, and so the batch's summed gradient, do not.
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
 from nestpipe.clustering.balance import capacities, chunk_order
 from nestpipe.clustering.incidence import build_incidence, check_batch
 from nestpipe.clustering.methods import DEFAULT_METHOD, METHODS
-from nestpipe.clustering.objective import redundancy, unique_keys
+from nestpipe.clustering.objective import redundancy, unique_keys, unique_keys_packed
 from nestpipe.clustering.refine import Problem
 
-__all__ = ["assign", "redundancy", "unique_keys", "method_names", "table_fields"]
+__all__ = ["assign", "redundancy", "unique_keys", "method_names", "table_fields", "tables_fields"]
 
 
 def method_names():
@@ -58,19 +58,34 @@ def assign(values, offsets, num_micro_batches: int, *, method: str = "default", 
     return METHODS[name](problem, int(seed)).astype(np.int32)
 
 
-def table_fields(values, lengths, mb) -> Dict[str, np.ndarray]:
-    """One table's six shard fields of one batch (``nestpipe.datasets.shards``: ``values``, ``lengths``,
-    ``unique``, ``inverse``, ``mb_unique``, ``mb_offsets``) from its keys, per-sample lengths and the batch's
-    micro-batch partition ``mb``, in the shard format's dtypes. ``unique`` is sorted; ``inverse`` maps every value
-    to its position in ``unique``; micro-batch i's keys are ``mb_unique[mb_offsets[i]:mb_offsets[i + 1]]``."""
-    lengths = np.asarray(lengths)
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    uniq, inverse, per_mb = unique_keys(values, offsets, mb)
-    mb_offsets = np.zeros(len(per_mb) + 1, dtype=np.int64)
-    np.cumsum([len(p) for p in per_mb], out=mb_offsets[1:])
-    return {
-        "values": np.asarray(values).astype(np.int64), "lengths": lengths.astype(np.int32),
-        "unique": uniq.astype(np.int64), "inverse": inverse.astype(np.int32),
-        "mb_unique": np.concatenate(per_mb).astype(np.int32), "mb_offsets": mb_offsets,
-    }
+def tables_fields(tables: Mapping[str, Tuple[np.ndarray, np.ndarray]], mb,
+                  num_micro_batches: Optional[int] = None) -> Dict[str, Dict[str, np.ndarray]]:
+    """Every table's six shard fields of one batch (``nestpipe.datasets.shards``: ``values``, ``lengths``,
+    ``unique``, ``inverse``, ``mb_unique``, ``mb_offsets``), in the shard format's dtypes, from each table's keys
+    and per-sample lengths (``tables[name] = (values, lengths)``) and the batch's micro-batch partition ``mb``.
+    ``unique`` is sorted; ``inverse`` maps every value to its position in ``unique``; micro-batch i's keys are
+    ``mb_unique[mb_offsets[i]:mb_offsets[i + 1]]``. All tables' unique keys come from one pass
+    (:func:`~nestpipe.clustering.objective.unique_keys_packed`)."""
+    names = list(tables)
+    packed = []
+    for name in names:
+        values, lengths = tables[name]
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(np.asarray(lengths), out=offsets[1:])
+        packed.append((values, offsets))
+    results = unique_keys_packed(packed, mb, num_micro_batches=num_micro_batches)
+    out = {}
+    for name, (uniq, inverse, mb_unique, mb_offsets) in zip(names, results):
+        values, lengths = tables[name]
+        out[name] = {
+            "values": np.asarray(values).astype(np.int64, copy=False),
+            "lengths": np.asarray(lengths).astype(np.int32, copy=False),
+            "unique": uniq.astype(np.int64, copy=False), "inverse": inverse.astype(np.int32, copy=False),
+            "mb_unique": mb_unique.astype(np.int32, copy=False), "mb_offsets": mb_offsets.astype(np.int64, copy=False),
+        }
+    return out
+
+
+def table_fields(values, lengths, mb, num_micro_batches: Optional[int] = None) -> Dict[str, np.ndarray]:
+    """One table's six shard fields of one batch: :func:`tables_fields` for a single table."""
+    return tables_fields({"table": (values, lengths)}, mb, num_micro_batches)["table"]

@@ -85,11 +85,9 @@ def cluster_fields(batch: Dict[str, Any], tables: Sequence[str], cluster_tables:
             cursor += ln
     mb = clustering.assign(values, offsets, n, method=method, seed=seed).astype(np.int32)
     batch["mb"] = mb
-    results = clustering.unique_keys_packed(
-        [(batch[f"{t}.values"], shards.table_offsets(batch, t)) for t in tables], mb, num_micro_batches=n)
-    for t, (uniq, inverse, mb_unique, mb_offsets) in zip(tables, results):
-        batch[f"{t}.unique"] = uniq
-        batch[f"{t}.inverse"] = inverse
-        batch[f"{t}.mb_unique"] = mb_unique
-        batch[f"{t}.mb_offsets"] = mb_offsets
+    fields = clustering.tables_fields(
+        {t: (batch[f"{t}.values"], np.diff(shards.table_offsets(batch, t))) for t in tables}, mb, num_micro_batches=n)
+    for t in tables:
+        for name in ("unique", "inverse", "mb_unique", "mb_offsets"):
+            batch[f"{t}.{name}"] = fields[t][name]
     return batch

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench clean torchrec-env
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,5 +22,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# The TorchRec comparison baseline (benchmarks/torchrec_env.sh): pinned versions, its own venv.
+torchrec-env:
+	benchmarks/torchrec_env.sh .venv-torchrec
+
 clean:
-	rm -rf runs $(VENV)
+	rm -rf runs $(VENV) .venv-torchrec

@@ -172,7 +172,20 @@ def bench_nestpipe(a):
             "final_loss": res[0]["loss"], "placement": a.placement,
             # owners of every table's row shards: one rank = table-wise, all ranks = row-wise
             "layout": res[0]["layout"], "stages_ms_per_step_rank0": {k: round(1000 * v, 2) for k, v in
-                                                                      sorted(res[0]["stage_s_per_step"].items())}}
+                                                                      sorted(res[0]["stage_s_per_step"].items())},
+            "versions": _versions(("torch", "fbgemm-gpu-cpu", "numba", "numpy")), "threads_per_rank": 1}
+
+
+def _versions(names) -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for n in names:
+        try:
+            out[n] = md.version(n)
+        except md.PackageNotFoundError:
+            out[n] = None
+    return out
 
 
 # -- the full KuaiRand-27K item vocabulary ------------------------------------------------------------------------
@@ -290,7 +303,25 @@ def worker(rank, world, a, port, q):
     torch.manual_seed(0)
     m = Model()
     apply_optimizer_in_backward(RowWiseAdagrad, m.ebc.parameters(), {"lr": 0.05, "eps": 1e-8})
-    model = DistributedModelParallel(m, device=torch.device("cpu"))
+    if a["torchrec_plan"] == "row_wise":
+        # every table row-wise over both ranks (the stock sharder offers row-wise on CUDA only: a subclass adds it)
+        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+        from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+        from torchrec.distributed.planner.types import ParameterConstraints
+        from torchrec.distributed.types import ShardingType
+
+        class RowWiseEBCSharder(EmbeddingBagCollectionSharder):
+            def sharding_types(self, compute_device_type):
+                return sorted(set(super().sharding_types(compute_device_type)) | {ShardingType.ROW_WISE.value})
+
+        sharders = [RowWiseEBCSharder()]
+        planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"),
+                                           constraints={n: ParameterConstraints(sharding_types=["row_wise"])
+                                                        for n in names})
+        plan = planner.collective_plan(m, sharders, dist.GroupMember.WORLD)
+        model = DistributedModelParallel(m, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    else:  # TorchRec's default planner on CPU
+        model = DistributedModelParallel(m, device=torch.device("cpu"))
     dense_opt = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
                                       lambda ps: torch.optim.AdamW(ps, lr=4e-3))
     opt = CombinedOptimizer([model.fused_optimizer, dense_opt])
@@ -321,7 +352,10 @@ def worker(rank, world, a, port, q):
         times.append(time.perf_counter() - t0)
     cpu = time.process_time() - cpu0
     dist.barrier()
-    q.put({"rank": rank, "elapsed": sum(times[a["warmup"]:]), "cpu_s": cpu,
+    import importlib.metadata as md
+    versions = {n: md.version(n) for n in ("torch", "fbgemm-gpu-cpu", "torchrec", "numpy")}
+    q.put({"rank": rank, "elapsed": sum(times[a["warmup"]:]), "cpu_s": cpu, "versions": versions,
+           "threads": torch.get_num_threads(),
            "plan": str(model.plan)[:2000] if rank == 0 else ""})
     dist.destroy_process_group()
 
@@ -347,7 +381,8 @@ if __name__ == "__main__":
 '''
 
 
-def bench_torchrec(a):
+def bench_torchrec(a, plan: str):
+    """TorchRec's side with ``plan``: ``default`` (its planner's choice on CPU) or ``row_wise`` (every table)."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "torchrec_side.py")
         with open(path, "w") as f:
@@ -355,19 +390,17 @@ def bench_torchrec(a):
         keys = ("tables", "rows", "dim", "batch", "dense", "min_len", "max_len", "distinct_batches", "warmup",
                 "steps", "timeout")
         env = dict(os.environ, NP_BENCH_DIR=HERE, OMP_NUM_THREADS="1", PYTHONPATH=HERE)
-        p = subprocess.run([a.torchrec_python, path, json.dumps({k: getattr(a, k) for k in keys})],
+        params = dict({k: getattr(a, k) for k in keys}, torchrec_plan=plan)
+        p = subprocess.run([a.torchrec_python, path, json.dumps(params)],
                            capture_output=True, text=True, env=env, timeout=a.timeout + 120)
     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
     if p.returncode != 0 or not line:
         raise RuntimeError(f"TorchRec side failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
     res = json.loads(line[0][len("RESULT "):])
     el = max(r["elapsed"] for r in res)
-    import torch
-
-    from nestpipe.kernels import kernel_paths
-
-    return {"samples_per_s_per_rank": a.batch * a.steps / el, "kernel_paths": kernel_paths(torch.device("cpu")), "ms_per_step": 1000 * el / a.steps,
-            "cpu_ms_per_step_per_rank": [round(1000 * r["cpu_s"] / a.steps, 1) for r in res], "plan": res[0]["plan"]}
+    return {"plan_kind": plan, "samples_per_s_per_rank": a.batch * a.steps / el, "ms_per_step": 1000 * el / a.steps,
+            "cpu_ms_per_step_per_rank": [round(1000 * r["cpu_s"] / a.steps, 1) for r in res], "plan": res[0]["plan"],
+            "versions": res[0]["versions"], "threads_per_rank": res[0]["threads"]}
 
 
 def main(argv=None):
@@ -397,12 +430,15 @@ def main(argv=None):
     p.add_argument("--big-steps", type=int, default=4)
     p.add_argument("--big-materialize-all", action="store_true",
                    help="initialise every row of the store before the steps (the whole 8.3 GB resident)")
+    p.add_argument("--torchrec-plans", nargs="+", default=["default", "row_wise"], choices=["default", "row_wise"],
+                   help="TorchRec sharding plans to run; NestPipe is compared with the fastest")
     p.add_argument("--json", help="also write the results here")
     a = p.parse_args(argv)
     # as `nestpipe train` does (launch.py): Numba's parallel kernels get the rank's one thread, not an all-core pool
     os.environ.setdefault("NUMBA_NUM_THREADS", "1")
     out = {"workload": {k: getattr(a, k) for k in ("tables", "rows", "dim", "batch", "dense", "min_len", "max_len",
-                                                   "micro_batches", "steps", "warmup")}}
+                                                   "micro_batches", "steps", "warmup")},
+           "load_average_before": os.getloadavg()}
     if a.big:
         out["big"] = bench_big(a)
         print(json.dumps(out["big"], indent=1))
@@ -414,21 +450,30 @@ def main(argv=None):
                   f"{out['nestpipe']['cpu_ms_per_step_per_rank']})", flush=True)
             print("  stages (ms/step, rank 0): " + json.dumps(out["nestpipe"]["stages_ms_per_step_rank0"]), flush=True)
             print(f"  placement {a.placement}: table owners " + json.dumps(out["nestpipe"]["layout"]), flush=True)
+            print(f"  versions {out['nestpipe']['versions']}", flush=True)
         if a.torchrec_python:
-            out["torchrec"] = bench_torchrec(a)
-            print(f"TorchRec TrainPipelineSparseDist: {out['torchrec']['samples_per_s_per_rank']:.0f} samples/s per "
-                  f"rank ({out['torchrec']['ms_per_step']:.1f} ms/step; CPU ms/step per rank "
-                  f"{out['torchrec']['cpu_ms_per_step_per_rank']})", flush=True)
+            runs = [bench_torchrec(a, plan) for plan in a.torchrec_plans]
+            for r in runs:
+                print(f"TorchRec TrainPipelineSparseDist, {r['plan_kind']} plan: {r['samples_per_s_per_rank']:.0f} "
+                      f"samples/s per rank ({r['ms_per_step']:.1f} ms/step; CPU ms/step per rank "
+                      f"{r['cpu_ms_per_step_per_rank']})", flush=True)
+            out["torchrec_runs"] = runs
+            out["torchrec"] = max(runs, key=lambda r: r["samples_per_s_per_rank"])  # compared with the faster plan
+            print(f"TorchRec versions: {out['torchrec']['versions']}; threads per rank "
+                  f"{out['torchrec']['threads_per_rank']}", flush=True)
             if "nestpipe" in out:
                 out["ratio_nestpipe_over_torchrec"] = (out["nestpipe"]["samples_per_s_per_rank"]
                                                        / out["torchrec"]["samples_per_s_per_rank"])
                 cpu_n = sum(out["nestpipe"]["cpu_ms_per_step_per_rank"])
                 cpu_t = sum(out["torchrec"]["cpu_ms_per_step_per_rank"])
                 out["cpu_ratio_torchrec_over_nestpipe"] = cpu_t / cpu_n
-                print(f"ratio NestPipe / TorchRec (this run): {out['ratio_nestpipe_over_torchrec']:.2f} in samples/s; "
+                print(f"ratio NestPipe / TorchRec ({out['torchrec']['plan_kind']} plan, the faster; this run): "
+                      f"{out['ratio_nestpipe_over_torchrec']:.2f} in samples/s; "
                       f"{out['cpu_ratio_torchrec_over_nestpipe']:.2f} in CPU time per step (TorchRec / NestPipe)")
         else:
             print("TorchRec side skipped: pass --torchrec-python PATH (a venv with torchrec 1.8, fbgemm-gpu-cpu 1.8)")
+    out["load_average_after"] = os.getloadavg()
+    print(f"load average before {out['load_average_before']}, after {out['load_average_after']}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -24,7 +24,7 @@ from nestpipe.trainer.models import MODEL_SPECS
 from nestpipe.trainer.models.dlrm import DLRMConfig
 from nestpipe.trainer.models.hstu import HSTUConfig
 from nestpipe.utils.jsonio import read_json, write_json_atomic
-from nestpipe.utils.options import opt
+from nestpipe.utils.options import annotation_name, opt, value_fits
 
 PIPELINE_MODES = ("off", "dbp", "fwp", "nested")
 MODELS = tuple(MODEL_SPECS)
@@ -145,42 +145,6 @@ def _build(cls, d: Dict[str, Any], where: str):
     return cls(**kwargs)
 
 
-def _type_ok(value: Any, kind: Any) -> bool:
-    origin = typing.get_origin(kind)
-    if origin is typing.Union:
-        return any(_type_ok(value, k) for k in typing.get_args(kind))
-    if kind is type(None):
-        return value is None
-    if kind is bool:
-        return isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is str:
-        return isinstance(value, str)
-    if origin is tuple:
-        (item,) = {a for a in typing.get_args(kind) if a is not Ellipsis}
-        return isinstance(value, tuple) and all(_type_ok(v, item) for v in value)
-    if origin is dict:
-        key, val = typing.get_args(kind)
-        return isinstance(value, dict) and all(_type_ok(k, key) and _type_ok(v, val) for k, v in value.items())
-    return isinstance(value, kind)
-
-
-def _type_name(kind: Any) -> str:
-    origin = typing.get_origin(kind)
-    if origin is typing.Union:
-        return " or ".join(_type_name(k) for k in typing.get_args(kind))
-    if kind is type(None):
-        return "null"
-    if origin is tuple:
-        return f"list of {_type_name(typing.get_args(kind)[0])}"
-    if origin is dict:
-        return "table of " + " -> ".join(_type_name(a) for a in typing.get_args(kind))
-    return getattr(kind, "__name__", str(kind))
-
-
 def _check_fields(obj: Any, where: str, prefix: str = "") -> None:
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
@@ -188,8 +152,8 @@ def _check_fields(obj: Any, where: str, prefix: str = "") -> None:
         if f.name in _SECTIONS and isinstance(obj, TrainConfig):
             _check_fields(value, where, f"{key}.")
             continue
-        if not _type_ok(value, kind):
-            raise ValueError(f"{where}: {key} = {value!r}: expected {_type_name(kind)}")
+        if not value_fits(value, kind):
+            raise ValueError(f"{where}: {key} = {value!r}: expected {annotation_name(kind)}")
         choices, minimum = f.metadata.get("choices"), f.metadata.get("minimum")
         if choices is not None and value not in choices:
             raise ValueError(f"{where}: {key} = {value!r}: expected one of {', '.join(map(str, choices))}")
@@ -222,7 +186,7 @@ def describe() -> str:
                 continue
             value = getattr(default, f.name)
             allowed = f.metadata.get("choices")
-            head = f"  {prefix}{f.name}  ({_type_name(hints[f.name])}, default {json.dumps(value)}"
+            head = f"  {prefix}{f.name}  ({annotation_name(hints[f.name])}, default {json.dumps(value)}"
             lines.append(head + (f"; one of {', '.join(map(str, allowed))})" if allowed else ")"))
             lines.extend(textwrap.wrap(f.metadata.get("help", ""), 110, initial_indent="      ",
                                        subsequent_indent="      "))

@@ -13,7 +13,10 @@ import contextlib
 import dataclasses
 import json
 import os
+import typing
 from typing import Any, Dict, Iterator, Optional
+
+from nestpipe.utils.options import annotation_name, value_fits
 
 ENV_VAR = "NESTPIPE_TESTING_HOOKS"
 
@@ -52,18 +55,15 @@ def parse(text: str, where: str = ENV_VAR) -> TestingHooks:
         raise ValueError(f"{where}: not a JSON object: {e}") from e
     if not isinstance(doc, dict):
         raise ValueError(f"{where}: expected a JSON object of hook names to values")
-    fields = {f.name: f for f in dataclasses.fields(TestingHooks)}
+    hints = typing.get_type_hints(TestingHooks)
     kwargs = {}
     for name, value in doc.items():
-        if name not in fields:
-            raise ValueError(f"{where}: unknown testing hook {name!r} (known: {', '.join(sorted(fields))})")
-        kind = type(getattr(TestingHooks(), name))
-        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value, ok = float(value), True
-        if not ok:
-            raise ValueError(f"{where}: testing hook {name} = {value!r}: expected {kind.__name__}")
-        kwargs[name] = value
+        if name not in hints:
+            known = ", ".join(sorted(f.name for f in dataclasses.fields(TestingHooks)))
+            raise ValueError(f"{where}: unknown testing hook {name!r} (known: {known})")
+        if not value_fits(value, hints[name]):
+            raise ValueError(f"{where}: testing hook {name} = {value!r}: expected {annotation_name(hints[name])}")
+        kwargs[name] = float(value) if hints[name] is float else value
     return TestingHooks(**kwargs)
 
 

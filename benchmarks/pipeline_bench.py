@@ -165,14 +165,16 @@ def run_network(args, shards, tag, prefix=None):
     if args.torchrec_python:
         tr = {}
         common = {"warmup": 3, "steps": args.steps, "timeout": 1500}
+        gr = dict(common, workload="gr", data=shards["gr_data"], dim=64, item_rows=args.vocab,
+                  max_seq_len=args.seq_len, negatives=sum(NEGATIVES),
+                  hstu={"num_layers": 1, "num_heads": 2, "linear_dim": 32, "max_seq_len": args.seq_len})
+        workloads = {"gr": gr, **({"pooled": dict(common, workload="pooled", **POOLED)} if shards.get("pooled") else {})}
         try:
-            tr["gr"] = torchrec_runner.run(args.torchrec_python, dict(
-                common, workload="gr", data=shards["gr_data"], dim=64, item_rows=args.vocab, max_seq_len=args.seq_len,
-                negatives=sum(NEGATIVES), hstu={"num_layers": 1, "num_heads": 2, "linear_dim": 32,
-                                                "max_seq_len": args.seq_len}), prefix)
-            if shards.get("pooled"):
-                tr["pooled"] = torchrec_runner.run(args.torchrec_python, dict(common, workload="pooled", **POOLED),
-                                                   prefix)
+            for w, params in workloads.items():
+                # TorchRec's default planner's plan and every table row-wise: NestPipe is compared with the faster
+                runs = [torchrec_runner.run(args.torchrec_python, dict(params, sharding=plan), prefix)
+                        for plan in ("default", "row_wise")]
+                tr[w] = dict(max(runs, key=lambda r: r["samples_per_s"]), plans_run=runs)
         except Exception as e:  # noqa: BLE001 - reported, the rest of the benchmark stands
             tr["error"] = str(e)[-3000:]
             print(f"TorchRec failed: {str(e)[-1500:]}")
@@ -239,7 +241,9 @@ def torchrec_lines(res, title):
         out[w] = {"torchrec_samples_per_s": t["samples_per_s"], "torchrec_ms_per_step": t["ms_per_step"],
                   "nested_samples_per_s": n["samples_per_s"], "off_samples_per_s": o["samples_per_s"],
                   "nested_over_torchrec": r, "off_over_torchrec": o["samples_per_s"] / t["samples_per_s"],
-                  "torchrec_sharding": t["sharding"]}
+                  "torchrec_sharding": t["sharding"], "torchrec_plan": t.get("plan"),
+                  "torchrec_versions": t.get("versions"),
+                  "torchrec_cpu_ms_per_step_per_rank": t.get("cpu_ms_per_step_per_rank")}
         if "samples_per_s_rounds" in t:
             print(f"{title}, {w}: TorchRec samples/s per round: "
                   f"{', '.join(f'{x:.0f}' for x in t['samples_per_s_rounds'])}")
@@ -387,7 +391,10 @@ def main(argv=None):
     if args.torchrec_python:
         shards["gr_data"] = os.path.join(args.out, "torchrec-gr-data.npz")
         torchrec_gr_data(shards["gr"], shards["gr_data"], min(8, per_rank))
-    results = {"config": vars(args)}
+    import importlib.metadata as md
+
+    results = {"config": vars(args), "load_average_before": os.getloadavg(), "threads_per_rank": 1,
+               "nestpipe_versions": {n: md.version(n) for n in ("torch", "fbgemm-gpu-cpu", "numba", "numpy")}}
     lo = run_network_repeated(args, shards, "loopback")
     results["loopback"] = lo
     table("(a) plain loopback, world 2, GR-shaped", lo["gr"])
@@ -433,6 +440,8 @@ def main(argv=None):
             table(f"(b) capped loopback ({rate / 1e6:.0f} Mbit/s), world 2, pooled", cap["pooled"])
         results["capped_torchrec"] = torchrec_lines(cap, "(b) capped")
         round_lines(cap, "(b) capped")
+    results["load_average_after"] = os.getloadavg()
+    print(f"load average before {results['load_average_before']}, after {results['load_average_after']}")
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     print(f"\nresults: {os.path.join(args.out, 'results.json')}; traces and timeline.png in {args.out}/*-nested")

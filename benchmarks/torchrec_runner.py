@@ -193,7 +193,10 @@ def _worker(rank, world, a, port, q):
     m = Model()
     emb_module = m.ebc if a["workload"] == "pooled" else m.ec
     apply_optimizer_in_backward(RowWiseAdagrad, emb_module.parameters(), {"lr": 0.05, "eps": 1e-8})
-    constraints = {t: ParameterConstraints(sharding_types=[a.get("sharding", "row_wise")]) for t in tables}
+    # "row_wise": every table row-wise; "default": TorchRec's planner chooses (no constraints)
+    sharding = a.get("sharding", "row_wise")
+    constraints = ({} if sharding == "default"
+                   else {t: ParameterConstraints(sharding_types=[sharding]) for t in tables})
     topo = Topology(world_size=world, compute_device="cpu")
     planner = EmbeddingShardingPlanner(topology=topo, constraints=constraints)
     plan = planner.collective_plan(m, sharders, dist.GroupMember.WORLD)
@@ -215,13 +218,18 @@ def _worker(rank, world, a, port, q):
     for _ in range(warm):
         pipe.progress(itr)
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         pipe.progress(itr)
     dist.barrier()
     el = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     shard_types = sorted({str(ps.sharding_type) for mod in plan.plan.values() for ps in mod.values()})
-    q.put({"rank": rank, "elapsed_s": el, "steps": steps, "batch": B, "sharding": shard_types})
+    import importlib.metadata as md
+
+    q.put({"rank": rank, "elapsed_s": el, "cpu_s": cpu, "steps": steps, "batch": B, "sharding": shard_types,
+           "plan": sharding, "threads": torch.get_num_threads(),
+           "versions": {n: md.version(n) for n in ("torch", "fbgemm-gpu-cpu", "torchrec", "numpy")}})
     dist.destroy_process_group()
 
 
@@ -262,7 +270,9 @@ def main(argv=None) -> int:
     B, steps = res[0]["batch"], res[0]["steps"]
     out = {"workload": a["workload"], "pipeline": "TrainPipelineSparseDist", "world": 2, "steps": steps,
            "batch_per_rank": B, "ms_per_step": 1e3 * el / steps, "samples_per_s_per_rank": B * steps / el,
-           "samples_per_s": 2 * B * steps / el, "sharding": res[0]["sharding"]}
+           "samples_per_s": 2 * B * steps / el, "sharding": res[0]["sharding"], "plan": res[0]["plan"],
+           "cpu_ms_per_step_per_rank": [round(1e3 * r["cpu_s"] / steps, 1) for r in res],
+           "threads_per_rank": res[0]["threads"], "versions": res[0]["versions"]}
     print("RESULT " + json.dumps(out), flush=True)
     return 0
 

@@ -70,14 +70,21 @@ def make_batches(rank: int, n: int, batch: int, tables: int, rows: int, dense: i
 # -- NestPipe side ---------------------------------------------------------------------------------------------------
 def _record(b, micro_batches: int, tables):
     """A shard-format record (as ``nestpipe ingest`` writes for CTR) from one generated batch."""
-    from nestpipe.clustering import table_fields
+    # here, not at the top: the TorchRec side imports this module under its own Python, without nestpipe
+    from nestpipe.clustering import tables_fields
 
     B = len(b["dense"])
     mb = (np.arange(B) % micro_batches).astype(np.int32)
     rec = {"meta": {"micro_batches": micro_batches}, "mb": mb, "dense": b["dense"],
            "labels": b["labels"][:, None]}
-    for name, (lens, ids) in zip(tables, b["feats"]):
-        rec.update({f"{name}.{field}": arr for field, arr in table_fields(ids, lens, mb).items()})
+    fields = tables_fields({name: (ids, lens) for name, (lens, ids) in zip(tables, b["feats"])}, mb)
+    return _add_fields(rec, fields)
+
+
+def _add_fields(rec, fields):
+    """``rec`` with every table's shard fields as ``TABLE.FIELD`` members."""
+    for name, table in fields.items():
+        rec.update({f"{name}.{field}": arr for field, arr in table.items()})
     return rec
 
 
@@ -190,16 +197,15 @@ def _versions(names) -> dict:
 
 # -- the full KuaiRand-27K item vocabulary ------------------------------------------------------------------------
 def _gr_record(rng, B, seq, vocab):
-    from nestpipe.clustering import table_fields
+    # here, not at the top: the TorchRec side imports this module under its own Python, without nestpipe
+    from nestpipe.clustering import tables_fields
 
     lens = np.full(B, seq, dtype=np.int64)
     item = ((rng.zipf(1.2, B * seq) - 1) % vocab).astype(np.int64)
     action = rng.integers(0, 256, B * seq).astype(np.int64)
     mb = np.zeros(B, dtype=np.int32)
     rec = {"meta": {"micro_batches": 1}, "mb": mb}
-    for name, ids in (("item", item), ("action", action)):
-        rec.update({f"{name}.{field}": arr for field, arr in table_fields(ids, lens, mb).items()})
-    return rec
+    return _add_fields(rec, tables_fields({"item": (item, lens), "action": (action, lens)}, mb))
 
 
 def big_worker(rank: int, world: int, a, port: int, q):

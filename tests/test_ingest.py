@@ -16,7 +16,7 @@ import polars as pl
 import pytest
 
 from nestpipe.datasets import kuairand
-from nestpipe.datasets import shards as S
+from nestpipe.datasets import shards
 from nestpipe.datasets.synth import generate
 from nestpipe.ingest import IngestConfig, IngestError, ingest
 
@@ -57,8 +57,8 @@ def test_gr_samples_are_chronological_windows_with_leave_one_out(raw, tmp_path):
     last = {u: s[-1] for u, s in seqs.items()}
     n_train = 0
     for entry in m.sets["train"]:
-        for b in S.iter_shard(os.path.join(out, entry.path)):
-            off = S.table_offsets(b, "item")
+        for b in shards.iter_shard(os.path.join(out, entry.path)):
+            off = shards.table_offsets(b, "item")
             assert len(off) - 1 == m.batch_size
             for s in range(m.batch_size):
                 items = b["item.values"][off[s]:off[s + 1]].tolist()
@@ -72,8 +72,8 @@ def test_gr_samples_are_chronological_windows_with_leave_one_out(raw, tmp_path):
                 assert starts, "window is not a slice of the user's chronological training prefix"
             n_train += m.batch_size
     for entry in m.sets["eval"]:
-        for b in S.iter_shard(os.path.join(out, entry.path)):
-            off = S.table_offsets(b, "item")
+        for b in shards.iter_shard(os.path.join(out, entry.path)):
+            off = shards.table_offsets(b, "item")
             for s in range(m.batch_size):
                 items = b["item.values"][off[s]:off[s + 1]].tolist()
                 assert items[-1] == last[int(b["user"][s])], "eval target is not the user's last interaction"
@@ -84,13 +84,13 @@ def test_gr_samples_are_chronological_windows_with_leave_one_out(raw, tmp_path):
 def test_batch_fields_partition_and_unique_keys(raw, tmp_path):
     out = str(tmp_path / "o")
     m = ingest(_cfg(raw, out))
-    b = next(S.iter_shard(os.path.join(out, m.sets["train"][0].path)))
+    b = next(shards.iter_shard(os.path.join(out, m.sets["train"][0].path)))
     counts = np.bincount(b["mb"], minlength=m.micro_batches)
     assert counts.max() - counts.min() <= 1 and counts.sum() == m.batch_size
     for t in m.tables:
         assert np.array_equal(b[f"{t}.unique"][b[f"{t}.inverse"]], b[f"{t}.values"])
         assert np.all(np.diff(b[f"{t}.unique"]) > 0)
-        off = S.table_offsets(b, t)
+        off = shards.table_offsets(b, t)
         mo = b[f"{t}.mb_offsets"]
         for i in range(m.micro_batches):
             rows = np.flatnonzero(b["mb"] == i)
@@ -119,10 +119,10 @@ def test_ctr_records_keys_partition_and_history(raw, tmp_path):
     seen = 0
     for split in ("train", "eval"):
         for entry in m.sets[split]:
-            for b in S.iter_shard(os.path.join(out, entry.path)):
+            for b in shards.iter_shard(os.path.join(out, entry.path)):
                 mb = b["mb"]
-                ref = clustering.unique_keys_packed([(b[f"{t}.values"], S.table_offsets(b, t)) for t in tables], mb,
-                                                    num_micro_batches=m.micro_batches)
+                packed = [(b[f"{t}.values"], shards.table_offsets(b, t)) for t in tables]
+                ref = clustering.unique_keys_packed(packed, mb, num_micro_batches=m.micro_batches)
                 for t, (u, inv, mu, mo) in zip(tables, ref):
                     assert np.array_equal(b[f"{t}.unique"], u) and np.array_equal(b[f"{t}.inverse"], inv), t
                     assert np.array_equal(b[f"{t}.mb_unique"], mu) and np.array_equal(b[f"{t}.mb_offsets"], mo), t
@@ -132,7 +132,7 @@ def test_ctr_records_keys_partition_and_history(raw, tmp_path):
                 expect = clustering.assign(keys, np.arange(0, keys.size + 1, len(ctr.CLUSTER_TABLES)),
                                            m.micro_batches, seed=seed)
                 assert np.array_equal(mb, expect)
-                hoff = S.table_offsets(b, "history")
+                hoff = shards.table_offsets(b, "history")
                 for s_ in range(m.batch_size):
                     u, v = int(b["user_id.values"][s_]), int(b["video_id.values"][s_])
                     hist = b["history.values"][hoff[s_]:hoff[s_ + 1]].tolist()
@@ -156,13 +156,13 @@ def test_stock_webdataset_reads_every_member(raw, tmp_path):
         f"bags.{f}.npy" for f in group_fields + ("lengths",)}
     n = 0
     for split in ("train", "eval"):
-        urls = S.shard_paths(out, m, split)
+        urls = shards.shard_paths(out, m, split)
         for sample in wds.WebDataset(urls, shardshuffle=False, empty_check=False).decode():
             keys = {k for k in sample if not k.startswith("__")}
             assert keys == expected
             assert sorted(sample["meta.json"]["packed"]["single"]) == sorted(packed)
             assert sorted(sample["meta.json"]["packed"]["bags"]) == sorted(bags)
-            batch = S.decode_sample(sample)  # consumers see per-table fields again
+            batch = shards.decode_sample(sample)  # consumers see per-table fields again
             for t in m.tables:
                 assert np.array_equal(batch[f"{t}.unique"][batch[f"{t}.inverse"]], batch[f"{t}.values"])
                 assert len(batch[f"{t}.lengths"]) == 128 and len(batch[f"{t}.mb_offsets"]) == m.micro_batches + 1
@@ -205,8 +205,8 @@ def test_input_row_order_does_not_matter(raw, tmp_path):
         ["user_id", "time_ms", "video_id"]).is_duplicated().sum()
     assert ties == 0  # otherwise the tie-break by (file, line) legitimately differs
     for ea, eb in zip(a.sets["train"], b.sets["train"]):
-        ba = list(S.iter_shard(os.path.join(str(tmp_path / "a"), ea.path)))
-        bb = list(S.iter_shard(os.path.join(str(tmp_path / "b"), eb.path)))
+        ba = list(shards.iter_shard(os.path.join(str(tmp_path / "a"), ea.path)))
+        bb = list(shards.iter_shard(os.path.join(str(tmp_path / "b"), eb.path)))
         for x, y in zip(ba, bb):
             for k in ("item.values", "time", "user", "mb"):
                 assert np.array_equal(x[k], y[k])
@@ -296,13 +296,13 @@ def test_manifest_checksums_detect_corruption(raw, tmp_path):
     m = ingest(_cfg(raw, out))
     assert shard_report(out)["ok"]
     for entry in m.sets["train"]:
-        S.verify_shard(out, entry)
+        shards.verify_shard(out, entry)
     p = os.path.join(out, m.sets["train"][0].path)
     data = bytearray(open(p, "rb").read())
     data[len(data) // 2] ^= 0xFF
     open(p, "wb").write(bytes(data))
-    with pytest.raises(S.ShardError, match=m.sets["train"][0].path + ": shard is corrupt"):
-        S.verify_shard(out, m.sets["train"][0])
+    with pytest.raises(shards.ShardError, match=m.sets["train"][0].path + ": shard is corrupt"):
+        shards.verify_shard(out, m.sets["train"][0])
     rep = shard_report(out)
     assert not rep["ok"] and m.sets["train"][0].path in rep["errors"][0]
 
@@ -336,7 +336,7 @@ def test_sigkill_and_resume_gives_same_shards_without_redoing_finished_ones(raw,
     assert r.returncode == 0, r.stderr
     st1 = os.stat(os.path.join(out, "train-000000.tar"))
     assert (st0.st_ino, st0.st_mtime_ns) == (st1.st_ino, st1.st_mtime_ns), "a finished shard was rewritten"
-    m = S.load_manifest(out)
+    m = shards.load_manifest(out)
     assert m.stats["resumed_shards"] >= 1
     assert _shard_bytes(out) == reference
     assert not glob.glob(os.path.join(out, "*.tmp*")) and not os.path.exists(os.path.join(out, "_work"))
@@ -397,20 +397,20 @@ def test_pack_unpack_roundtrip_and_corruption():
         for f, v in fields.items():
             batch[f"{t}.{f}"] = v
             orig[f"{t}.{f}"] = v.copy()
-    S.pack_tables(batch, "g", ["a", "b", "c"])
+    shards.pack_tables(batch, "g", ["a", "b", "c"])
     assert not any(k.startswith(("a.", "b.", "c.")) for k in batch)
-    members = dict(S.encode_record("000000001", batch))
+    members = dict(shards.encode_record("000000001", batch))
     sample = {k.split(".", 1)[1]: (json.loads(v) if k.endswith(".json") else np.load(__import__("io").BytesIO(v)))
               for k, v in members.items()}
-    out = S.decode_sample(sample)
+    out = shards.decode_sample(sample)
     for k, v in orig.items():
         assert np.array_equal(out[k], v), k
     # a corrupted group is refused, not silently misread
     bad = dict(sample)
     bad["g.unique_counts.npy"] = sample["g.unique_counts.npy"] + np.array([1, -1, 0])
     bad["g.unique_counts.npy"][0] += 5
-    with pytest.raises(S.ShardError, match="packed group 'g'"):
-        S.decode_sample(bad)
+    with pytest.raises(shards.ShardError, match="packed group 'g'"):
+        shards.decode_sample(bad)
 
 
 def test_short_rows_are_caught_although_polars_accepts_them():
@@ -543,7 +543,7 @@ def test_gr_authors_first_row_wins_and_missing_videos_are_counted(raw, tmp_path)
     seen = {dropped: set(), duplicated: set()}
     for split in ("train", "eval"):
         for entry in m.sets[split]:
-            for b in S.iter_shard(os.path.join(out, entry.path)):
+            for b in shards.iter_shard(os.path.join(out, entry.path)):
                 for v in seen:
                     seen[v] |= set(b["author.values"][b["item.values"] == v].tolist())
     assert seen[dropped] == {-1} and seen[duplicated] == {first_author}

@@ -9,10 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-import nestpipe.kernels as K
-from nestpipe.kernels import row_placement
-from nestpipe.kernels import reference as R
-from nestpipe.kernels import routing
+from nestpipe import kernels
+from nestpipe.kernels import reference, routing, row_placement
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 EXTREMES = [I64_MIN, I64_MIN + 1, -1, 0, 1, 2**31 - 1, 2**31, 2**62, I64_MAX - 1, I64_MAX]
@@ -21,9 +19,9 @@ EXTREMES = [I64_MIN, I64_MIN + 1, -1, 0, 1, 2**31 - 1, 2**31, 2**62, I64_MAX - 1
 @pytest.fixture(autouse=True, scope="module")
 def _fast_paths_active():
     # The tests below claim to test these paths: fail (not skip) when an extra is missing.
-    assert K.select_path("route_keys", "cpu") == "fbgemm", "fbgemm-gpu-cpu is not installed"
+    assert kernels.select_path("route_keys", "cpu") == "fbgemm", "fbgemm-gpu-cpu is not installed"
     for op in ("gather_rows", "lookup", "adagrad_update", "dual_buffer_sync"):
-        assert K.select_path(op, "cpu") == "numba", "numba is not installed"
+        assert kernels.select_path(op, "cpu") == "numba", "numba is not installed"
 
 
 # ---------------------------------------------------------------- placement
@@ -50,36 +48,37 @@ def test_placement_matches_python_ints(vocab, world):
     rng = random.Random(vocab + world)
     ids = EXTREMES + [vocab - 1, vocab, vocab + 1] + [rng.randrange(I64_MIN, I64_MAX) for _ in range(100)]
     ids += [rng.randrange(0, vocab) for _ in range(100)]
-    owner, local = K.placement(5, torch.tensor(ids, dtype=torch.int64), vocab, world)
+    owner, local = kernels.placement(5, torch.tensor(ids, dtype=torch.int64), vocab, world)
     expect = [_placement_int(5, x, vocab, world) for x in ids]
     assert list(zip(owner.tolist(), local.tolist())) == expect
-    assert all(0 <= o < world and 0 <= r < K.owner_num_rows(vocab, world, o) for o, r in expect)
+    assert all(0 <= o < world and 0 <= r < kernels.owner_num_rows(vocab, world, o) for o, r in expect)
 
 
 @pytest.mark.parametrize("vocab", [1, 2, 12, 97, 1024, 5000])
 def test_placement_hash_is_a_bijection(vocab):
     for table in (0, 3):
-        a, _ = K.affine_params(table, vocab)
+        a, _ = kernels.affine_params(table, vocab)
         assert math.gcd(a, vocab) == 1
-        p = K.placement_hash(table, torch.arange(vocab), vocab)
+        p = kernels.placement_hash(table, torch.arange(vocab), vocab)
         assert torch.equal(torch.sort(p).values, torch.arange(vocab))
     # negative control: distinct tables permute differently (when there is room to)
     if vocab > 2:
-        assert not torch.equal(K.placement_hash(0, torch.arange(vocab), vocab), K.placement_hash(3, torch.arange(vocab), vocab))
+        ids = torch.arange(vocab)
+        assert not torch.equal(kernels.placement_hash(0, ids, vocab), kernels.placement_hash(3, ids, vocab))
 
 
 def test_owner_rows_cover_the_vocabulary():
     for vocab, world in [(5, 4), (10, 3), (1, 8), (32, 32), (33, 32)]:
-        assert sum(K.owner_num_rows(vocab, world, r) for r in range(world)) == vocab
+        assert sum(kernels.owner_num_rows(vocab, world, r) for r in range(world)) == vocab
 
 
 def test_placement_rejects_bad_sizes():
     with pytest.raises(ValueError):
-        K.placement(0, torch.tensor([1]), 0, 2)
+        kernels.placement(0, torch.tensor([1]), 0, 2)
     with pytest.raises(ValueError):
-        K.placement(0, torch.tensor([1]), 2**53, 2)
+        kernels.placement(0, torch.tensor([1]), 2**53, 2)
     with pytest.raises(ValueError):
-        K.placement(0, torch.tensor([1]), 10, 0)
+        kernels.placement(0, torch.tensor([1]), 10, 0)
 
 
 # ---------------------------------------------------------------- routing
@@ -111,7 +110,7 @@ ROUTING_CASES = [
 @pytest.mark.parametrize("seed,n,vocabs,world,hot", ROUTING_CASES)
 def test_routing_fbgemm_equals_reference_and_is_consistent(seed, n, vocabs, world, hot):
     ids, lengths = _batch(seed, n, len(vocabs), vocabs, hot)
-    fast = K.route_keys(ids, vocabs, world, table_lengths=lengths)
+    fast = kernels.route_keys(ids, vocabs, world, table_lengths=lengths)
     ref = routing.route(ids, lengths, vocabs, world, None, use_fbgemm=False)
     for name in ("unique_keys", "unique_offsets", "inverse", "send_rows", "send_lengths", "unbucketize_permute"):
         assert torch.equal(getattr(fast, name), getattr(ref, name)), name
@@ -134,18 +133,18 @@ def test_routing_fbgemm_equals_reference_and_is_consistent(seed, n, vocabs, worl
 def test_routing_permutation_is_not_trivial():
     # negative control for the test above: with several tables and owners the permutation really reorders keys
     ids, lengths = _batch(0, 300, 3, [1000, 50, 7])
-    r = K.route_keys(ids, [1000, 50, 7], 4, table_lengths=lengths)
+    r = kernels.route_keys(ids, [1000, 50, 7], 4, table_lengths=lengths)
     assert not torch.equal(r.unbucketize_permute, torch.arange(r.unbucketize_permute.numel()))
 
 
 def test_routing_int64_extremes_and_errors():
     ids = torch.tensor(EXTREMES * 3, dtype=torch.int64)
-    r = K.route_keys(ids, 2**52, 16)
-    assert r.unique_keys.numel() == len(set(K.placement_hash(0, ids, 2**52).tolist()))
+    r = kernels.route_keys(ids, 2**52, 16)
+    assert r.unique_keys.numel() == len(set(kernels.placement_hash(0, ids, 2**52).tolist()))
     with pytest.raises(ValueError):
-        K.route_keys(ids, [10, 10], 2, table_lengths=[1, 2])
+        kernels.route_keys(ids, [10, 10], 2, table_lengths=[1, 2])
     with pytest.raises(ValueError):
-        K.route_keys(ids.float(), 10, 2)
+        kernels.route_keys(ids.float(), 10, 2)
 
 
 # ---------------------------------------------------------------- gather, AdaGrad, sync
@@ -160,11 +159,11 @@ def _store(rows, dim, seed=0):
 def test_gather_rows_exact(dim):
     w, _ = _store(500, dim)
     for rows in (torch.randint(0, 500, (300,)), torch.zeros(50, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)):
-        assert torch.equal(K.gather_rows(w, rows), R.gather_rows(w, rows))
+        assert torch.equal(kernels.gather_rows(w, rows), reference.gather_rows(w, rows))
     out = torch.empty(10, dim)
-    assert K.gather_rows(w, torch.arange(10), out).data_ptr() == out.data_ptr()
+    assert kernels.gather_rows(w, torch.arange(10), out).data_ptr() == out.data_ptr()
     assert torch.equal(out, w[:10])
-    assert torch.equal(K.gather_to_device(w, torch.arange(4), "cpu"), w[:4])
+    assert torch.equal(kernels.gather_to_device(w, torch.arange(4), "cpu"), w[:4])
 
 
 @pytest.mark.parametrize("dim,n,momentum", [(64, 300, 1.0), (3, 100, 1.0), (67, 400, 4.0), (8, 1, 1.0), (8, 0, 1.0)])
@@ -173,8 +172,8 @@ def test_adagrad_matches_reference(dim, n, momentum):
     rows = torch.randperm(1000)[:n]
     grads = torch.randn(n, dim) * 3
     w_ref, s_ref = w.clone(), s.clone()
-    R.adagrad_update(w_ref, s_ref, rows, grads, 0.05, 1e-8, momentum)
-    K.adagrad_update(w, s, rows, grads, 0.05, 1e-8, momentum)
+    reference.adagrad_update(w_ref, s_ref, rows, grads, 0.05, 1e-8, momentum)
+    kernels.adagrad_update(w, s, rows, grads, 0.05, 1e-8, momentum)
     torch.testing.assert_close(s, s_ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-6)
     untouched = torch.ones(1000, dtype=torch.bool)
@@ -205,10 +204,10 @@ def test_adagrad_grad_segments(dim, n, m, momentum, monkeypatch):
     grads = torch.randn(m, dim) * 3
     row_grads = torch.zeros(n, dim).index_add_(0, inv, grads)
     w_plain, s_plain = w.clone(), s.clone()
-    K.adagrad_update(w_plain, s_plain, rows, row_grads, 0.05, 1e-8, momentum)
+    kernels.adagrad_update(w_plain, s_plain, rows, row_grads, 0.05, 1e-8, momentum)
     w_ref, s_ref = w.clone(), s.clone()
-    R.adagrad_update(w_ref, s_ref, rows, row_grads, 0.05, 1e-8, momentum)
-    K.adagrad_update(w, s, rows, grads, 0.05, 1e-8, momentum, grad_segments=(order, offsets))
+    reference.adagrad_update(w_ref, s_ref, rows, row_grads, 0.05, 1e-8, momentum)
+    kernels.adagrad_update(w, s, rows, grads, 0.05, 1e-8, momentum, grad_segments=(order, offsets))
     # same sums in the same order, same update loop: bitwise equal to the numba path on summed gradients
     assert torch.equal(w, w_plain) and torch.equal(s, s_plain)
     torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-6)
@@ -216,7 +215,7 @@ def test_adagrad_grad_segments(dim, n, m, momentum, monkeypatch):
     # the reference path of the segmented form agrees too
     monkeypatch.setenv("NESTPIPE_KERNELS", "reference")
     w2, s2 = _store(1000, dim)
-    K.adagrad_update(w2, s2, rows, grads, 0.05, 1e-8, momentum, grad_segments=(order, offsets))
+    kernels.adagrad_update(w2, s2, rows, grads, 0.05, 1e-8, momentum, grad_segments=(order, offsets))
     torch.testing.assert_close(w2, w_ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(s2, s_ref, atol=1e-6, rtol=1e-6)
 
@@ -229,9 +228,9 @@ def test_adagrad_grad_segments_order_matters():
     inv, order, offsets = _segments(n, m, seed=1)
     grads = torch.randn(m, dim) * torch.logspace(-4, 4, m).unsqueeze(1)
     w2, s2 = w.clone(), s.clone()
-    K.adagrad_update(w, s, rows, grads, 0.05, grad_segments=(order, offsets))
+    kernels.adagrad_update(w, s, rows, grads, 0.05, grad_segments=(order, offsets))
     rev = torch.cat([order[offsets[i]:offsets[i + 1]].flip(0) for i in range(n)])
-    K.adagrad_update(w2, s2, rows, grads, 0.05, grad_segments=(rev, offsets))
+    kernels.adagrad_update(w2, s2, rows, grads, 0.05, grad_segments=(rev, offsets))
     assert not torch.equal(w, w2)
     torch.testing.assert_close(w, w2, atol=1e-5, rtol=1e-5)
 
@@ -243,14 +242,14 @@ def test_adagrad_grad_segments_rejects_bad_input():
                            (torch.arange(5), torch.tensor([0, 3, 2, 5])),  # not ascending
                            (torch.tensor([0, 1, 2, 3, 9]), torch.tensor([0, 2, 3, 5]))):  # order out of range
         with pytest.raises(ValueError):
-            K.adagrad_update(w, s, torch.arange(3), grads, 0.1, grad_segments=(order, offsets))
+            kernels.adagrad_update(w, s, torch.arange(3), grads, 0.1, grad_segments=(order, offsets))
 
 
 def test_adagrad_formula_is_discriminating():
     # negative control: eps inside the square root (the other common placement) must fail the comparison
     w, s = _store(100, 16)
     rows, grads, lr, eps = torch.arange(10), torch.randn(10, 16), 0.1, 0.5
-    K.adagrad_update(w, s, rows, grads, lr, eps)
+    kernels.adagrad_update(w, s, rows, grads, lr, eps)
     w0, s0 = _store(100, 16)
     s_new = s0[rows] + grads.pow(2).mean(1)
     other = w0[rows] - (lr / torch.sqrt(s_new + eps)).unsqueeze(1) * grads
@@ -262,11 +261,11 @@ def test_adagrad_formula_is_discriminating():
 def test_adagrad_rejects_bad_input():
     w, s = _store(10, 4)
     with pytest.raises(ValueError):
-        K.adagrad_update(w, s, torch.arange(3), torch.randn(3, 5), 0.1)
+        kernels.adagrad_update(w, s, torch.arange(3), torch.randn(3, 5), 0.1)
     with pytest.raises(ValueError):
-        K.adagrad_update(w.double(), s, torch.arange(3), torch.randn(3, 4), 0.1)
+        kernels.adagrad_update(w.double(), s, torch.arange(3), torch.randn(3, 4), 0.1)
     with pytest.raises(ValueError):
-        R.adagrad_update(w, s, torch.tensor([1, 1]), torch.randn(2, 4), 0.1, 1e-8)
+        reference.adagrad_update(w, s, torch.tensor([1, 1]), torch.randn(2, 4), 0.1, 1e-8)
 
 
 def test_adagrad_prefetch_distance_changes_nothing(monkeypatch):
@@ -278,7 +277,7 @@ def test_adagrad_prefetch_distance_changes_nothing(monkeypatch):
     monkeypatch.setattr(cpu, "_adagrad", lambda *a: (seen.append(a[-1]), original(*a))[1])
     w, s = _store(1000, 64)
     rows, grads = torch.randperm(1000)[:300], torch.randn(300, 64)
-    K.adagrad_update(w, s, rows, grads, 0.05)
+    kernels.adagrad_update(w, s, rows, grads, 0.05)
     assert seen == [cpu.PREFETCH_DISTANCE] and cpu.PREFETCH_DISTANCE > 0
     # ... and prefetching is only a hint: every distance (none, short, beyond the batch) gives the same bits
     for distance in (0, 1, 16, 10_000):
@@ -322,8 +321,8 @@ def test_reference_adagrad_unchecked_equals_checked():
     w, s = _store(100, 8)
     rows, grads = torch.randperm(100)[:30], torch.randn(30, 8)
     w2, s2 = w.clone(), s.clone()
-    R.adagrad_update(w, s, rows, grads, 0.1, 1e-8)
-    R.adagrad_update(w2, s2, rows, grads, 0.1, 1e-8, check_distinct=False)
+    reference.adagrad_update(w, s, rows, grads, 0.1, 1e-8)
+    reference.adagrad_update(w2, s2, rows, grads, 0.1, 1e-8, check_distinct=False)
     assert torch.equal(w, w2) and torch.equal(s, s2)
 
 
@@ -349,7 +348,7 @@ def test_dual_buffer_sync_exact(case, dim):
     active = torch.randn(a_keys.numel(), dim)
     prefetch = torch.randn(p_keys.numel(), dim)
     expect = prefetch.clone()
-    n_ref = R.dual_buffer_sync(a_keys, active, p_keys, expect)
+    n_ref = reference.dual_buffer_sync(a_keys, active, p_keys, expect)
     from nestpipe.kernels import cpu
 
     assert cpu.dual_buffer_sync(a_keys, active, p_keys, prefetch) == n_ref
@@ -367,10 +366,10 @@ def test_dual_buffer_sync_rows_exact(case, from_store):
     src_w, src_s = torch.randn(n_src, 5, generator=g), torch.rand(n_src, generator=g)
     dst_w, dst_s = torch.randn(p_keys.numel(), 5, generator=g), torch.rand(p_keys.numel(), generator=g)
     ew, es = dst_w.clone(), dst_s.clone()
-    n_ref = R.dual_buffer_sync_rows(a_keys, p_keys, src_w, src_s, ew, es, from_store)
+    n_ref = reference.dual_buffer_sync_rows(a_keys, p_keys, src_w, src_s, ew, es, from_store)
     from nestpipe.kernels import cpu
 
-    assert K.select_path("dual_buffer_sync", "cpu") == "numba"
+    assert kernels.select_path("dual_buffer_sync", "cpu") == "numba"
     ww = dst_w.clone()  # weights only (the state stays where it is)
     assert cpu.dual_buffer_sync_rows(a_keys, p_keys, src_w, src_s, ww, None, from_store) == n_ref
     assert torch.equal(ww, ew)
@@ -380,7 +379,7 @@ def test_dual_buffer_sync_rows_exact(case, from_store):
     if from_store and n_ref and case == 0:
         # negative control: reading the active buffer's layout (row i) instead of the store's (row = key) differs
         bw, bs = dst_w.clone(), dst_s.clone()
-        R.dual_buffer_sync_rows(a_keys, p_keys, src_w, src_s, bw, bs, False)
+        reference.dual_buffer_sync_rows(a_keys, p_keys, src_w, src_s, bw, bs, False)
         assert not torch.equal(bw, dst_w)
 
 
@@ -410,8 +409,8 @@ def _run(fn, rows, *args):
 @pytest.mark.parametrize("case", LOOKUP_CASES)
 def test_sequence_lookup_matches_reference(case):
     rows, inverse, _ = _lookup_case(*case)
-    out, grad = _run(K.sequence_lookup, rows, inverse)
-    out_ref, grad_ref = _run(lambda r, i: R.sequence_lookup(r, i), rows, inverse)
+    out, grad = _run(kernels.sequence_lookup, rows, inverse)
+    out_ref, grad_ref = _run(lambda r, i: reference.sequence_lookup(r, i), rows, inverse)
     assert torch.equal(out, out_ref)
     torch.testing.assert_close(grad, grad_ref, atol=1e-6, rtol=1e-6)
     # against plain autograd of index_select, too
@@ -422,13 +421,14 @@ def test_sequence_lookup_matches_reference(case):
 @pytest.mark.parametrize("case", LOOKUP_CASES)
 def test_pooled_lookup_matches_reference(case):
     rows, inverse, offsets = _lookup_case(*case)
-    out, grad = _run(K.pooled_lookup, rows, inverse, offsets)
-    out_ref, grad_ref = _run(lambda r, i, o: R.pooled_lookup(r, i, o).requires_grad_(), rows, inverse, offsets)
+    out, grad = _run(kernels.pooled_lookup, rows, inverse, offsets)
+    out_ref, grad_ref = _run(lambda r, i, o: reference.pooled_lookup(r, i, o).requires_grad_(), rows, inverse, offsets)
     torch.testing.assert_close(out, out_ref, atol=1e-6, rtol=1e-6)
-    bags = R.bag_of_token(offsets)
+    bags = reference.bag_of_token(offsets)
     g = torch.Generator().manual_seed(9)
     grad_out = torch.randn(offsets.numel() - 1, rows.shape[1], generator=g)
-    torch.testing.assert_close(grad, R.pooled_lookup_backward(grad_out, inverse, offsets, rows.shape[0]), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(grad, reference.pooled_lookup_backward(grad_out, inverse, offsets, rows.shape[0]),
+                               atol=1e-6, rtol=1e-6)
     emb = torch.nn.functional.embedding_bag(inverse, rows, offsets[:-1], mode="sum") if inverse.numel() else None
     if emb is not None:
         torch.testing.assert_close(out, emb, atol=1e-5, rtol=1e-5)
@@ -442,14 +442,14 @@ def test_lookup_backward_is_bitwise_reproducible_across_threads():
     try:
         for n_threads in (1, threads, 1):
             numba.set_num_threads(n_threads)
-            results.append(_run(K.sequence_lookup, rows, inverse)[1])
-            results.append(_run(K.pooled_lookup, rows, inverse, offsets)[1])
+            results.append(_run(kernels.sequence_lookup, rows, inverse)[1])
+            results.append(_run(kernels.pooled_lookup, rows, inverse, offsets)[1])
     finally:
         numba.set_num_threads(threads)
     for a, b in zip(results[::2], results[2::2]):
         assert torch.equal(a, b)
     # and equal to the serial reference bit for bit (both add in ascending token order)
-    assert torch.equal(results[0], R.sequence_lookup_backward(_run_grad_out(rows, inverse), inverse, 20))
+    assert torch.equal(results[0], reference.sequence_lookup_backward(_run_grad_out(rows, inverse), inverse, 20))
 
 
 def _run_grad_out(rows, inverse):
@@ -459,10 +459,10 @@ def _run_grad_out(rows, inverse):
 
 def test_forced_reference_path(monkeypatch):
     monkeypatch.setenv("NESTPIPE_KERNELS", "reference")
-    assert set(K.kernel_paths("cpu").values()) == {"reference"}
+    assert set(kernels.kernel_paths("cpu").values()) == {"reference"}
     monkeypatch.setenv("NESTPIPE_KERNELS", "fast")
     with pytest.raises(ValueError):
-        K.select_path("lookup", "cpu")
+        kernels.select_path("lookup", "cpu")
 
 
 def test_kernels_info_cli(capsys):
@@ -472,7 +472,7 @@ def test_kernels_info_cli(capsys):
 
     assert main(["kernels-info", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
-    assert record["paths"] == K.kernel_paths("cpu") and record["paths"]["adagrad_update"] == "numba"
+    assert record["paths"] == kernels.kernel_paths("cpu") and record["paths"]["adagrad_update"] == "numba"
 
 
 def test_serial_and_parallel_segment_adagrad_are_bitwise_equal():
@@ -526,9 +526,9 @@ def test_adagrad_grad_pairs_bitwise_equals_two_level_index_add(seed, momentum):
     rows = torch.randperm(1000)[:n_rows]
     w0, s0 = _store(1000, dim)
     w_ref, s_ref = w0.clone(), s0.clone()
-    K.adagrad_update(w_ref, s_ref, rows, grad_entries, 0.05, 1e-8, momentum, grad_segments=(order, offsets))
+    kernels.adagrad_update(w_ref, s_ref, rows, grad_entries, 0.05, 1e-8, momentum, grad_segments=(order, offsets))
     w, s = w0.clone(), s0.clone()
-    K.adagrad_update(w, s, rows, src, 0.05, 1e-8, momentum, grad_segments=(order, offsets),
+    kernels.adagrad_update(w, s, rows, src, 0.05, 1e-8, momentum, grad_segments=(order, offsets),
                      grad_pairs=(entry_offsets, ps))
     assert torch.equal(w, w_ref) and torch.equal(s, s_ref) and not torch.equal(w, w0)
     old = torch.get_num_threads()
@@ -536,7 +536,7 @@ def test_adagrad_grad_pairs_bitwise_equals_two_level_index_add(seed, momentum):
         torch.set_num_threads(threads)
         try:
             w2, s2 = w0.clone(), s0.clone()
-            K.adagrad_update(w2, s2, rows, src, 0.05, 1e-8, momentum, grad_segments=(order, offsets),
+            kernels.adagrad_update(w2, s2, rows, src, 0.05, 1e-8, momentum, grad_segments=(order, offsets),
                              grad_pairs=(entry_offsets, ps))
         finally:
             torch.set_num_threads(old)
@@ -544,7 +544,7 @@ def test_adagrad_grad_pairs_bitwise_equals_two_level_index_add(seed, momentum):
     # negative control: every entry's pairs reversed -> other bits for some row
     rev = torch.cat([ps[entry_offsets[e]:entry_offsets[e + 1]].flip(0) for e in range(n_entries)])
     w3, s3 = w0.clone(), s0.clone()
-    K.adagrad_update(w3, s3, rows, src, 0.05, 1e-8, momentum, grad_segments=(order, offsets),
+    kernels.adagrad_update(w3, s3, rows, src, 0.05, 1e-8, momentum, grad_segments=(order, offsets),
                      grad_pairs=(entry_offsets, rev))
     assert not torch.equal(w3, w_ref)
 
@@ -555,7 +555,7 @@ def test_adagrad_grad_pairs_rejects_bad_input():
     for eo, ps in ((torch.tensor([0, 1, 2, 4]), torch.tensor([0, 4, 8])),       # offsets end past len(pair_src)
                    (torch.tensor([0, 1, 2, 3]), torch.tensor([0, 4, 18]))):     # a pair row past the source
         with pytest.raises(ValueError):
-            K.adagrad_update(w, s, torch.arange(2), torch.randn(20), 0.1, grad_segments=(order, offsets),
+            kernels.adagrad_update(w, s, torch.arange(2), torch.randn(20), 0.1, grad_segments=(order, offsets),
                              grad_pairs=(eo, ps))
 
 
@@ -576,9 +576,9 @@ def test_pool_segments_bitwise_equals_index_add(threads, monkeypatch):
     torch.set_num_threads(threads)
     try:
         out = torch.full(((n_seg + 5) * dim,), float("nan"))
-        K.pool_segments(src, index, offsets, out, out_offsets)
+        kernels.pool_segments(src, index, offsets, out, out_offsets)
         copy = torch.full(((n_seg + 5) * dim,), float("nan"))
-        K.pool_segments(src, index[:n_seg], None, copy, out_offsets)
+        kernels.pool_segments(src, index[:n_seg], None, copy, out_offsets)
     finally:
         torch.set_num_threads(old)
     at = out_offsets[:, None] + torch.arange(dim)
@@ -586,12 +586,12 @@ def test_pool_segments_bitwise_equals_index_add(threads, monkeypatch):
     assert torch.equal(copy[at], src[index[:n_seg]])
     monkeypatch.setenv("NESTPIPE_KERNELS", "reference")
     ref = torch.zeros((n_seg + 5) * dim)
-    K.pool_segments(src, index, offsets, ref, out_offsets)
+    kernels.pool_segments(src, index, offsets, ref, out_offsets)
     assert torch.equal(ref[at], expect)
     monkeypatch.delenv("NESTPIPE_KERNELS")
     flipped = torch.cat([index[offsets[s]:offsets[s + 1]].flip(0) for s in range(n_seg)])
     other = torch.zeros((n_seg + 5) * dim)
-    K.pool_segments(src, flipped, offsets, other, out_offsets)
+    kernels.pool_segments(src, flipped, offsets, other, out_offsets)
     assert not torch.equal(other[at], expect)
 
 
@@ -603,7 +603,7 @@ def test_dedup_rows_equals_stable_argsort(n, num_rows):
 
     rows = np.random.default_rng(n).integers(0, num_rows, n).astype(np.int64)
     got = cpu.dedup_rows(rows, num_rows)
-    for a, b in zip(R.dedup_rows(rows), got):
+    for a, b in zip(reference.dedup_rows(rows), got):
         assert a.dtype == b.dtype and np.array_equal(a, b)
     # negative control: a valid but unstable sort (each row's positions descending) is caught by the same check
     if n >= 500:

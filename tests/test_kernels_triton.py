@@ -10,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anyw
 import pytest
 import torch
 
-import nestpipe.kernels as K
+from nestpipe import kernels
 from nestpipe.kernels import reference
 
 from nestpipe.kernels import triton_kernels  # noqa: E402  (fails, not skips, when triton is missing)
@@ -20,7 +20,7 @@ I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 
 
 def setup_module():
-    assert K.select_path("adagrad_update", "cuda") == "triton", "triton is not installed"
+    assert kernels.select_path("adagrad_update", "cuda") == "triton", "triton is not installed"
     assert triton_kernels.INTERPRETED or torch.cuda.is_available(), "neither the Triton interpreter nor a GPU is active"
 
 
@@ -107,14 +107,14 @@ def test_public_api_dispatches_to_triton(device, monkeypatch):
     rows = torch.randn(10, 8, device=device, requires_grad=True)
     inverse = torch.randint(0, 10, (30,), device=device)
     offsets = torch.tensor([0, 10, 30], device=device)
-    (K.sequence_lookup(rows, inverse).sum() + K.pooled_lookup(rows, inverse, offsets).sum()).backward()
+    (kernels.sequence_lookup(rows, inverse).sum() + kernels.pooled_lookup(rows, inverse, offsets).sum()).backward()
     assert len(calls) == 3  # pooled forward, both backwards
     expect = reference.sequence_lookup_backward(torch.ones(30, 8), inverse.cpu(), 10) * 2
     assert torch.equal(rows.grad.cpu(), expect)
     w, s = torch.randn(10, 8, device=device), torch.rand(10, device=device)
     w_ref, s_ref = w.cpu().clone(), s.cpu().clone()
     g = torch.randn(3, 8, device=device)
-    K.adagrad_update(w, s, torch.tensor([1, 5, 7], device=device), g, 0.1)
+    kernels.adagrad_update(w, s, torch.tensor([1, 5, 7], device=device), g, 0.1)
     reference.adagrad_update(w_ref, s_ref, torch.tensor([1, 5, 7]), g.cpu(), 0.1, 1e-8)
     torch.testing.assert_close(w.cpu(), w_ref, atol=1e-6, rtol=1e-6)
-    assert torch.equal(K.gather_rows(w, torch.tensor([7, 1], device=device)).cpu(), w.cpu()[[7, 1]])
+    assert torch.equal(kernels.gather_rows(w, torch.tensor([7, 1], device=device)).cpu(), w.cpu()[[7, 1]])

@@ -18,7 +18,9 @@ import pytest
 from nestpipe.datasets import kuairand
 from nestpipe.datasets import shards
 from nestpipe.datasets.synth import generate
-from nestpipe.ingest import IngestConfig, IngestError, ingest
+from nestpipe.ingest import IngestConfig, IngestError, ingest, stages
+from nestpipe.ingest.common import IngestTask
+from nestpipe.ingest.config import TASKS
 
 LOG1 = "log_standard_4_08_to_4_21_27k_part1.csv"
 
@@ -547,3 +549,19 @@ def test_gr_authors_first_row_wins_and_missing_videos_are_counted(raw, tmp_path)
                 for v in seen:
                     seen[v] |= set(b["author.values"][b["item.values"] == v].tolist())
     assert seen[dropped] == {-1} and seen[duplicated] == {first_author}
+
+
+def test_task_registry_matches_the_command_line():
+    """Every ``--task`` name has one task object of that name, and every task object overrides the whole task
+    interface (a stage calling a method a task forgot would fail mid-ingest)."""
+    assert tuple(stages.TASKS) == TASKS
+    interface = [n for n, v in vars(IngestTask).items() if callable(v) and not n.startswith("_")]
+    for name, task in stages.TASKS.items():
+        assert isinstance(task, IngestTask) and task.name == name
+        missing = [n for n in interface if n != "column_spec" and getattr(type(task), n) is getattr(IngestTask, n)]
+        assert not missing, (name, missing)
+
+    class Partial(IngestTask):  # negative control: a task that leaves a method out is caught
+        name = "partial"
+
+    assert [n for n in interface if n != "column_spec" and getattr(Partial, n) is getattr(IngestTask, n)]

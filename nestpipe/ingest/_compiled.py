@@ -20,8 +20,9 @@ def segment_keys(values, seg, mb, n):
     for s in range(nseg):
         width = max(width, seg[s + 1] - seg[s])
     mark = np.zeros(n * max(width, 1), np.bool_)
-    # a segment whose values span fewer than 4 x the widest segment's length + 64 ids (the small single-id and tag tables) is ranked by
-    # a presence map over that span instead of a sort; both give the sorted unique keys and the same inverse
+    # a segment whose values span fewer than 4 x the widest segment's length + 64 ids (the small single-id and tag
+    # tables) is ranked by a presence map over that span instead of a sort; both give the sorted unique keys and the
+    # same inverse
     max_span = 4 * width + 64
     present = np.zeros(max_span, np.bool_)
     rank = np.empty(max_span, np.int64)

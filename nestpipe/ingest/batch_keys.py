@@ -86,8 +86,8 @@ def group_keys(values: np.ndarray, batch: np.ndarray, table: np.ndarray, mb: np.
     batch (0..nb-1), table (0..T-1) and micro-batch (0..n-1), all int64 of the same length.
 
     Occurrences grouped by (batch, table), as the shard stage lays them out, take the compiled path
-    (:func:`nestpipe.ingest._compiled.segment_keys`: each (batch, table) segment sorted on its own, a few hundred values, instead of one
-    sort of the whole shard's composite codes; 5-10x faster here); any other order takes :func:`group_keys_numpy`.
+    (:func:`nestpipe.ingest._compiled.segment_keys`: each (batch, table) segment, a few hundred values, sorted on its
+    own instead of one sort of the whole shard's composite codes); any other order takes :func:`group_keys_numpy`.
     Both give the same arrays (tests/test_ingest.py)."""
     bt = batch.astype(np.int64, copy=False) * num_tables + table
     if len(bt) and not np.all(bt[1:] >= bt[:-1]):

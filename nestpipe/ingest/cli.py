@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from nestpipe.ingest.config import IngestConfig
+from nestpipe.ingest.config import TASKS, IngestConfig
 from nestpipe.ingest.executor import Executor, usable_cores  # standard library only: the pool starts before Polars
 
 
@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--raw", required=True, help="directory holding the KuaiRand CSV files")
     p.add_argument("--out", required=True, help="output directory for shards, manifest.json and rejects.csv")
-    p.add_argument("--task", choices=["gr", "ctr"], default="gr",
+    p.add_argument("--task", choices=TASKS, default="gr",
                    help="gr: generative-recommendation windows; ctr: one sample per interaction")
     p.add_argument("--batch-size", type=int, default=512, help="samples per batch (per worker), B")
     p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per batch, N")
@@ -73,9 +73,10 @@ def run_ingest(args) -> int:
         ctr_eval_days=args.ctr_eval_days, release=args.release, keep_work=args.keep_work, progress=not args.quiet,
     )
     cfg.validate()
-    # the workers import the ingest's stages while this process does
+    # Start-up time: the pool starts before this process imports the stages (Polars, NumPy), so the spawned workers
+    # import them (the preload) at the same time instead of after it.
     with Executor(cfg.workers, preload=("nestpipe.ingest.stages",)) as ex:
-        from nestpipe.ingest.stages import ingest  # start-up: after the pool started (see above)
+        from nestpipe.ingest.stages import ingest  # start-up time: after the pool started (see above)
 
         m = ingest(cfg, executor=ex)
     t = m.totals()

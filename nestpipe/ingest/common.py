@@ -1,16 +1,72 @@
-"""What every ingest task's stage units share: the work directory's layout, fault injection for the resume
-tests, the memory-mapped sample partitions, per-batch seeds, and the clustering of one batch."""
+"""What every ingest task shares: the task interface the stages call, the work directory's layout, fault
+injection for the resume tests, the memory-mapped sample partitions, per-batch seeds, and the clustering of one
+batch."""
 
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Sequence, Tuple
+import signal
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 import numpy as np
 
 from nestpipe.datasets import shards
+from nestpipe.ingest.executor import Executor
+from nestpipe.ingest.parse import ColumnSpec
 
 WORK = "_work"
+
+
+class IngestTask:
+    """One kind of sample (``gr``, ``ctr``, ...): everything of the ingest that depends on the task, behind the
+    task-agnostic stages of :mod:`nestpipe.ingest.stages` (parse, join, samples, shards).
+
+    A task object holds no state: the stage units run in spawn workers and look the task up by name
+    (``stages.TASKS``), so their arguments stay plain picklable values. Adding a task is one module with one
+    subclass, registered in ``stages.TASKS`` and named in ``config.TASKS``.
+    """
+
+    name: str  # the --task value
+    input_kinds: Tuple[str, ...]  # kuairand file kinds the task reads, in the order they are numbered
+    partition_bytes: int  # raw input per hash partition (the unit of memory of the join and samples stages)
+    cluster_tables: Sequence[str]  # tables whose keys the micro-batch clustering sees
+    log_columns: Sequence[str]  # log columns kept after validation (every column is still validated)
+    video_basic_columns: Sequence[str]  # video_features_basic columns kept after validation
+
+    def column_spec(self, kind: str) -> ColumnSpec:
+        """Validation spec of an input kind other than the logs and the basic video features."""
+        raise KeyError(kind)
+
+    def partition_by_user(self, kind: str) -> bool:
+        """Whether the parse stage spills file kind ``kind`` by user id (else by video id, for the join)."""
+        raise NotImplementedError
+
+    def join(self, ex: Executor, cfg, work: str, maxima: Dict[str, int], num_parts: int) -> List[Dict[str, Any]]:
+        """Stage 2 on ``ex``: bring the video tables to the logs; one stats dict per unit."""
+        raise NotImplementedError
+
+    def samples(self, work: str, q: int, opts: Dict[str, Any]) -> Tuple[Dict[str, np.ndarray], Dict[str, Any]]:
+        """Stage 3 of user partition ``q``: its sample arrays (saved as .npy) and stats (``train_samples``,
+        ``eval_samples``, ...)."""
+        raise NotImplementedError
+
+    def shard_records(self, cache: "PartitionCache", parts: np.ndarray, idxs: np.ndarray, split: str, k: int,
+                      first_batch: int, n_batches: int, opts: Dict[str, Any]) -> Iterator[Tuple[str, shards.Batch]]:
+        """Stage 4: the (key, batch) records of shard ``k`` of ``split``, from the samples at (partition ``parts``,
+        index ``idxs``) in batch order."""
+        raise NotImplementedError
+
+    def tables(self, cfg, maxima: Dict[str, int]) -> Dict[str, shards.TableSpec]:
+        """The manifest's embedding tables, from the input maxima of the parse stage."""
+        raise NotImplementedError
+
+    def manifest_fields(self, cfg) -> Dict[str, Any]:
+        """The task's manifest fields: ``max_seq_len``, ``dense_features``, ``labels``."""
+        raise NotImplementedError
+
+    def bytes_per_sample(self, cfg, s3: List[Dict[str, Any]]) -> float:
+        """Estimated shard bytes per sample (sizes the default batches per shard)."""
+        raise NotImplementedError
 
 
 def crash_point(stage: str, unit: int, where: str = "start") -> None:
@@ -21,11 +77,7 @@ def crash_point(stage: str, unit: int, where: str = "start") -> None:
         return
     parts = spec.split(":")
     if parts[0] == stage and int(parts[1]) == unit and (parts[2] if len(parts) > 2 else "start") == where:
-        import signal  # only on the fault-injection path
-
         os.kill(os.getpid(), signal.SIGKILL)
-
-
 
 
 class PartitionCache:
@@ -71,7 +123,7 @@ def cluster_fields(batch: Dict[str, Any], tables: Sequence[str], cluster_tables:
         # Several tables: one combined id space, per-sample concatenation of every table's keys.
         b = len(offs[0]) - 1
         lens = np.zeros(b, np.int64)
-        for tid, (t, off) in enumerate(zip(cluster_tables, offs)):
+        for off in offs:
             lens += np.diff(off)
         offsets = np.zeros(b + 1, np.int64)
         np.cumsum(lens, out=offsets[1:])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Optional
 
+# The ``--task`` names (the task objects are ``nestpipe.ingest.stages.TASKS``; named here so the command line
+# lists them without importing Polars).
 TASKS = ("gr", "ctr")
 
 # Options that do not change the output bytes (excluded from the run's fingerprint).

@@ -21,7 +21,7 @@ import numpy as np
 import polars as pl
 
 from nestpipe.datasets import kuairand, shards
-from nestpipe.ingest.common import PartitionCache, batch_seed, crash_point, runs
+from nestpipe.ingest.common import IngestTask, PartitionCache, batch_seed, crash_point, runs
 from nestpipe.ingest.gr import sort_interactions
 from nestpipe.ingest.parse import ColumnSpec
 from nestpipe.ingest.spill import read_partition, write_partitioned
@@ -73,7 +73,8 @@ def _eval_cutoff(max_date: int, days: int) -> int:
     return int(d.strftime("%Y%m%d"))
 
 
-def build_partition(rows: pl.DataFrame, users: pl.DataFrame, opts: Dict[str, Any]) -> Tuple[Dict[str, np.ndarray], Dict[str, int]]:
+def build_partition(rows: pl.DataFrame, users: pl.DataFrame,
+                    opts: Dict[str, Any]) -> Tuple[Dict[str, np.ndarray], Dict[str, int]]:
     rows = sort_interactions(rows)
     if len(users):
         users = users.sort(["user_id", "src", "line"]).unique(subset="user_id", keep="first", maintain_order=True)
@@ -134,8 +135,9 @@ def build_partition(rows: pl.DataFrame, users: pl.DataFrame, opts: Dict[str, Any
         raise ValueError(f"CTR single-id features hold nulls ({single.dtype}); columns {SINGLE_TABLES}")
     arrays = {"single": shards.narrow_int(single.reshape(len(df), len(SINGLE_TABLES))),
               "video_id": cat["video_id"].to_numpy().astype(np.int64)}
+    dense_rows = np.ascontiguousarray(dense.to_numpy(order="c"), dtype=np.float32)
     arrays.update({
-        "dense": np.ascontiguousarray(dense.to_numpy(order="c"), dtype=np.float32).reshape(len(df), len(DENSE_FEATURES)),
+        "dense": dense_rows.reshape(len(df), len(DENSE_FEATURES)),
         "labels": np.ascontiguousarray(labels.to_numpy(order="c"), dtype=np.uint8).reshape(len(df), len(LABELS)),
         "tag_values": tag_values, "tag_offsets": tag_off, "ustart": ustart.astype(np.int64),
         "train_rows": np.flatnonzero(~is_eval).astype(np.int64), "eval_rows": np.flatnonzero(is_eval).astype(np.int64),
@@ -153,7 +155,8 @@ def _gather_jagged(values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> 
     return values[idx].astype(np.int64), lens.astype(np.int32)
 
 
-def gather(pieces: List[Tuple[Dict[str, np.ndarray], np.ndarray]], split: str, history_len: int) -> Dict[str, np.ndarray]:
+def gather(pieces: List[Tuple[Dict[str, np.ndarray], np.ndarray]], split: str,
+           history_len: int) -> Dict[str, np.ndarray]:
     """Every sample of a shard at once from (partition arrays, sample indices) pieces, in order: ``single``
     [M, T] int64, ``tag``/``history`` jagged (``*.values`` int64, ``*.lengths`` int64 [M]), ``dense``, ``labels``."""
     H = int(history_len)
@@ -288,14 +291,14 @@ def shard_records(cache: "PartitionCache", parts: np.ndarray, idxs: np.ndarray, 
         batch["meta"] = {"index": bi, "split": split, "task": "ctr", "samples": B, "micro_batches": n}
         u, cnt, mu, mo = sk.batch(j, T)
         shards.pack_group(batch, "single", list(SINGLE_TABLES), u, cnt, sk.inverse[j * B * T:(j + 1) * B * T],
-                     mu, mo, None)
+                          mu, mo, None)
         u, cnt, mu, mo = bk.batch(j, P)
         shards.pack_group(batch, "bags", list(POOLED_TABLES), u, cnt,
-                     bk.inverse[bt_start[j * P]:bt_start[(j + 1) * P]], mu, mo, bag_lengths[:, sl])
+                          bk.inverse[bt_start[j * P]:bt_start[(j + 1) * P]], mu, mo, bag_lengths[:, sl])
         yield f"{bi:09d}", batch
 
 
-class CTRTask:
+class CTRTask(IngestTask):
     """Click-through rate: one sample per interaction with user and video features, labels and recent history."""
 
     name = "ctr"
@@ -324,8 +327,8 @@ class CTRTask:
         users = read_partition(sorted(glob.glob(os.path.join(work, "s1", "user_features-*.arrow"))), q)
         return build_partition(rows, users, opts)
 
-    def shard_records(self, *args):
-        return shard_records(*args)
+    def shard_records(self, cache, parts, idxs, split, k, first_batch, n_batches, opts):
+        return shard_records(cache, parts, idxs, split, k, first_batch, n_batches, opts)
 
     def tables(self, cfg, maxima: Dict[str, int]) -> Dict[str, shards.TableSpec]:
         return tables(cfg, maxima)

@@ -22,8 +22,7 @@ import polars as pl
 
 from nestpipe.datasets import kuairand, shards
 from nestpipe.datasets.kuairand import ACTION_FLAGS
-from nestpipe.ingest.common import PartitionCache, batch_seed, cluster_fields, crash_point, runs
-from nestpipe.ingest.parse import ColumnSpec
+from nestpipe.ingest.common import IngestTask, PartitionCache, batch_seed, cluster_fields, crash_point, runs
 from nestpipe.ingest.spill import read_partition
 from nestpipe.utils.jsonio import read_json, write_json_atomic
 
@@ -231,7 +230,7 @@ def shard_records(cache: "PartitionCache", parts: np.ndarray, idxs: np.ndarray, 
         yield f"{bi:09d}", batch
 
 
-class GRTask:
+class GRTask(IngestTask):
     """Generative recommendation: per-user chronological windows of item, author and action tokens."""
 
     name = "gr"
@@ -241,9 +240,6 @@ class GRTask:
     cluster_tables = ["item"]
     log_columns = ["user_id", "video_id", "time_ms", *kuairand.ACTION_FLAGS, "play_time_ms", "duration_ms"]
     video_basic_columns = ["video_id", "author_id"]
-
-    def column_spec(self, kind: str) -> ColumnSpec:
-        raise KeyError(kind)
 
     def partition_by_user(self, kind: str) -> bool:
         # GR logs go straight to their user partition: their one video feature (the author) is looked up from a
@@ -260,8 +256,8 @@ class GRTask:
         stats["missing_video_features"] = missing
         return arrays, stats
 
-    def shard_records(self, *args):
-        return shard_records(*args)
+    def shard_records(self, cache, parts, idxs, split, k, first_batch, n_batches, opts):
+        return shard_records(cache, parts, idxs, split, k, first_batch, n_batches, opts)
 
     def tables(self, cfg, maxima: Dict[str, int]) -> Dict[str, shards.TableSpec]:
         return {

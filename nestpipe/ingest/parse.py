@@ -12,6 +12,7 @@ fast path is Polars itself; the validating path is still Polars expressions, onl
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import io
 import os
@@ -189,8 +190,6 @@ def _parse_csv_module(
     data: bytes, offsets: np.ndarray, spec: ColumnSpec, *, path: str, first_line: int, keep: List[str]
 ) -> Tuple[pl.DataFrame, List[Reject]]:
     """Quote-aware validating path for small files whose fields may all be quoted (user features)."""
-    import csv
-
     ncols = len(spec.columns)
     text = [data[offsets[i]:offsets[i + 1]].decode("utf-8", errors="replace").rstrip("\r\n")
             for i in range(len(offsets) - 1)]

@@ -20,6 +20,7 @@ input), never by the whole input. The output depends only on the inputs and the 
 from __future__ import annotations
 
 import contextlib
+import csv
 import dataclasses
 import hashlib
 import json
@@ -34,7 +35,7 @@ import numpy as np
 import polars as pl
 
 from nestpipe.datasets import kuairand, shards
-from nestpipe.ingest.common import WORK, PartitionCache, crash_point
+from nestpipe.ingest.common import WORK, IngestTask, PartitionCache, crash_point
 from nestpipe.ingest.config import IngestConfig
 from nestpipe.ingest.ctr import CTRTask
 from nestpipe.ingest.executor import Executor
@@ -55,10 +56,8 @@ class IngestError(RuntimeError):
 # ----------------------------------------------------------------------------------------------------------------
 # input specs
 
-# Columns each task keeps after validation (every column is still validated: a malformed cell in a column the
-# task does not use still makes the row malformed).
-# (each task's ``log_columns`` / ``video_basic_columns``)
-TASKS = {task.name: task for task in (GRTask(), CTRTask())}
+# The tasks by ``--task`` name (their names are listed in ``config.TASKS`` too, for the command line).
+TASKS: Dict[str, IngestTask] = {task.name: task for task in (GRTask(), CTRTask())}
 # Feedback flags are used as 0/1 only: clipped and narrowed to Int8 in the spills.
 NARROW = {f: pl.Int8 for f in kuairand.ACTION_FLAGS}
 
@@ -236,16 +235,13 @@ def _prepare_out(cfg: IngestConfig, fingerprint: Dict[str, Any]) -> str:
     return "fresh"
 
 
-def _auto_partitions(total_bytes: int, task: str = "gr") -> int:
+def _auto_partitions(total_bytes: int, task: IngestTask) -> int:
     # the task's bytes of raw input per partition, at least 4; a partition is the unit of memory in stages 2-3
-    per = TASKS[task].partition_bytes
-    return int(min(4096, max(4, math.ceil(total_bytes / per))))
+    return int(min(4096, max(4, math.ceil(total_bytes / task.partition_bytes))))
 
 
 def _write_rejects(cfg: IngestConfig, work: str, parse_units, s1: List[Dict[str, Any]]) -> Tuple[int, str]:
     """Gather every chunk's rejects into OUT/rejects.csv in input order, with absolute file line numbers."""
-    import csv
-
     path = os.path.join(cfg.out, REJECTS)
     tmp = path + ".tmp"
     n = 0
@@ -277,10 +273,11 @@ def ingest(cfg: IngestConfig, executor: Optional[Executor] = None) -> shards.Man
     inputs = _input_units(found, cfg)
     fps = [_fingerprint_file(p) for _, _, p in inputs]
     total_bytes = sum(f["bytes"] for f in fps)
-    num_parts = cfg.partitions or _auto_partitions(total_bytes, cfg.task)
+    num_parts = cfg.partitions or _auto_partitions(total_bytes, TASKS[cfg.task])
     semantic = cfg.semantic()
     semantic["partitions"] = num_parts
-    fingerprint = {"inputs": fps, "options": semantic, "format_version": shards.FORMAT_VERSION, "release": found.release}
+    fingerprint = {"inputs": fps, "options": semantic, "format_version": shards.FORMAT_VERSION,
+                   "release": found.release}
     status = _prepare_out(cfg, fingerprint)
     if status == "complete":
         print(f"{cfg.out}: already complete for these inputs and options; nothing to do", file=sys.stderr)
@@ -322,7 +319,7 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
     opts = {"max_seq_len": cfg.max_seq_len, "history_len": cfg.history_len, "ctr_eval_days": cfg.ctr_eval_days,
             "max_date": maxima.get("date", 0)}
     s3 = ex.run(_unit_samples, [(work, cfg.task, q, opts) for q in range(num_parts)], cfg, "3/4 samples",
-                    rows_of=lambda s: s.get("tokens", s.get("rows", 0)))
+                rows_of=lambda s: s.get("tokens", s.get("rows", 0)))
 
     # 4. shards
     tables = task.tables(cfg, maxima)
@@ -346,7 +343,8 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
     s4 = ex.run(_unit_shard, shard_units, cfg, "4/4 shards", rows_of=lambda s: s["samples"],
                 cost=lambda u: u[5])  # batches
     for u, r in zip(shard_units, s4):
-        sets.setdefault(u[2], []).append(shards.ShardEntry(r["path"], r["batches"], r["samples"], r["sha256"], r["bytes"]))
+        entry = shards.ShardEntry(r["path"], r["batches"], r["samples"], r["sha256"], r["bytes"])
+        sets.setdefault(u[2], []).append(entry)
     for split in ("train", "eval"):
         sets.setdefault(split, [])
     if not sets["train"]:

@@ -27,8 +27,10 @@ import time  # noqa: E402
 from typing import Dict, List, Tuple  # noqa: E402
 
 import numpy as np  # noqa: E402
+import polars as pl  # noqa: E402
 
 from nestpipe.clustering import assign, combine_keys, redundancy  # noqa: E402
+from nestpipe.datasets import synth  # noqa: E402
 
 B = 512
 MAX_LEN = 256
@@ -69,10 +71,6 @@ def _stack_tables(tables: List[Tuple[np.ndarray, np.ndarray, int]]) -> Batch:
 
 def community_data(scale: str, seed: int, workdir: str):
     """(user, video, time) arrays of the synth standard logs, sorted by user then time."""
-    import polars as pl
-
-    from nestpipe.datasets import synth
-
     out = os.path.join(workdir, f"synth-{scale}-{seed}")
     if not os.path.exists(os.path.join(out, synth.LOG_FILES[0])):
         synth.generate(out, scale=scale, seed=seed, progress=False, force=True)

@@ -16,6 +16,8 @@ import sys
 import tempfile
 import time
 
+from nestpipe.datasets.synth import SynthConfig
+
 
 def run(scale: str, interactions: int | None, out: str) -> dict:
     # The generator alone (not the `nestpipe` entry point, whose start-up imports every component's CLI).
@@ -31,8 +33,6 @@ def run(scale: str, interactions: int | None, out: str) -> dict:
     seconds = time.perf_counter() - start
     peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
-    from nestpipe.datasets.synth import SynthConfig
-
     cfg = SynthConfig.for_scale(scale, interactions=interactions)
     return {
         "scale": scale, "log_rows": cfg.interactions, "video_rows": cfg.num_videos, "seconds": seconds,

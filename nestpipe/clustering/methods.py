@@ -109,10 +109,10 @@ def minhash_partition(problem: Problem, seed: int) -> np.ndarray:
 
 def _sklearn_seed_partition(problem: Problem, seed: int, restarts: int) -> np.ndarray:
     """KMeans on a TruncatedSVD embedding, then the optimal balanced assignment to the centroids."""
+    # start-up time: scikit-learn and scipy.optimize load only when this method runs (the default method uses neither)
     from scipy.optimize import linear_sum_assignment
     from sklearn.cluster import KMeans
     from sklearn.decomposition import TruncatedSVD
-
     from threadpoolctl import threadpool_limits
 
     b, n = problem.num_samples, problem.num_groups

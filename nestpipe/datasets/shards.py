@@ -321,7 +321,7 @@ def decode_sample(sample: Dict[str, Any]) -> Batch:
 
 def iter_shard(path: str) -> Iterator[Batch]:
     """Read one shard with stock WebDataset (no pickle decoders involved for .npy/.json)."""
-    import webdataset as wds
+    import webdataset as wds  # start-up time: WebDataset imports torch, which writing shards never needs
 
     if not os.path.exists(path):
         raise ShardError(f"{path}: shard missing")

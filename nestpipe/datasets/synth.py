@@ -68,6 +68,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import polars as pl
+from tqdm.auto import tqdm
 
 from nestpipe.datasets import kuairand
 
@@ -690,8 +691,6 @@ def check_output_dir(out_dir: str, force: bool = False) -> None:
 
 
 def _progress_bar(total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, unit="row", unit_scale=True, disable=not enabled, desc="synth", dynamic_ncols=True)
 
 

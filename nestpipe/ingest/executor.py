@@ -29,7 +29,7 @@ def usable_cores() -> int:
 
 
 def _progress(total: int, desc: str, enabled: bool, unit: str = "unit"):
-    from tqdm import tqdm
+    from tqdm import tqdm  # start-up time: this module imports the standard library only (see above)
 
     return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, file=sys.stderr, dynamic_ncols=True,
                 mininterval=0.5)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+
 from nestpipe.kernels.select import FORCE_ENV, kernel_paths
 
 
@@ -14,8 +16,6 @@ def add_parser(subparsers) -> None:
 
 
 def _run(args) -> int:
-    import os
-
     paths = kernel_paths(args.device)
     if args.json:
         print(json.dumps({"device": args.device, "paths": paths, FORCE_ENV: os.environ.get(FORCE_ENV, "")}))

@@ -15,6 +15,7 @@ Formulas (float32 throughout):
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -84,8 +85,6 @@ def dedup_rows(rows):
     ``rows[order]`` sorted (equal rows in ascending position), ``uniq`` the distinct rows, ``starts`` their first
     positions in ``order``, and the position in ``uniq`` of every row in sorted order (``inv_sorted``) and in input
     order (``inv``). The fused CPU kernel (``cpu.dedup_rows``) returns exactly these arrays."""
-    import numpy as np
-
     order = np.argsort(rows, kind="stable")
     srt = rows[order]
     first = np.ones(len(srt), dtype=bool)

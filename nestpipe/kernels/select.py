@@ -31,7 +31,7 @@ FORCE_ENV = "NESTPIPE_KERNELS"
 @functools.lru_cache(maxsize=None)
 def has_fbgemm() -> bool:
     try:
-        import fbgemm_gpu  # noqa: F401
+        import fbgemm_gpu  # noqa: F401  (optional dependency: probed here)
     except Exception:  # a build against another torch fails with OSError/ImportError/RuntimeError
         return False
     return hasattr(torch.ops.fbgemm, "block_bucketize_sparse_features")
@@ -47,7 +47,7 @@ def has_fbgemm_cuda() -> bool:
 @functools.lru_cache(maxsize=None)
 def has_numba() -> bool:
     try:
-        import numba  # noqa: F401
+        import numba  # noqa: F401  (optional dependency: probed here)
     except Exception:
         return False
     return True
@@ -61,7 +61,7 @@ def has_triton() -> bool:
 @functools.lru_cache(maxsize=None)
 def has_torch_npu() -> bool:
     try:
-        import torch_npu  # noqa: F401
+        import torch_npu  # noqa: F401  (optional dependency: probed here)
     except Exception:
         return False
     return True

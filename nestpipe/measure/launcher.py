@@ -49,7 +49,6 @@ def run_plan(plan: List[Dict], world: int, plan_path: str, timeout: float = 300,
 
 
 def main(argv=None) -> int:
-
     plan_path = (argv or sys.argv[1:])[0]
     plan = read_json(plan_path, "run plan", expect=list)
     dev = devmod.resolve("cpu")

@@ -20,24 +20,23 @@ Measured step: the median traced step (``measured.read_run``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import numpy as np
 
-from nestpipe.measure import measured
-from nestpipe.measure import validate_local as v
-
-C = v.Config
+from nestpipe.measure import measured, validate_local
+from nestpipe.measure.validate_local import Config
+from nestpipe.utils.jsonio import read_json, write_json_atomic
 
 
 def configs(cap_bit):
-    out = [C(2, "off", 8), C(2, "nested", 8), C(2, "dbp", 8), C(2, "fwp", 8), C(2, "off", 4), C(2, "nested", 4),
-           C(2, "off", 16), C(2, "nested", 16), C(3, "off", 8), C(3, "nested", 8)]
+    out = [Config(world, pipeline, micro_batches) for world, pipeline, micro_batches in (
+        (2, "off", 8), (2, "nested", 8), (2, "dbp", 8), (2, "fwp", 8), (2, "off", 4), (2, "nested", 4), (2, "off", 16),
+        (2, "nested", 16), (3, "off", 8), (3, "nested", 8))]
     if cap_bit:
-        out += [C(2, "off", 8, cap_bit), C(2, "nested", 8, cap_bit)]
+        out += [Config(2, "off", 8, cap_bit), Config(2, "nested", 8, cap_bit)]
     return out
 
 
@@ -59,7 +58,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     cap = None
     if not args.no_cap:
-        ok, why = v.can_cap()
+        ok, why = validate_local.can_cap()
         if ok:
             cap = args.cap_mbit * 1e6
         else:
@@ -68,16 +67,16 @@ def main(argv=None):
     for n in (4, 8, 16):
         shards[n] = os.path.join(args.out, f"shards-{args.batch}x{args.seq_len}-n{n}")
         if not os.path.exists(os.path.join(shards[n], "manifest.json")):
-            v.make_gr_shards(shards[n], args.batch, args.seq_len, n, args.vocab, args.steps + 2)
+            validate_local.make_gr_shards(shards[n], args.batch, args.seq_len, n, args.vocab, args.steps + 2)
     cfgs = configs(cap)
     calib = cfgs[0]
     t0, load0 = time.time(), os.getloadavg()[0]
-    runs = v.train_configs(os.path.join(args.out, "runs"), shards, cfgs, args.steps, args.seq_len,
-                           repeats=args.repeats)
+    runs = validate_local.train_configs(os.path.join(args.out, "runs"), shards, cfgs, args.steps, args.seq_len,
+                                        repeats=args.repeats)
     load1 = os.getloadavg()[0]
     steps = {c: [measured.read_run(r).step_s for r in rs] for c, rs in runs.items()}
-    best = {c: v.fastest(rs) for c, rs in runs.items()}
-    rows, hw = v.validate(best[calib], best)
+    best = {c: validate_local.fastest(rs) for c, rs in runs.items()}
+    rows, hw = validate_local.validate(best[calib], best)
     print(f"\n{len(cfgs)} configurations x {args.repeats} interleaved repeats in {time.time() - t0:.0f} s; load "
           f"average {load0:.1f} -> {load1:.1f} on {os.cpu_count()} cores")
     print(f"calibrated on {calib.tag} (its fastest repeat): lookup {hw.key_s * 1e6:.2f} us/key, exchange "
@@ -85,7 +84,7 @@ def main(argv=None):
           f"ns/B, dense {hw.dense_flops / 1e9:.1f} GFLOP/s + {hw.dense_call_s * 1e3:.2f} ms/call, data "
           f"{hw.token_s * 1e9:.0f} ns/token, overhead "
           f"{hw.step_overhead_s * 1e3:.1f} ms, {hw.cores} cores")
-    lines = v.format_rows(rows).split("\n")
+    lines = validate_local.format_rows(rows).split("\n")
     print(lines[0] + "   measured repeats (ms)")
     print(lines[1])
     for x, line in zip(rows, lines[2:]):
@@ -94,29 +93,29 @@ def main(argv=None):
     within = sum(abs(x.error) <= 0.15 for x in held)
     print(f"held-out within 15%: {within} of {len(held)}; median |error| "
           f"{100 * float(np.median([abs(x.error) for x in held])):.1f}%")
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"args": vars(args), "load_average": [load0, load1], "summary": {x.config.tag: {
-            "predicted_ms": x.predicted_s * 1e3, "measured_ms": x.measured_s * 1e3, "error": x.error, "role": x.role,
-            "measured_repeats_ms": [1e3 * t for t in steps[x.config]], "run": best[x.config]} for x in rows},
-            "hardware": hw.as_dict()}, f, indent=1)
+    summary = {x.config.tag: {"predicted_ms": x.predicted_s * 1e3, "measured_ms": x.measured_s * 1e3, "error": x.error,
+                              "role": x.role, "measured_repeats_ms": [1e3 * t for t in steps[x.config]],
+                              "run": best[x.config]} for x in rows}
+    write_json_atomic(os.path.join(args.out, "results.json"), {
+        "args": vars(args), "load_average": [load0, load1], "summary": summary, "hardware": hw.as_dict()},
+        sort_keys=False)
     print(f"results: {os.path.join(args.out, 'results.json')}")
     return 0
 
 
 def predict_again(out: str) -> int:
     """Re-evaluate the measured runs of an earlier invocation (same fastest repeats) with the current model."""
-    path = os.path.join(out, "results.json")
-    if not os.path.exists(path):
-        raise SystemExit(f"{path}: no results of an earlier run to predict again")
-    with open(path) as f:
-        doc = json.load(f)
+    try:
+        doc = read_json(os.path.join(out, "results.json"), "results of an earlier run to predict again", expect=dict)
+    except FileNotFoundError as e:
+        raise SystemExit(str(e))
     tags = {c.tag: c for c in configs(doc["args"]["cap_mbit"] * 1e6)}
     best = {tags[tag]: row["run"] for tag, row in doc["summary"].items()}
     calib = next(tags[tag] for tag, row in doc["summary"].items() if row["role"] == "calibration")
-    rows, hw = v.validate(best[calib], best)
+    rows, hw = validate_local.validate(best[calib], best)
     print(f"calibration: dense {hw.dense_flops / 1e9:.1f} GFLOP/s + {hw.dense_call_s * 1e3:.2f} ms/call, collective "
           f"{hw.coll_latency_s * 1e3:.2f} ms + {hw.coll_s_per_byte * 1e9:.2f} ns/B")
-    print(v.format_rows(rows))
+    print(validate_local.format_rows(rows))
     held = [x for x in rows if x.role == "held-out"]
     print(f"held-out within 15%: {sum(abs(x.error) <= 0.15 for x in held)} of {len(held)}; median |error| "
           f"{100 * float(np.median([abs(x.error) for x in held])):.1f}%")

@@ -1,4 +1,5 @@
-"""Unit tests of the planning package: key arithmetic, network, timeline mechanics, planner, CLI."""
+"""Unit tests of the planning package (key arithmetic, network, timeline mechanics, planner, CLI) and of the
+measured-run model of :mod:`nestpipe.measure.measured` built on it."""
 
 import dataclasses
 import json
@@ -8,8 +9,8 @@ import numpy as np
 import pytest
 
 from nestpipe.cli import main
+from nestpipe.measure import measured
 from nestpipe.planning import keys, load_hardware, load_workload, network
-from nestpipe.measure.measured import calibrate_run
 from nestpipe.planning.cost_model import StepCosts, Scenario
 from nestpipe.planning.planner import PlannerConfig, TableInfo, make_plan
 from nestpipe.planning.timeline import simulate_steps
@@ -132,16 +133,14 @@ def test_calibrate_run_errors_name_the_file(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     with pytest.raises(FileNotFoundError, match="metrics.json"):
-        calibrate_run(str(run))
+        measured.calibrate_run(str(run))
     (run / "metrics.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot parse metrics.json"):
-        calibrate_run(str(run))
+        measured.calibrate_run(str(run))
     assert main(["simulate", "--calibrate", str(run)]) == 1
 
 
 def _local(world=2, n=4, cores=2):
-    from nestpipe.measure import measured
-
     hw = measured.LocalHardware(key_s=2e-6, row_s=1e-6, coll_latency_s=1e-3, coll_s_per_byte=1e-9, dense_flops=1e10,
                                 token_s=1e-7, step_overhead_s=2e-3, embed_bytes_per_row=260, grad_bytes_per_row=260,
                                 route_bytes_per_key=9, allreduce_bytes=1.6e5, calib_world=2, cores=cores)
@@ -151,8 +150,6 @@ def _local(world=2, n=4, cores=2):
 
 
 def test_local_model_mechanisms():
-    from nestpipe.measure import measured
-
     hw, wl = _local()
     off, nested = measured.predict(hw, wl, "off"), measured.predict(hw, wl, "nested")
     # off: every task in sequence = CPU work + every collective
@@ -173,8 +170,6 @@ def test_local_model_mechanisms():
 
 
 def test_local_model_dense_probe_scales_the_dense_time():
-    from nestpipe.measure import measured
-
     hw, wl = _local(n=4)
     # the probe: batch seconds at 2, 4 and 8 micro-batches (per-call cost grows past 4)
     probed = dataclasses.replace(hw, dense_probe_s={"2": 0.040, "4": 0.041, "8": 0.050}, calib_micro_batches=4)
@@ -191,8 +186,6 @@ def test_local_model_dense_probe_scales_the_dense_time():
 
 
 def test_local_model_collective_cpu_and_oversubscribed_cores():
-    from nestpipe.measure import measured
-
     hw, wl = _local(n=8)
     # the collectives' CPU competes for the cores: the nested floor rises by it (2 ranks on 2 cores)
     with_cpu = dataclasses.replace(hw, coll_cpu_s=2e-4, coll_cpu_s_per_byte=2e-9)
@@ -211,8 +204,6 @@ def test_local_model_collective_cpu_and_oversubscribed_cores():
 
 
 def test_local_model_two_comm_streams_and_negative_control():
-    from nestpipe.measure import measured
-
     hw, wl = _local(n=16)
     hw = dataclasses.replace(hw, coll_latency_s=3e-3, dense_flops=1e11)
     two = measured.predict(hw, wl, "nested")

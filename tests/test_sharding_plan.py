@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
 
 from nestpipe.datasets.shards import load_manifest
-from nestpipe.planning.planner import PlannerConfig, TableInfo, make_plan, save_plan, tables_from_manifest
 from nestpipe.planning.hardware import load_hardware
+from nestpipe.planning.planner import PlannerConfig, TableInfo, make_plan, save_plan, tables_from_manifest
 from nestpipe.trainer.config import EmbeddingConfig
 from nestpipe.trainer.embedding.collection import choose_kind, table_dims
 from nestpipe.trainer.embedding.placement import TablePlacement, make_placement

@@ -74,8 +74,8 @@ def _simulate(args) -> int:
         gw = args.gantt_workers or (bd.workers if bd else max(workers))
         for m in modes:
             p, sched = simulate.run(wl, hw, Scenario(gw, m, clustered=not args.no_clustering), scales)
-            write_gantt(os.path.join(args.out, f"gantt-{m.replace('+', '-')}.png"), sched,
-                        title=f"{m} at {gw} workers (group {p.group_size}, N={p.micro_batches}): step {p.step_ms:.1f} ms")
+            title = f"{m} at {gw} workers (group {p.group_size}, N={p.micro_batches}): step {p.step_ms:.1f} ms"
+            write_gantt(os.path.join(args.out, f"gantt-{m.replace('+', '-')}.png"), sched, title=title)
     if args.json:
         print(json.dumps(doc, indent=1, sort_keys=True))
     else:

@@ -22,6 +22,7 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 import torch
+
 from nestpipe.clustering.balance import capacities
 from nestpipe.trainer.config import TrainConfig
 from nestpipe.trainer.data import ShardStream
@@ -32,7 +33,6 @@ from nestpipe.trainer.models.hstu import NEG
 
 def _micro_batch_inputs(cfg, manifest, record: Dict, model, dims: Dict[str, int], n: int, rng: torch.Generator):
     """(emb, feats) of each of ``n`` micro-batches of one batch: balanced sample counts, the record's lengths."""
-
     b = manifest.batch_size
     caps = capacities(b, n)
     starts = np.concatenate([[0], np.cumsum(caps)]).astype(np.int64)
@@ -86,7 +86,6 @@ def probe_call_seconds(cfg_dict: Dict, manifest, record: Dict, micro_batches: in
                        threads: int = 1) -> Dict[str, object]:
     """Seconds per dense forward + backward call beyond its arithmetic (slope of batch time over calls), with the
     medians it was fitted to. ``cfg_dict``: the run's config.json; ``record``: one batch record of its shards."""
-
     cfg = TrainConfig.from_dict(cfg_dict, where="config.json")
     b = manifest.batch_size
     counts: List[int] = sorted({max(1, micro_batches // 2), micro_batches, min(b, 2 * micro_batches)})

@@ -3,9 +3,9 @@
     python -m torch.distributed.run --standalone --nproc-per-node W -m nestpipe.measure.launcher PLAN.json
 
 ``PLAN.json`` is a list of ``{"run": RUN, "resume": bool, "testing_hooks": {...}}`` (hooks optional: the test-only
-negative controls and faults of :mod:`nestpipe.trainer.testing_hooks`, set for that run only); every ``RUN/config.json`` is written beforehand
-(:func:`write_run`). The runs execute one after another on the same ranks through the trainer's own
-:func:`~nestpipe.trainer.loop.train_worker`, exactly as ``nestpipe train`` would run them.
+negative controls and faults of :mod:`nestpipe.trainer.testing_hooks`, set for that run only); every
+``RUN/config.json`` is written beforehand (:func:`write_run`). The runs execute one after another on the same ranks
+through the trainer's own :func:`~nestpipe.trainer.loop.train_worker`, exactly as ``nestpipe train`` would run them.
 """
 
 from __future__ import annotations
@@ -43,13 +43,12 @@ def run_plan(plan: List[Dict], world: int, plan_path: str, timeout: float = 300,
     """Launch ``world`` ranks that run ``plan``; ``prefix`` wraps the command (e.g. ``ip netns exec NS``)."""
     write_json_atomic(plan_path, plan, indent=None, sort_keys=False)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([*(prefix or []), sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(world), "--monitor-interval", "0.5", "-m", "nestpipe.measure.launcher",
-                           plan_path], capture_output=True, text=True, timeout=timeout, env=env)
+    command = [*(prefix or []), sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(world), "--monitor-interval", "0.5", "-m", "nestpipe.measure.launcher", plan_path]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def main(argv=None) -> int:
-
     plan_path = (argv or sys.argv[1:])[0]
     plan = read_json(plan_path, "run plan", expect=list)
     dev = devmod.resolve("cpu")

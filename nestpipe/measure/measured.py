@@ -124,7 +124,6 @@ def dense_flops_per_sample(cfg: Dict, manifest) -> float:
 
 def workload_from_shards(shards: str, cfg: Dict, world: int, steps: int = 8) -> LocalWorkload:
     """Key volumes of the first ``steps`` batches of every rank, read from the shards (no training)."""
-
     stream0 = ShardStream(shards, "train", 0, world, verify=False)
     man = stream0.manifest
     rep_max = int(cfg["embedding"].get("replicate_max_rows", 0))
@@ -214,7 +213,6 @@ def median_step_s(run: str, warm: int = 2) -> Optional[float]:
     path = os.path.join(run, "trace.json")
     if not os.path.exists(path):
         return None
-
     ends: Dict[int, Dict[int, float]] = {}
     for sp in load_chrome_trace(path):
         if sp["stage"] == "update" and sp["thread"] == "compute":
@@ -250,7 +248,6 @@ def read_run(run: str) -> RunMeasurement:
         cpu_s += float(r.get("cpu_s", 0.0)) / n / len(ranks)
         for k, v in r.get("network_bytes", {}).items():
             nbytes[k] = nbytes.get(k, 0.0) + v / n / len(ranks)
-
     man = load_manifest(cfg["shards"])
     mean = float(m["step_s"])
     med = median_step_s(run)
@@ -469,7 +466,6 @@ def calibrate_run(run: str, cores: Optional[int] = None, steps: int = 8, probe: 
         raise RunError(f"{run}: micro-batches differ between shards and run")
     res = None
     if probe and meas.pipeline == "off":
-
         res = probe_call_seconds(meas.cfg, load_manifest(meas.shards), first_record(meas.shards), wl.micro_batches,
                                  threads=int(meas.cfg.get("threads", 1)))
     return fit_hardware(meas, wl, cores, dense_probe=res), wl, meas

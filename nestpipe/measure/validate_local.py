@@ -10,7 +10,6 @@ loopback carries ``tc tbf`` (root only), built as in ``benchmarks/pipeline_bench
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import subprocess
@@ -44,7 +43,6 @@ def make_gr_shards(out: str, batch: int, seq_len: int, micro_batches: int, vocab
                    n_shards: int = 6, zipf: float = 1.2, seed: int = 7) -> str:
     """GR shards (item ``vocab`` rows + action 256 rows, Zipf item ids, clustered micro-batches); ``n_shards``
     train shards (6 feed world 2 and 3 evenly). The same seed gives the same sequences for every micro-batch count."""
-
     rng = np.random.default_rng(seed)
     tables = {"item": TableSpec(vocab, 64, "sequence"), "action": TableSpec(256, 64, "sequence")}
 
@@ -110,7 +108,6 @@ def train_configs(out: str, shards: Dict[int, str], configs: List[Config], steps
                   keep_checkpoints: bool = False) -> Dict[Config, List[str]]:
     """Train every config ``repeats`` times, interleaved (A B C A B C ...: a burst of other load on this shared
     machine hits one repeat, not every run of one config), one launch per (world, cap); config -> run dirs."""
-
     runs: Dict[Config, List[str]] = {}
     groups: Dict[Tuple[int, Optional[float]], List[Config]] = {}
     for c in configs:

@@ -7,24 +7,23 @@ import json
 import os
 from typing import Any, Dict, Type
 
+from nestpipe.utils.jsonio import read_json
+
 
 def read_mapping(path: str, what: str) -> Dict[str, Any]:
     """Parse a JSON or TOML file into a dict; errors name the file and ``what`` it was meant to be."""
+    if not path.endswith(".toml"):
+        return read_json(path, f"{what} file", expect=dict)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: {what} file not found")
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        if path.endswith(".toml"):
-            import tomllib
+        raise FileNotFoundError(f"{path}: no {what} file")
+    # standard library from Python 3.11 (the package supports 3.10): only a TOML file needs it
+    import tomllib
 
-            d = tomllib.loads(raw.decode())
-        else:
-            d = json.loads(raw)
-    except Exception as e:  # noqa: BLE001 - any parse error becomes a clear message
-        raise ValueError(f"{path}: cannot parse {what}: {e}") from e
-    if not isinstance(d, dict):
-        raise ValueError(f"{path}: {what} must be an object / table at the top level")
+    try:
+        with open(path, "rb") as f:
+            d = tomllib.load(f)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot parse {what} file: {e}") from e
     return d
 
 

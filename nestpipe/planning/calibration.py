@@ -12,10 +12,11 @@ import dataclasses
 import os
 from typing import Any, Dict
 
+from nestpipe.utils.jsonio import read_json
+
 from .cost_model import Scales, Scenario, step_costs
 from .hardware import HardwareConfig
 from .workload import WorkloadConfig
-from nestpipe.utils.jsonio import read_json
 
 
 @dataclasses.dataclass

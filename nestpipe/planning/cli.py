@@ -37,7 +37,6 @@ def add_parser(sub) -> None:
 
 
 def _plan(args) -> int:
-
     hw = load_hardware(args.hardware)
     batch = args.batch
     if args.shards:

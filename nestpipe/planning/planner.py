@@ -33,9 +33,10 @@ import dataclasses
 import math
 from typing import Any, Dict, List, Optional
 
+from nestpipe.utils.jsonio import read_json, write_json_atomic
+
 from . import network
 from .hardware import HardwareConfig
-from nestpipe.utils.jsonio import read_json, write_json_atomic
 
 PLAN_FORMAT = "nestpipe-plan"
 PLAN_VERSION = 1

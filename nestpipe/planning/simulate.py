@@ -104,7 +104,7 @@ def format_table(preds: List[Prediction]) -> str:
 
 
 def plot_scaling(preds: List[Prediction], path: str, title: str) -> None:
-    import matplotlib
+    import matplotlib  # optional, slow to import: only when a chart is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

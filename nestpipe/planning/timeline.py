@@ -24,12 +24,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional
 
+from nestpipe.utils import gantt
+
 from .cost_model import CATEGORY, Scenario, StepCosts
 
 STREAMS = ("cpu", "pcie.h2d", "net.keys", "dram", "net", "device", "pcie.d2h")
 STREAM_OF = {"data": "cpu", "h2d": "pcie.h2d", "route": "net.keys", "gather": "dram", "copy": "pcie.h2d",
              "fwd": "net", "bwd": "net", "replica": "net", "compute": "device", "update": "device",
              "sync": "device", "writeback": "pcie.d2h"}
+CATEGORY_COLORS = {"compute": "#4c72b0", "lookup": "#dd8452", "comm": "#55a868"}  # Gantt chart colours, legend order
 
 
 @dataclasses.dataclass
@@ -158,35 +161,12 @@ def simulate_steps(costs: StepCosts, sc: Scenario, steps: int = 10, measure: int
 
 
 def write_gantt(path: str, schedule: Schedule, steps: int = 2, title: str = "") -> None:
-    """PNG Gantt chart of the last ``steps`` measured steps, one row per stream, colour by category (the same
-    signature as the trainer's :func:`nestpipe.trainer.pipeline.timeline.write_gantt`)."""
-    import matplotlib  # optional, slow to import: only when a chart is drawn
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = {"compute": "#4c72b0", "lookup": "#dd8452", "comm": "#55a868"}
+    """PNG Gantt chart of the last ``steps`` measured steps (and half a step before them), one row per stream,
+    colour by category; drawn by :func:`nestpipe.utils.gantt.draw`, as the trainer's measured timeline is."""
     w1 = schedule.window[1]
     span = schedule.step_time * steps
     w0 = w1 - span
-    fig, ax = plt.subplots(figsize=(12, 3.6))
-    rows = {s: i for i, s in enumerate(STREAMS)}
-    for t in schedule.tasks:
-        if t.end <= w0 - 0.5 * span or t.start >= w1 or t.duration <= 0:
-            continue
-        ax.barh(rows[t.stream], t.duration * 1e3, left=(t.start - w0) * 1e3, height=0.6,
-                color=colors[t.category], edgecolor="black", linewidth=0.3)
-        if t.duration > 0.04 * span:
-            ax.text((t.start - w0 + t.duration / 2) * 1e3, rows[t.stream], t.label, ha="center", va="center",
-                    fontsize=6, clip_on=True)
-    ax.set_yticks(range(len(STREAMS)))
-    ax.set_yticklabels(STREAMS)
-    ax.invert_yaxis()
-    ax.set_xlim(-0.5 * span * 1e3, span * 1e3)
-    ax.set_xlabel("ms (0 = start of the measured window)")
-    ax.set_title(title, fontsize=9)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), loc="upper left", fontsize=7, ncol=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    bars = [gantt.Bar(t.stream, (t.start - w0) * 1e3, (t.end - w0) * 1e3, t.label, t.category)
+            for t in schedule.tasks if t.end > w0 - 0.5 * span and t.start < w1]
+    gantt.draw(path, bars, STREAMS, CATEGORY_COLORS, title=title, xlabel="ms (0 = start of the measured window)",
+               xlim=(-0.5 * span * 1e3, span * 1e3), min_label_width=0.04 * span * 1e3, legend_loc="upper left")

@@ -21,9 +21,8 @@ import math
 from typing import Any, Dict, List, Optional, Tuple
 
 from nestpipe.datasets.shards import Manifest
-from nestpipe.planning.planner import load_plan
 from nestpipe.planning.hardware import load_hardware
-from nestpipe.planning.planner import PlannerConfig, make_plan, tables_from_manifest
+from nestpipe.planning.planner import PlannerConfig, load_plan, make_plan, tables_from_manifest
 
 # Cost-model hardware per device kind. The CPU figures describe gloo over loopback on a small host: rows are
 # copied within DRAM (``pcie_bw`` is a DRAM copy there), messages cost tens of microseconds.
@@ -58,7 +57,6 @@ def resolve_plan(manifest: Manifest, placement: str, kinds: Dict[str, str], tabl
 
 
 def _make(manifest, kinds, table_kind, dims, group, device_type) -> Dict[str, Any]:
-
     infos = {t.name: t for t in tables_from_manifest(manifest)}
     tables = []
     for name in sorted(kinds):

@@ -9,10 +9,11 @@ one Chrome-trace process per rank, one track per thread; opens in Perfetto or ch
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from typing import Callable, Dict, Iterable, List, Optional
+
+from nestpipe.utils import gantt
 from nestpipe.utils.jsonio import read_json, write_json_atomic
 
 Span = Dict[str, object]  # {"rank", "thread", "stage", "step", "mb", "t0", "t1"}
@@ -106,46 +107,21 @@ def load_chrome_trace(path: str) -> List[Span]:
 
 
 def write_gantt(path: str, spans: List[Span], steps: Optional[Iterable[int]] = None, title: str = "") -> None:
-    """A PNG Gantt chart (one row per rank and thread, one colour per step) of ``steps`` (default: the first 4)."""
-    import matplotlib  # optional, slow to import: only when a chart is drawn
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """A PNG Gantt chart (one row per rank and thread, one colour per step) of ``steps`` (default: the first 4);
+    drawn by :func:`nestpipe.utils.gantt.draw`, as the simulator's predicted schedule is."""
     all_steps = sorted({s["step"] for s in spans})
-    steps = set(steps if steps is not None else all_steps[:4])
+    steps = sorted(set(steps if steps is not None else all_steps[:4]))
     sel = [s for s in spans if s["step"] in steps and not s["stage"].startswith("wait.")]
     if not sel:
         return
-    rows = sorted({(s["rank"], s["thread"]) for s in sel},
-                  key=lambda rt: (rt[0], THREAD_ORDER.index(rt[1]) if rt[1] in THREAD_ORDER else 99))
+    lanes = sorted({(s["rank"], s["thread"]) for s in sel},
+                   key=lambda rt: (rt[0], THREAD_ORDER.index(rt[1]) if rt[1] in THREAD_ORDER else 99))
     t_base = min(s["t0"] for s in sel)
-    cmap = plt.get_cmap("tab10")
-    fig, ax = plt.subplots(figsize=(14, 0.45 * len(rows) + 1.5))
-    ordered = sorted(steps)
-    for y, rt in enumerate(rows):
-        for s in sel:
-            if (s["rank"], s["thread"]) != rt:
-                continue
-            c = cmap(ordered.index(s["step"]) % 10)
-            ax.broken_barh([((s["t0"] - t_base) * 1e3, max(s["t1"] - s["t0"], 1e-6) * 1e3)], (y - 0.4, 0.8),
-                           facecolors=c, edgecolors="black", linewidth=0.3)
-            w = (s["t1"] - s["t0"]) * 1e3
-            if w > 0:
-                label = s["stage"].split(".")[0] + (f"{s['mb']}" if s["mb"] >= 0 else "")
-                ax.text((s["t0"] - t_base) * 1e3 + w / 2, y, label, ha="center", va="center", fontsize=5, clip_on=True)
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([f"rank {r} {t}" for r, t in rows])
-    ax.invert_yaxis()
-    ax.set_xlabel("ms")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=cmap(i % 10)) for i in range(len(ordered))]
-    ax.legend(handles, [f"step {s}" for s in ordered], loc="upper right", fontsize=7)
-    ax.set_title(title or "pipeline timeline")
-    fig.tight_layout()
-    tmp = f"{path}.tmp-{os.getpid()}.png"
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
+    bars = [gantt.Bar(f"rank {s['rank']} {s['thread']}", (s["t0"] - t_base) * 1e3, (s["t1"] - t_base) * 1e3,
+                      s["stage"].split(".")[0] + (f"{s['mb']}" if s["mb"] >= 0 else ""), f"step {s['step']}")
+            for s in sel]
+    legend = {f"step {step}": gantt.PALETTE[i % len(gantt.PALETTE)] for i, step in enumerate(steps)}
+    gantt.draw(path, bars, [f"rank {r} {t}" for r, t in lanes], legend, title=title or "pipeline timeline")
 
 
 # -- overlap queries ------------------------------------------------------------------------------------------------

@@ -158,9 +158,9 @@ def run_modes(args, shards, tag, prefix=None, modes=MODES, workload="gr", env=No
 def run_network(args, shards, tag, prefix=None):
     """Everything measured on one network: the GR workload in every mode (+ nested-1t), the pooled workload in off
     and nested, TorchRec on both."""
-    out = {"gr": run_modes(args, shards["gr"], f"{tag}-gr", prefix, modes=tuple(MODES) + ("nested-1t",))}
+    out = {"gr": run_modes(args, shards["gr"], f"{tag}-gr", prefix, modes=tuple(MODES) + ("nested-1t", "auto"))}
     if shards.get("pooled"):
-        out["pooled"] = run_modes(args, shards["pooled"], f"{tag}-pooled", prefix, modes=("off", "nested"),
+        out["pooled"] = run_modes(args, shards["pooled"], f"{tag}-pooled", prefix, modes=("off", "nested", "auto"),
                                   workload="pooled")
     if args.torchrec_python:
         tr = {}
@@ -236,14 +236,28 @@ def torchrec_lines(res, title):
     for w in ("gr", "pooled"):
         if w not in tr or w not in res:
             continue
-        t, n, o = tr[w], res[w]["nested"], res[w]["off"]
+        t, n, o, a = tr[w], res[w]["nested"], res[w]["off"], res[w].get("auto")
         r = n["samples_per_s"] / t["samples_per_s"]
+        t_cpu = t.get("cpu_ms_per_step_per_rank")
         out[w] = {"torchrec_samples_per_s": t["samples_per_s"], "torchrec_ms_per_step": t["ms_per_step"],
                   "nested_samples_per_s": n["samples_per_s"], "off_samples_per_s": o["samples_per_s"],
                   "nested_over_torchrec": r, "off_over_torchrec": o["samples_per_s"] / t["samples_per_s"],
                   "torchrec_sharding": t["sharding"], "torchrec_plan": t.get("plan"),
                   "torchrec_versions": t.get("versions"),
-                  "torchrec_cpu_ms_per_step_per_rank": t.get("cpu_ms_per_step_per_rank")}
+                  "torchrec_cpu_ms_per_step_per_rank": t_cpu}
+        for name, m in (("off", o), ("nested", n), ("auto", a)):
+            if m is None:
+                continue
+            cpu_ms = 1e3 * sum(g["cpu_s"] / max(g["measured_steps"], 1) for g in m["per_rank"]) / len(m["per_rank"])
+            out[w][f"{name}_cpu_ms_per_step_per_rank"] = cpu_ms
+            if t_cpu:
+                out[w][f"{name}_over_torchrec_cpu"] = (sum(t_cpu) / len(t_cpu)) / cpu_ms
+        if a is not None:
+            out[w]["default_schedule"] = a["pipeline_choice"]
+            out[w]["auto_over_torchrec"] = a["samples_per_s"] / t["samples_per_s"]
+            print(f"{title}, {w}: NestPipe default schedule (auto -> {a['pipeline']}: {a['pipeline_choice']['reason']}) "
+                  f"{a['samples_per_s']:.0f} samples/s: default / TorchRec = {out[w]['auto_over_torchrec']:.2f} in "
+                  f"samples/s, {out[w].get('auto_over_torchrec_cpu', float('nan')):.2f} in CPU time per step")
         if "samples_per_s_rounds" in t:
             print(f"{title}, {w}: TorchRec samples/s per round: "
                   f"{', '.join(f'{x:.0f}' for x in t['samples_per_s_rounds'])}")

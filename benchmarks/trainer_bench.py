@@ -94,11 +94,14 @@ def nestpipe_worker(rank: int, world: int, a, port: int, q):
 
     from nestpipe.datasets.shards import Manifest, TableSpec
     from nestpipe.trainer.config import TrainConfig
+    from nestpipe.trainer.pipeline import auto
     from nestpipe.trainer.step import build_state, train_step
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    # what `nestpipe train` (default --pipeline auto) would run on this machine; this benchmark times `off`
+    schedule = auto.choose("auto", torch.device("cpu"), world).to_dict()
     tables = [f"t{i}" for i in range(a.tables)]
     man = Manifest(task="ctr", batch_size=a.batch, micro_batches=a.micro_batches,
                    tables={t: TableSpec(a.rows, a.dim, "pooled") for t in tables}, sets={},
@@ -137,7 +140,7 @@ def nestpipe_worker(rank: int, world: int, a, port: int, q):
 
     layout = {t: list(table_owners(state.emb.plan, t)) or list(range(world)) for t in tables}
     q.put({"rank": rank, "elapsed": el, "cpu_s": cpu, "steps": a.steps, "loss": loss, "stage_s_per_step": stages,
-           "layout": layout})
+           "layout": layout, "default_schedule": schedule})
     dist.destroy_process_group()
 
 
@@ -178,7 +181,7 @@ def bench_nestpipe(a):
             "cpu_ms_per_step_per_rank": [round(1000 * r["cpu_s"] / a.steps, 1) for r in res],
             "final_loss": res[0]["loss"], "placement": a.placement,
             # owners of every table's row shards: one rank = table-wise, all ranks = row-wise
-            "layout": res[0]["layout"], "stages_ms_per_step_rank0": {k: round(1000 * v, 2) for k, v in
+            "layout": res[0]["layout"], "default_schedule": res[0]["default_schedule"], "stages_ms_per_step_rank0": {k: round(1000 * v, 2) for k, v in
                                                                       sorted(res[0]["stage_s_per_step"].items())},
             "versions": _versions(("torch", "fbgemm-gpu-cpu", "numba", "numpy")), "threads_per_rank": 1}
 
@@ -456,6 +459,10 @@ def main(argv=None):
                   f"{out['nestpipe']['cpu_ms_per_step_per_rank']})", flush=True)
             print("  stages (ms/step, rank 0): " + json.dumps(out["nestpipe"]["stages_ms_per_step_rank0"]), flush=True)
             print(f"  placement {a.placement}: table owners " + json.dumps(out["nestpipe"]["layout"]), flush=True)
+            ds = out["nestpipe"]["default_schedule"]
+            print(f"  NestPipe's default schedule on this machine: auto -> {ds['schedule']} ({ds['reason']})"
+                  + ("" if ds["schedule"] == "off" else "; this benchmark times off: see pipeline_bench.py for "
+                     "the pipelined schedules"), flush=True)
             print(f"  versions {out['nestpipe']['versions']}", flush=True)
         if a.torchrec_python:
             runs = [bench_torchrec(a, plan) for plan in a.torchrec_plans]

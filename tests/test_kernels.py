@@ -559,10 +559,12 @@ def test_adagrad_grad_pairs_rejects_bad_input():
                              grad_pairs=(eo, ps))
 
 
+@pytest.mark.parametrize("layout", ["scattered", "runs"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_pool_segments_bitwise_equals_index_add(threads, monkeypatch):
-    """pool_segments: ordered segment sums into a flat payload at given offsets == zeros.index_add_ per segment
-    (bitwise), copies == index_select; the reference path agrees; reversed pair order differs (negative control)."""
+def test_pool_segments_bitwise_equals_index_add(threads, layout, monkeypatch):
+    """pool_segments: ordered segment sums into a flat payload at given offsets (scattered, or in runs of segments
+    laid out back to back as a payload's blocks are) == zeros.index_add_ per segment (bitwise), copies ==
+    index_select; the reference path agrees; reversed pair order differs (negative control)."""
     g = torch.Generator().manual_seed(7)
     dim, n_seg, n_pairs = 64, 30, 600
     src = torch.randn(200, dim, generator=g) * torch.logspace(-3, 4, 200).unsqueeze(1)
@@ -571,6 +573,8 @@ def test_pool_segments_bitwise_equals_index_add(threads, monkeypatch):
     offsets = torch.zeros(n_seg + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(torch.bincount(seg, minlength=n_seg), 0)
     out_offsets = torch.randperm(n_seg + 5, generator=g)[:n_seg] * dim
+    if layout == "runs":  # three blocks of consecutive segments with gaps between them
+        out_offsets = torch.cat([torch.arange(0, 10), torch.arange(12, 22), torch.arange(25, 35)]) * dim
     expect = torch.zeros(n_seg, dim).index_add_(0, seg, src[index])
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -609,3 +613,82 @@ def test_dedup_rows_equals_stable_argsort(n, num_rows):
     if n >= 500:
         bad = np.lexsort((-np.arange(n), rows))
         assert np.array_equal(rows[bad], rows[got[0]]) and not np.array_equal(bad, got[0])
+
+
+def _bags(seed, rows=300, dim=16, n_bags=60, max_len=12):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, max_len, (n_bags,), generator=g)
+    offsets = torch.zeros(n_bags + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lens, 0)
+    indices = torch.randint(0, rows, (int(offsets[-1]),), generator=g)
+    weight = torch.randn(rows, dim, generator=g) * torch.logspace(-3, 2, rows).unsqueeze(1)
+    state = torch.rand(rows, generator=g)
+    grad = torch.randn(n_bags, dim, generator=g)
+    return weight, state, indices, offsets, grad
+
+
+@pytest.mark.skipif(kernels.select_path("adagrad_bags", "cpu") != "fbgemm", reason="needs fbgemm_gpu's CPU TBE op")
+@pytest.mark.parametrize("seed", [0, 1])
+def test_adagrad_bags_fbgemm_matches_float64_formula(seed, monkeypatch):
+    """adagrad_bags (fbgemm's TBE backward): each row's gradient is the sum of its bags' gradients (multiplicity
+    counted) and it is updated once; close to the float64 formula, deterministic, and invariant bitwise under a
+    monotone renumbering of the rows (store rows -> buffer positions). The reference path agrees within float32
+    rounding. Negative controls: dropping one occurrence of a row, or the plain formula with a row updated once
+    per occurrence, is far from the result."""
+    weight, state, indices, offsets, grad = _bags(seed)
+    w, s = weight.clone(), state.clone()
+    kernels.adagrad_bags(w, s, indices, offsets, grad, 0.05, 1e-8)
+    bag_of = torch.repeat_interleave(torch.arange(len(offsets) - 1), offsets.diff())
+    g64 = torch.zeros(weight.shape, dtype=torch.float64).index_add_(0, indices, grad.double()[bag_of])
+    touched = torch.unique(indices)
+    s64 = state.double().clone()
+    s64[touched] += g64[touched].square().mean(1)
+    w64 = weight.double().clone()
+    w64[touched] -= (0.05 / (s64[touched].sqrt() + 1e-8)).unsqueeze(1) * g64[touched]
+    torch.testing.assert_close(w.double(), w64, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s.double(), s64, rtol=1e-5, atol=1e-6)
+    untouched = torch.ones(len(weight), dtype=torch.bool)
+    untouched[touched] = False
+    assert torch.equal(w[untouched], weight[untouched]) and torch.equal(s[untouched], state[untouched])
+    w2, s2 = weight.clone(), state.clone()
+    kernels.adagrad_bags(w2, s2, indices, offsets, grad, 0.05, 1e-8)
+    assert torch.equal(w2, w) and torch.equal(s2, s)
+    uniq, inv = torch.unique(indices, return_inverse=True)
+    wb, sb = weight[uniq].clone(), state[uniq].clone()
+    kernels.adagrad_bags(wb, sb, inv, offsets, grad, 0.05, 1e-8)
+    assert torch.equal(wb, w[uniq]) and torch.equal(sb, s[uniq])
+    monkeypatch.setenv("NESTPIPE_KERNELS", "reference")
+    wr, sr = weight.clone(), state.clone()
+    kernels.adagrad_bags(wr, sr, indices, offsets, grad, 0.05, 1e-8)
+    torch.testing.assert_close(wr, w, rtol=1e-5, atol=1e-6)
+    monkeypatch.delenv("NESTPIPE_KERNELS")
+    # negative controls
+    short = torch.cat([indices[:3], indices[4:]])
+    short_off = offsets.clone()
+    short_off[short_off > 3] -= 1
+    wn, sn = weight.clone(), state.clone()
+    kernels.adagrad_bags(wn, sn, short, short_off, grad, 0.05, 1e-8)
+    assert not torch.allclose(wn.double(), w64, rtol=1e-5, atol=1e-6)
+    wo, so = weight.clone(), state.clone()
+    singles = torch.arange(len(indices) + 1)
+    kernels.adagrad_bags(wo, so, indices, singles, grad[bag_of], 0.05, 1e-8)  # same row sums, one bag per use
+    torch.testing.assert_close(wo.double(), w64, rtol=1e-5, atol=1e-6)
+    per_use = weight.double().clone()
+    st = state.double().clone()
+    for j, r in enumerate(indices.tolist()):
+        st[r] += grad.double()[bag_of[j]].square().mean()
+        per_use[r] -= 0.05 / (st[r].sqrt() + 1e-8) * grad.double()[bag_of[j]]
+    assert not torch.allclose(per_use, w64, rtol=1e-5, atol=1e-6)
+
+
+def test_adagrad_bags_rejects_bad_input():
+    weight, state, indices, offsets, grad = _bags(3)
+    with pytest.raises(IndexError):
+        kernels.adagrad_bags(weight, state, indices + len(weight), offsets, grad, 0.1)
+    with pytest.raises(ValueError):
+        kernels.adagrad_bags(weight, state, indices, offsets, grad[:-1], 0.1)
+    with pytest.raises(ValueError):
+        kernels.adagrad_bags(weight.double(), state.double(), indices, offsets, grad.double(), 0.1)
+    empty_w = torch.zeros(0, weight.shape[1])
+    kernels.adagrad_bags(empty_w, torch.zeros(0), indices[:0], torch.zeros(4, dtype=torch.int64),
+                         torch.zeros(3, weight.shape[1]), 0.1)  # no row touched: nothing to do

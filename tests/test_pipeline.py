@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from nestpipe.trainer.export import assemble
+from nestpipe.trainer.pipeline import auto
 from nestpipe.trainer.pipeline import timeline as tl
 from nestpipe.measure.launcher import run_plan, write_run
 from shard_sets import make_shards
@@ -88,6 +89,8 @@ def runs(tmp_path_factory):
         add(plan2, 2, model, "off", "off")
         add(plan2, 2, model, "nested", "nested")
     add(plan2, 2, "hstu", "dbp", "dbp")
+    for model in ("hstu", "dlrm"):
+        add(plan2, 2, model, "auto", "auto")
     add(plan2, 2, "hstu", "fwp", "fwp")
     nosync = {"skip_dual_buffer_sync": True}  # negative control (nestpipe.trainer.testing_hooks)
     add(plan2, 2, "hstu", "nosync", "nested", hooks=nosync)
@@ -300,6 +303,27 @@ def test_clustering_on_vs_off_agrees_within_fp_tolerance_not_bitwise(runs):
     assert _bitwise_diff(clustered, rnd), "a different partition should change the summation order somewhere"
 
 
+@pytest.mark.parametrize("model", ["hstu", "dlrm"])
+def test_auto_records_its_choice_and_trains_bitwise_like_off(runs, model):
+    """--pipeline auto: one schedule chosen at start from the reduced measurements by the documented rule, recorded
+    with its reason in metrics.json and in the start event; whatever it chose, the result equals off bitwise."""
+    run = runs[(2, model, "auto")]
+    m = json.load(open(os.path.join(run, "metrics.json")))
+    ch = m["pipeline_choice"]
+    assert ch["requested"] == "auto" and m["pipeline"] == ch["schedule"] in ("off", "dbp", "fwp", "nested")
+    assert ch["cores_per_rank"] >= 1 and ch["reason"]
+    assert (ch["schedule"], ch["reason"], ch["overlap_can_pay"]) == auto.decide("cpu", 2, ch["cores_per_rank"],
+                                                                              ch["link_gbps"])
+    if ch["cores_per_rank"] < 2:
+        assert ch["link_gbps"] is not None and ch["link_gbps"] > 0  # the probe ran
+    starts = [json.loads(x) for x in open(os.path.join(run, "scalars.jsonl")) if '"start"' in x]
+    assert starts and starts[0]["pipeline_choice"] == ch
+    explicit = json.load(open(os.path.join(runs[(2, model, "nested")], "metrics.json")))["pipeline_choice"]
+    assert explicit["requested"] == "nested" and explicit["schedule"] == "nested"
+    assert explicit["reason"].startswith("--pipeline nested (explicit); auto would choose " + ch["schedule"])
+    assert _bitwise_diff(_export(runs[(2, model, "off")]), _export(run)) == []
+
+
 def test_resume_in_nested_is_bitwise(runs):
     run = runs[(2, "hstu", "resumed")]
     starts = [json.loads(x) for x in open(os.path.join(run, "scalars.jsonl")) if '"start"' in x]
@@ -357,10 +381,10 @@ def test_one_issuing_thread_per_group():
     assert issuers("nested", 1)["embed"] == issuers("nested", 1)["grad"] == "comm"
 
 
-def test_config_default_is_nested():
+def test_config_default_is_auto():
     from nestpipe.trainer.config import TrainConfig
 
-    assert TrainConfig().pipeline == "nested"
+    assert TrainConfig().pipeline == "auto"
     assert TrainConfig.from_dict({"pipe": {"depth": 3}}).pipe.depth == 3
 
 

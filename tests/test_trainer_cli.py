@@ -207,7 +207,7 @@ def test_config_validation_names_the_key_and_checks_types():
 
     for bad, message in (({"pipe": {"depth": 0}}, "pipe.depth = 0: must be >= 1"),
                          ({"pipe": {"comm_threads": 3}}, "pipe.comm_threads = 3: expected one of 1, 2"),
-                         ({"pipeline": "fast"}, "pipeline = 'fast': expected one of off, dbp, fwp, nested"),
+                         ({"pipeline": "fast"}, "pipeline = 'fast': expected one of auto, off, dbp, fwp, nested"),
                          ({"embedding": {"lr": "0.1"}}, "embedding.lr = '0.1': expected float"),
                          ({"progress": 1}, "progress = 1: expected bool"),
                          ({"dlrm": {"top_mlp": [64, "x"]}}, "dlrm.top_mlp"),

@@ -10,6 +10,7 @@ Public API (the trainer calls only these):
   pinned host buffer and an asynchronous host-to-device copy).
 * :func:`sequence_lookup` / :func:`pooled_lookup`: lookups by inverse index with an order-stable backward.
 * :func:`adagrad_update`: fused row-wise AdaGrad into the store (optionally momentum-scaled for 2D-SP).
+* :func:`adagrad_bags`: row-wise AdaGrad from per-bag gradients (fbgemm's TBE CPU backward), in place.
 * :func:`dual_buffer_sync`: copy the rows of keys(t) ∩ keys(t+1) from the active into the prefetch buffer.
 * :func:`select_path` / :func:`kernel_paths`: the fixed path rule and its record for run metadata.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 from . import reference
@@ -37,7 +39,7 @@ from .routing import RoutedKeys, route
 from .select import OPS, kernel_paths, select_path
 
 __all__ = [
-    "MAX_VOCAB", "OPS", "RoutedKeys", "adagrad_update", "affine_params", "block_size", "dual_buffer_sync",
+    "MAX_VOCAB", "OPS", "RoutedKeys", "adagrad_bags", "adagrad_update", "affine_params", "block_size", "dual_buffer_sync",
     "dual_buffer_sync_rows", "gather_rows", "gather_to_device", "kernel_paths", "map_into_vocab", "owner_num_rows", "placement",
     "placement_hash", "pool_segments", "pooled_lookup", "route_keys", "select_path", "sequence_lookup", "splitmix64",
 ]
@@ -181,6 +183,44 @@ def adagrad_update(
         backend(path).adagrad_update(weights, state, rows, grads, lr, eps, momentum_scale)
 
 
+def adagrad_bags(
+    weights: torch.Tensor,
+    state: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    grad_output: torch.Tensor,
+    lr: float,
+    eps: float = 1e-8,
+) -> None:
+    """Row-wise AdaGrad (the formula of :func:`adagrad_update`, ``momentum_scale`` 1) in place, from bags.
+
+    ``indices`` (int64) are local rows of ``weights`` [R, D] grouped into bags by ``offsets`` [n + 1] (int64, from
+    0 to ``len(indices)``); ``grad_output`` [n, D] is each bag's gradient. Row ``r``'s gradient is the sum of the
+    gradients of the bags it occurs in (with multiplicity); every touched row is updated once. A unique-based
+    request is a bag of one row. The summation order is the path's own (fbgemm: rows grouped by a stable sort);
+    every caller that must agree bitwise has to take the same path with the same bags in the same order.
+    """
+    if weights.dtype != torch.float32 or state.dtype != torch.float32 or grad_output.dtype != torch.float32:
+        raise ValueError("adagrad_bags: weights, state and grad_output must be float32")
+    if not weights.is_contiguous() or weights.dim() != 2 or state.shape != (weights.shape[0],):
+        raise ValueError(f"adagrad_bags: weights must be contiguous [R, D] and state [R]; got "
+                         f"{tuple(weights.shape)} / {tuple(state.shape)}")
+    if grad_output.shape != (len(offsets) - 1, weights.shape[1]):
+        raise ValueError(f"adagrad_bags: grad_output {tuple(grad_output.shape)} != ({len(offsets) - 1}, "
+                         f"{weights.shape[1]})")
+    if len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= weights.shape[0]):
+        raise IndexError(f"adagrad_bags: an index is outside [0, {weights.shape[0]})")
+    if len(indices) == 0:  # no row touched (fbgemm refuses a table of zero rows)
+        return
+    if select_path("adagrad_bags", weights.device) == "fbgemm":
+        from . import tbe  # optional: fbgemm_gpu
+
+        tbe.adagrad_bags(weights, state, indices.to(torch.int64).contiguous(), offsets.to(torch.int64).contiguous(),
+                         grad_output.contiguous(), lr, eps)
+        return
+    reference.adagrad_bags(weights, state, indices.to(torch.int64), offsets.to(torch.int64), grad_output, lr, eps)
+
+
 def entry_grads_from_pairs(src: torch.Tensor, entry_offsets: torch.Tensor, pair_src: torch.Tensor, dim: int
                            ) -> torch.Tensor:
     """``[m, dim]`` per-entry gradients: entry ``e`` sums ``src[pair_src[p]:pair_src[p] + dim]`` over its pairs in
@@ -200,8 +240,16 @@ def pool_segments(src: torch.Tensor, index: torch.Tensor, offsets: Optional[torc
     """Into the flat ``out``, at element offset ``out_offsets[s]``: with ``offsets`` (CSR, [S + 1]) the sum of
     ``src[index[j]]`` over ``offsets[s] <= j < offsets[s + 1]`` in ascending ``j`` from zero (an ordered segment
     sum, bitwise ``zeros.index_add_``); without, the row ``src[index[s]]`` (a copy). ``src`` [R, D]; index
-    tensors int64 on the CPU. The CPU float32 path is one Numba pass; others use ``index_add_`` / ``index_select``."""
+    tensors int64 on the CPU. The CPU float32 segment sum is ATen's ``embedding_bag`` (mode sum, which on x86 runs
+    fbgemm's EmbeddingSpMDM kernel: each bag's rows added in index order from zero, the same arithmetic; tested
+    bitwise) written into ``out`` one run of consecutive segments at a time; the CPU float32 row copy is one Numba
+    pass; others use ``index_add_`` / ``index_select``."""
     D = src.shape[1]
+    if (offsets is not None and src.device.type == "cpu" and out.device.type == "cpu" and src.dtype == torch.float32
+            and out.dtype == torch.float32 and len(out_offsets) and select_path("lookup", src.device) != "reference"):
+        pooled = torch.nn.functional.embedding_bag(index, src.detach(), offsets, mode="sum", include_last_offset=True)
+        _write_runs(out, out_offsets, pooled)
+        return
     if (src.device.type == "cpu" and out.device.type == "cpu" and src.dtype == torch.float32
             and out.dtype == torch.float32 and select_path("lookup", src.device) == "numba"):
         backend("numba").pool_segments(src.detach(), index, offsets, out, out_offsets)
@@ -215,6 +263,17 @@ def pool_segments(src: torch.Tensor, index: torch.Tensor, offsets: Optional[torc
         rows.index_add_(0, seg, src.index_select(0, index))
     at = (out_offsets.to(out.device)[:, None] + torch.arange(D, device=out.device)).reshape(-1)
     out.view(-1)[at] = rows.reshape(-1).to(out.dtype)
+
+
+def _write_runs(out: torch.Tensor, out_offsets: torch.Tensor, rows: torch.Tensor) -> None:
+    """``out[out_offsets[s]:out_offsets[s] + D] = rows[s]``, one copy per run of segments laid out back to back."""
+    D = rows.shape[1]
+    offs = out_offsets.numpy()
+    starts = np.flatnonzero(np.diff(offs) != D) + 1
+    bounds = [0, *starts.tolist(), len(offs)]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        o = int(offs[a])
+        out[o:o + (b - a) * D].view(b - a, D).copy_(rows[a:b])
 
 
 def dual_buffer_sync(

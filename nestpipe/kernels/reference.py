@@ -80,6 +80,20 @@ def dual_buffer_sync_rows(active_keys: torch.Tensor, prefetch_keys: torch.Tensor
     return int(targets.numel())
 
 
+def adagrad_bags(weight: torch.Tensor, state: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
+                 grad_output: torch.Tensor, lr: float, eps: float) -> None:
+    """Row-wise AdaGrad from bag gradients, in place: row ``r``'s gradient is the sum of ``grad_output[b]`` over
+    every occurrence of ``r`` in bag ``b`` (``indices[offsets[b]:offsets[b + 1]]``), summed by ``index_add_``
+    in occurrence order; then ``v += mean(g^2)``, ``w -= lr / (sqrt(v) + eps) * g`` on the touched rows."""
+    bag_of = torch.repeat_interleave(torch.arange(len(offsets) - 1, device=indices.device), offsets.diff())
+    rows, inv = torch.unique(indices, return_inverse=True)
+    grad = torch.zeros(len(rows), weight.shape[1], dtype=grad_output.dtype, device=weight.device)
+    grad.index_add_(0, inv, grad_output.index_select(0, bag_of))
+    s = state.index_select(0, rows) + grad.square().mean(dim=1)
+    state.index_copy_(0, rows, s)
+    weight.index_copy_(0, rows, weight.index_select(0, rows) - (lr / (torch.sqrt(s) + eps)).unsqueeze(1) * grad)
+
+
 def dedup_rows(rows):
     """Stable dedup of int64 numpy ``rows`` by one stable argsort: ``(order, uniq, starts, inv_sorted, inv)`` with
     ``rows[order]`` sorted (equal rows in ascending position), ``uniq`` the distinct rows, ``starts`` their first

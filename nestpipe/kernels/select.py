@@ -3,12 +3,12 @@
 Given the same installed packages, every rank picks the same paths; :func:`kernel_paths` returns them for the
 run's metadata.
 
-| device | ``route_keys``                                | every other op                          |
-|--------|-----------------------------------------------|-----------------------------------------|
-| cpu    | ``fbgemm`` if fbgemm_gpu imports, else torch   | ``numba`` if numba imports, else torch  |
-| cuda   | ``fbgemm`` if its op has a CUDA kernel, else torch | ``triton`` if triton imports, else torch |
-| npu    | ``npu`` (torch_npu required)                   | ``npu``                                 |
-| other  | ``reference``                                  | ``reference``                           |
+| device | ``route_keys``                                | ``adagrad_bags``                          | every other op                          |
+|--------|-----------------------------------------------|-------------------------------------------|-----------------------------------------|
+| cpu    | ``fbgemm`` if fbgemm_gpu imports, else torch   | ``fbgemm`` if its CPU TBE op exists, else torch | ``numba`` if numba imports, else torch  |
+| cuda   | ``fbgemm`` if its op has a CUDA kernel, else torch | torch                                 | ``triton`` if triton imports, else torch |
+| npu    | ``npu`` (torch_npu required)                   | torch                                     | ``npu``                                 |
+| other  | ``reference``                                  | ``reference``                             | ``reference``                           |
 
 ``NESTPIPE_KERNELS=reference`` forces the plain-torch references everywhere (for debugging; set it on every
 rank alike).
@@ -23,7 +23,7 @@ from typing import Dict, Union
 
 import torch
 
-OPS = ("route_keys", "gather_rows", "lookup", "adagrad_update", "dual_buffer_sync")
+OPS = ("route_keys", "gather_rows", "lookup", "adagrad_update", "adagrad_bags", "dual_buffer_sync")
 PATHS = ("reference", "fbgemm", "numba", "triton", "npu")
 FORCE_ENV = "NESTPIPE_KERNELS"
 
@@ -41,6 +41,14 @@ def has_fbgemm() -> bool:
 def has_fbgemm_cuda() -> bool:
     return has_fbgemm() and torch._C._dispatch_has_kernel_for_dispatch_key(
         "fbgemm::block_bucketize_sparse_features", "CUDA"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def has_fbgemm_tbe_cpu() -> bool:
+    """fbgemm's CPU table-batched embedding backward with fused row-wise AdaGrad (``adagrad_bags``)."""
+    return has_fbgemm() and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "fbgemm::split_embedding_backward_codegen_rowwise_adagrad_cpu", "CPU"
     )
 
 
@@ -77,6 +85,8 @@ def select_path(op: str, device: Union[str, torch.device]) -> str:
     if forced == "reference":
         return "reference"
     kind = torch.device(device).type
+    if op == "adagrad_bags":
+        return "fbgemm" if kind == "cpu" and has_fbgemm_tbe_cpu() else "reference"
     if kind == "cpu":
         if op == "route_keys":
             return "fbgemm" if has_fbgemm() else "reference"

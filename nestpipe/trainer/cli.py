@@ -7,7 +7,7 @@ import os
 
 from nestpipe.datasets.shards import load_manifest
 from nestpipe.utils.jsonio import read_json
-from nestpipe.trainer.config import (MODELS, PIPELINE_MODES, TrainConfig, describe, load_config_file, load_run_config,
+from nestpipe.trainer.config import (MODELS, SCHEDULES, TrainConfig, describe, load_config_file, load_run_config,
                                      merge, save_config)
 
 
@@ -25,9 +25,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", help="run directory")
     p.add_argument("--model", choices=MODELS)
     p.add_argument("--nproc-per-node", type=int, default=1)
-    p.add_argument("--pipeline", choices=PIPELINE_MODES, default=None,
-                   help="nested (default): DBP between batches + FWP inside a batch; dbp or fwp alone; off: "
-                        "the synchronous step. All four give bitwise-identical results")
+    p.add_argument("--pipeline", choices=SCHEDULES, default=None,
+                   help="auto (default): chosen once at start -- nested where its threads get cores of their own "
+                        "or the link is slow, else off -- printed and recorded in metrics.json; nested: DBP between "
+                        "batches + FWP inside a batch; dbp or fwp alone; off: the synchronous step. All give "
+                        "bitwise-identical results")
     p.add_argument("--sparse-groups", type=int, default=None, metavar="M",
                    help="2D sparse parallelism: M = number of workers in one model-parallel group. The world "
                         "(W ranks) is split into W/M groups of M consecutive ranks; inside a group every sharded "

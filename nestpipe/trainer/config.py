@@ -27,6 +27,7 @@ from nestpipe.utils.jsonio import read_json, write_json_atomic
 from nestpipe.utils.options import annotation_name, opt, value_fits
 
 PIPELINE_MODES = ("off", "dbp", "fwp", "nested")
+SCHEDULES = ("auto",) + PIPELINE_MODES  # --pipeline: auto chooses one of the modes at start
 MODELS = tuple(MODEL_SPECS)
 
 # Keys of configs written before the test-only hooks left the configuration: dropped on load with a warning.
@@ -73,8 +74,9 @@ class TrainConfig:
     shards: str = opt("", help="shard directory (a `nestpipe ingest` output with manifest.json)")
     out: str = opt("", help="run directory")
     model: str = opt("hstu", help="model to train: hstu (gr shards) or dlrm (ctr shards)", choices=MODELS)
-    pipeline: str = opt("nested", help="schedule: off (the synchronous step) | dbp | fwp | nested; all give "
-                        "bitwise-identical results", choices=PIPELINE_MODES)
+    pipeline: str = opt("auto", help="schedule: auto (chosen once at start from the cores per rank and a probe of "
+                        "the link, see docs/pipeline.md) | off (the synchronous step) | dbp | fwp | nested; all give "
+                        "bitwise-identical results", choices=SCHEDULES)
     steps: Optional[int] = opt(None, help="steps to train (null: epochs x batches per rank)", minimum=0)
     epochs: Optional[int] = opt(None, help="epochs to train when steps is null (null: 1)", minimum=1)
     seed: int = opt(0, help="seed of initialisation, negatives and random micro-batching", minimum=0)

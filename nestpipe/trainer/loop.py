@@ -33,6 +33,7 @@ from nestpipe.trainer.distributed import sparse_groups
 from nestpipe.trainer.distributed.device import Device
 from nestpipe.trainer.embedding import replica_sync
 from nestpipe.trainer.metrics import ScalarLog
+from nestpipe.trainer.pipeline import auto
 from nestpipe.trainer.pipeline import timeline as tlmod
 from nestpipe.trainer.pipeline.scheduler import PipelineRunner
 from nestpipe.trainer.step import StepState, build_state
@@ -67,6 +68,7 @@ class RankRun:
     stream: ShardStream
     steps: int
     state: StepState
+    schedule: auto.ScheduleChoice  # the schedule this run trains with (--pipeline, or auto's choice) and why
 
 
 class Progress:
@@ -122,7 +124,7 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
                   "nothing to resume. Train further with a larger --steps or --epochs.", flush=True)
         return {"final_loss": None, "steps": run.steps, "resumed_from_step": start, "already_finished": True}
     run.state.timeline = tlmod.Timeline(rank, start, cfg.pipe.trace_steps)
-    runner = PipelineRunner(run.state, cfg.pipeline)
+    runner = PipelineRunner(run.state, run.schedule.schedule)
     log = ScalarLog(os.path.join(cfg.out, "scalars.jsonl") if rank == 0 else None)
     announce(run, start, log)
     progress = Progress(run, start, log)
@@ -143,7 +145,8 @@ def set_up(cfg: TrainConfig, device: Device, rank: int, world: int) -> RankRun:
     steps = total_steps(cfg, stream.batches_per_rank)
     groups = sparse_groups.create_stage_groups(sparse_groups.resolve(cfg.sparse_groups, world, rank))
     state = build_state(cfg, stream.manifest, rank, world, device.torch, groups=groups)
-    return RankRun(cfg, device, rank, world, hooks, flush_denormal, stream, steps, state)
+    schedule = auto.choose(cfg.pipeline, device.torch, world)
+    return RankRun(cfg, device, rank, world, hooks, flush_denormal, stream, steps, state, schedule)
 
 
 def resume_step(run: RankRun) -> int:
@@ -159,12 +162,16 @@ def announce(run: RankRun, start: int, log: ScalarLog) -> None:
     if run.rank != 0:
         return
     cfg, emb = run.cfg, run.state.emb
+    ch = run.schedule
+    if cfg.progress or not ch.overlap_can_pay:
+        print(f"pipeline: {ch.schedule} ({ch.reason})", flush=True)
     if emb.plan is not None:
         save_plan(emb.plan, os.path.join(cfg.out, "plan.json"))
         if cfg.progress:
             print(format_plan(emb.plan), flush=True)
     log.write(
-        start, event="start", resumed_from_step=start, world=run.world, steps=run.steps, pipeline=cfg.pipeline,
+        start, event="start", resumed_from_step=start, world=run.world, steps=run.steps, pipeline=run.schedule.schedule,
+        pipeline_choice=run.schedule.to_dict(),
         dropped_batches=run.stream.dropped, kinds=emb.kinds, kernel_paths=kernel_paths(run.device.torch),
         store_huge_pages=_huge_pages(cfg), flush_denormal=run.flush_denormal, testing_hooks=run.hooks.changed())
 
@@ -218,9 +225,10 @@ def report(run: RankRun, runner: PipelineRunner, start: int, progress: Progress,
             first = min(s["step"] for s in spans)
             show = range(first + 1, first + 1 + cfg.pipe.gantt_steps)  # steady state: skip the pipeline fill
             tlmod.write_gantt(os.path.join(cfg.out, "timeline.png"), spans, show,
-                              title=f"{cfg.model}, --pipeline {cfg.pipeline}, world {world}")
+                              title=f"{cfg.model}, --pipeline {run.schedule.schedule}, world {world}")
         total_sps = sum(g["samples_per_s"] for g in gathered)
-        metrics = {"model": cfg.model, "pipeline": cfg.pipeline, "world": world, "batch_size_per_rank": B,
+        metrics = {"model": cfg.model, "pipeline": run.schedule.schedule, "pipeline_choice": run.schedule.to_dict(),
+                   "world": world, "batch_size_per_rank": B,
                    "steps_run": done, "resumed_from_step": start, "final_loss": loss,
                    "samples_per_s": total_sps, "samples_per_s_per_rank": [g["samples_per_s"] for g in gathered],
                    "per_rank": gathered, "exchange_kinds": state.emb.kinds,

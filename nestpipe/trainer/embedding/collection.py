@@ -10,17 +10,23 @@ Per batch (each step is a method, called in this order by :mod:`nestpipe.trainer
 1. :meth:`input_dist` (key routing): the requester maps its batch keys to (owner, local row); one
    ``all_to_all_single`` of counts and one of payload carry, for all slots fused, the local rows each owner must
    serve and, per micro-batch, which of them (unique-based) or which (sample, entry) pairs (reduction-based).
-   The owner concatenates what it received in (requester rank, slot) order: these are its *entries*; it
-   deduplicates them into the batch's owner rows.
+   The owner concatenates what it received in (requester rank, slot) order: these are its *entries*. Their
+   dedup into the batch's distinct rows is computed only where something needs it (a buffer, the entry update).
 2. :meth:`retrieve` (embedding retrieval): the owner gathers its batch rows (weights and AdaGrad state) from the
-   store into a buffer on the device. The buffer is frozen for the whole batch (no update inside a batch).
+   store into a buffer on the device. The buffer is frozen for the whole batch (no update inside a batch). The
+   synchronous schedules on CPU read the store directly (nothing else touches it during the batch).
 3. :meth:`embed` / :meth:`grad_exchange_and_accumulate`, per micro-batch in order: one fused embedding All2All (owner -> requester)
-   and, after the micro-batch's backward, one fused gradient All2All (requester -> owner) whose payload the owner
-   adds into per-entry gradients with ``index_add_``. Each entry thus sums its micro-batches in order.
-4. :meth:`update`: per store, the row gradient is the sum of its entries in entry order, i.e. over requester ranks
-   in rank order; row-wise AdaGrad is applied once and the rows are written back to the store. The updated rows
-   stay in the batch's buffer (now the *active* buffer) until :meth:`sync_dual_buffer` has copied the rows the next
-   batch shares into the next batch's *prefetch* buffer; :meth:`release` then frees them.
+   and, after the micro-batch's backward, one fused gradient All2All (requester -> owner) received into the
+   batch's gradient payload (micro-batch ``i`` at its own offset).
+4. :meth:`update`: one row-wise AdaGrad step per store and batch, on every row the batch touched. The *bag update*
+   (float32, fbgemm installed, no 2D-SP momentum scale: :meth:`bag_update`, a fixed rule) hands fbgemm's TBE
+   backward all of the batch's bags -- (micro-batch, requester, sample) segments, or single requested rows -- in
+   that order with their gradient rows; the *entry update* (``nestpipe.kernels.adagrad_update``, every other case)
+   sums each entry's pairs in (micro-batch, pair) order and each row's entries in entry (= requester rank) order.
+   Either way the bags, and so the arithmetic, are the same in every schedule. The updated rows are in the store
+   when it returns; in DBP they stay in the batch's buffer (now the *active* buffer) until
+   :meth:`sync_dual_buffer` has copied the rows the next batch shares into the next batch's *prefetch* buffer;
+   :meth:`release` then frees them.
 
 Every collective takes its process group as an argument: the pipelined modes give each concurrent stage its own
 group (:mod:`nestpipe.trainer.distributed.process_groups`) and issue each group's collectives from one thread only.
@@ -96,25 +102,28 @@ class _OwnStore:
 
     An *entry* is one (requester, slot, key) the owner serves; a *pair* is one use of an entry by one output
     segment of one micro-batch (reduction-based: a (sample, entry) pair of a bag; unique-based: one requested row).
+    A *bag* is one output segment: the pairs of one (micro-batch, requester, sample) (reduction-based) or a single
+    pair (unique-based). Bags are numbered in (micro-batch, requester, slot, segment) order whatever the schedule.
+
+    The distinct rows of the batch (:attr:`rows`) and everything numbered by them are computed on first use
+    (:meth:`dedup`): the buffered schedules need them (retrieval, dual-buffer sync), the direct path with the bag
+    update (:attr:`bags`) never does.
     """
 
-    rows: torch.Tensor  # unique local rows touched by the batch (sorted)
-    inv: torch.Tensor  # [entries] row (position in ``rows``) of every entry, in the update's numbering (by row)
+    rows_all: np.ndarray  # [entries] local store row of every entry, in entry order
+    pair_entry: List[np.ndarray]  # [i] entry of every pair of micro-batch i, grouped by segment
     base: Dict[Tuple[int, str], int]  # (requester, slot) -> first entry
-    # the update's entries grouped by row, ascending entry order within a row: row i's entries are
-    # seg_order[seg_offsets[i]:seg_offsets[i + 1]] (host tensors; the update sums them in this order). Entries are
-    # renumbered by row for the update, so seg_order is the identity here.
-    seg_order: Optional[torch.Tensor] = None
-    seg_offsets: Optional[torch.Tensor] = None
     pooled: bool = False  # reduction-based (segments sum their pairs) or unique-based (one pair per segment)
     # forward, per micro-batch i: pairs grouped by output segment, ascending pair order within a segment
-    fwd_pos: Optional[List[np.ndarray]] = None  # [i] buffer position (row in ``rows``) of every pair
     fwd_offsets: Optional[List[Optional[torch.Tensor]]] = None  # [i] CSR over segments (pooled only)
     fwd_out: Optional[List[torch.Tensor]] = None  # [i] element offset of every segment in i's payload
-    # backward: every entry's pairs over all micro-batches in (micro-batch, pair) order: the element offset of the
-    # pair's gradient row in the batch's gradient payload (:attr:`Routing.grad_payload`)
-    entry_offsets: Optional[torch.Tensor] = None
-    pair_src: Optional[torch.Tensor] = None
+    upd_src: Optional[List[np.ndarray]] = None  # [i] element offset in the gradient payload of every pair
+    # the bag update (``nestpipe.kernels.adagrad_bags``): every bag of the batch, its store rows and the element
+    # offset of its gradient row in the batch's gradient payload; None where the entry update is used
+    bags: bool = False
+    bag_rows: Optional[torch.Tensor] = None
+    bag_offsets: Optional[torch.Tensor] = None
+    bag_grad: Optional[torch.Tensor] = None
     # set by retrieve: rows are read from ``src`` at ``fwd_idx[i]`` -- the store itself (direct) or the buffer
     direct: bool = False
     # buffered, host-resident buffer (CPU): the update goes to the store in place and the dual-buffer sync reads the
@@ -124,6 +133,58 @@ class _OwnStore:
     buf_s: Optional[torch.Tensor] = None
     src: Optional[torch.Tensor] = None
     fwd_idx: Optional[List[torch.Tensor]] = None
+    # computed by dedup()
+    _rows: Optional[torch.Tensor] = None  # unique local rows touched by the batch (sorted)
+    inv: Optional[torch.Tensor] = None  # [entries] row (position in ``rows``) of every entry, in the update's numbering
+    fwd_pos: Optional[List[np.ndarray]] = None  # [i] buffer position (row in ``rows``) of every pair
+    # the entry update: row i's entries are seg_order[seg_offsets[i]:seg_offsets[i + 1]] (renumbered by row, so
+    # seg_order is the identity); every entry's pairs over all micro-batches in (micro-batch, pair) order: the
+    # element offset of the pair's gradient row in the batch's gradient payload (:attr:`Routing.grad_payload`)
+    seg_order: Optional[torch.Tensor] = None
+    seg_offsets: Optional[torch.Tensor] = None
+    entry_offsets: Optional[torch.Tensor] = None
+    pair_src: Optional[torch.Tensor] = None
+
+    @property
+    def rows(self) -> torch.Tensor:
+        if self._rows is None:
+            self.dedup()
+        return self._rows
+
+    def dedup(self) -> None:
+        """The batch's distinct rows and the numbering by them (one stable sort of the entries' rows, which also
+        lists each row's entries in ascending entry order: the entry update sums them in that order). A counting
+        sort over the store's rows when they are few against the entries (linear; numpy's stable argsort of int64
+        is a merge sort), else numpy's argsort."""
+        if self._rows is not None:
+            return
+        rows_all = self.rows_all
+        n_rows = self.num_store_rows
+        if kernels.select_path("adagrad_update", "cpu") == "numba" and n_rows <= 8 * len(rows_all):
+            order, uniq, starts, inv_sorted, inv = kernels.backend("numba").dedup_rows(rows_all, n_rows)
+        else:
+            order, uniq, starts, inv_sorted, inv = kernels.reference.dedup_rows(rows_all)
+        self._rows = torch.from_numpy(uniq.astype(np.int64, copy=False))
+        self.inv = torch.from_numpy(inv_sorted)
+        self.fwd_pos = [inv[e] for e in self.pair_entry]
+        if self.bags:
+            return
+        # For the entry update, entries are renumbered in row order (entry ``order[k]`` becomes ``k``: each row's
+        # entries stay in ascending entry order) and every entry's pairs are grouped by a stable sort, so they stay
+        # in (micro-batch, pair) order. The update then reads its index arrays sequentially instead of through an
+        # indirection per entry; the sums and their order are unchanged.
+        pe = np.concatenate(self.pair_entry) if self.pair_entry else np.zeros(0, np.int64)
+        ps = np.concatenate(self.upd_src) if self.upd_src else np.zeros(0, np.int64)
+        renum = np.empty(len(order), dtype=np.int64)
+        renum[order] = np.arange(len(order), dtype=np.int64)
+        key = torch.from_numpy(renum[pe])
+        p_order, self.entry_offsets = kernels.backend("numba").csr_by_segment(key, len(rows_all)) \
+            if kernels.select_path("adagrad_update", "cpu") == "numba" else _csr_numpy(key.numpy(), len(rows_all))
+        self.pair_src = torch.from_numpy(ps[p_order.numpy()])
+        self.seg_order = torch.arange(len(order), dtype=torch.int64)
+        self.seg_offsets = torch.from_numpy(np.append(starts, len(rows_all)).astype(np.int64))
+
+    num_store_rows: int = 0
 
 
 @dataclasses.dataclass
@@ -354,30 +415,27 @@ class ShardedEmbeddingCollection:
             grad_mb_off[i] = grad_mb_off[i - 1] + sum(send_splits[i - 1])
         return send_splits, recv_splits, block_off, grad_mb_off
 
+    def bag_update(self) -> bool:
+        """Whether the owners update with :func:`nestpipe.kernels.adagrad_bags` (fbgemm's TBE backward) instead of
+        :func:`nestpipe.kernels.adagrad_update` over entries: a fixed rule (its path is fbgemm; float32; plain
+        row-wise AdaGrad, i.e. no 2D-SP momentum scale), the same on every rank and for every schedule."""
+        return (kernels.select_path("adagrad_bags", self.device) == "fbgemm" and self.dtype == torch.float32
+                and self.sparse_momentum_scale == 1 and self.replica_sync is None)
+
     def _owner_plan(self, st: str, entries: List[np.ndarray], base: Dict[Tuple[int, str], int],
                     raw_mb, own_b, block_off, grad_mb_off) -> _OwnStore:
-        """The owner's plan of store ``st`` for one batch: dedup of the entries into rows, and the pair lists of the
-        forward (per micro-batch, grouped by output segment) and of the update (per entry, all micro-batches)."""
+        """The owner's plan of store ``st`` for one batch: every micro-batch's pairs grouped by output segment
+        (the forward), and either the bags of the whole batch (the bag update) or, on first use, the entries'
+        dedup into rows (:meth:`_OwnStore.dedup`: the buffered schedules and the entry update)."""
 
         W, N = self.world, len(raw_mb)
         dim = self.dims[st]
         rows_all = np.concatenate(entries).astype(np.int64, copy=False) if entries else np.zeros(0, np.int64)
         if len(rows_all) and (int(rows_all.min()) < 0 or int(rows_all.max()) >= self.stores[st].num_rows):
             raise RuntimeError(f"table {st}: rank {self.rank} received a request for a row it does not own")
-        # dedup by one stable sort, which also gives each row's entries in ascending entry order: the update sums
-        # them in that order. A counting sort over the store's rows when they are few against the entries (linear;
-        # numpy's stable argsort of int64 is a merge sort), else numpy's argsort (faster than torch.unique here).
-        numba_ok = kernels.select_path("adagrad_update", "cpu") == "numba"
-        n_rows = self.stores[st].num_rows
-        if numba_ok and n_rows <= 8 * len(rows_all):
-            # one fused counting-sort pass (the same arrays as the argsort formulation below)
-            order, uniq, starts, inv_sorted, inv = kernels.backend("numba").dedup_rows(rows_all, n_rows)
-        else:
-            order, uniq, starts, inv_sorted, inv = kernels.reference.dedup_rows(rows_all)
         slots = [s for s in self.slots if self.store_of(s) == st]
         pooled = self.slot_exchange(slots[0]) == "reduction" if slots else False
-        fwd_pos, fwd_offsets, fwd_out = [], [], []
-        upd_entry, upd_src = [], []
+        pair_entry, fwd_offsets, fwd_out, upd_src = [], [], [], []
         for i in range(N):
             p_entry, p_seg, seg_out, n_seg = [], [], [], 0
             for r in range(W):
@@ -410,25 +468,24 @@ class ShardedEmbeddingCollection:
             else:
                 fwd_offsets.append(None)
                 upd_src.append(grad_mb_off[i] + out_off)
-            fwd_pos.append(inv[e])
+            pair_entry.append(e)
             fwd_out.append(torch.from_numpy(out_off))
-            upd_entry.append(e)
-        pe = np.concatenate(upd_entry) if upd_entry else np.zeros(0, np.int64)
-        ps = np.concatenate(upd_src) if upd_src else np.zeros(0, np.int64)
-        # For the update, entries are renumbered in row order (entry ``order[k]`` becomes ``k``: each row's entries
-        # stay in ascending entry order) and every entry's pairs are grouped by a stable sort, so they stay in
-        # (micro-batch, pair) order. The update then reads its index arrays sequentially instead of through an
-        # indirection per entry; the sums and their order are unchanged.
-        renum = np.empty(len(order), dtype=np.int64)
-        renum[order] = np.arange(len(order), dtype=np.int64)
-        key = torch.from_numpy(renum[pe])
-        p_order, entry_offsets = kernels.backend("numba").csr_by_segment(key, len(rows_all)) \
-            if kernels.select_path("adagrad_update", "cpu") == "numba" else _csr_numpy(key.numpy(), len(rows_all))
-        return _OwnStore(torch.from_numpy(uniq.astype(np.int64, copy=False)), torch.from_numpy(inv_sorted).to(self.device),
-                         base, seg_order=torch.arange(len(order), dtype=torch.int64),
-                         seg_offsets=torch.from_numpy(np.append(starts, len(rows_all)).astype(np.int64)),
-                         pooled=pooled, fwd_pos=fwd_pos, fwd_offsets=fwd_offsets, fwd_out=fwd_out,
-                         entry_offsets=entry_offsets, pair_src=torch.from_numpy(ps[p_order.numpy()]))
+        o = _OwnStore(rows_all, pair_entry, base, pooled=pooled, fwd_offsets=fwd_offsets, fwd_out=fwd_out,
+                      upd_src=upd_src, num_store_rows=self.stores[st].num_rows)
+        if self.bag_update():
+            o.bags = True
+            pe = np.concatenate(pair_entry) if pair_entry else np.zeros(0, np.int64)
+            o.bag_rows = torch.from_numpy(rows_all[pe])
+            if pooled:
+                sizes = np.concatenate([np.diff(f.numpy()) for f in fwd_offsets]) if N else np.zeros(0, np.int64)
+                bag_offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+                np.cumsum(sizes, out=bag_offsets[1:])
+                o.bag_offsets = torch.from_numpy(bag_offsets)
+            else:
+                o.bag_offsets = torch.arange(len(pe) + 1, dtype=torch.int64)
+            o.bag_grad = torch.from_numpy(np.concatenate([grad_mb_off[i] + f.numpy() for i, f in enumerate(fwd_out)])
+                                          if N else np.zeros(0, np.int64))
+        return o
 
     # -- stage: embedding retrieval -----------------------------------------------------------------------------
     def retrieve(self, routing: Routing, direct: bool = False) -> None:
@@ -446,10 +503,10 @@ class ShardedEmbeddingCollection:
             # 2D-SP's replica synchronisation reads the batch's pre- and post-update rows from the buffer
             o.direct = bool(direct and self.device.type == "cpu" and self.replica_sync is None)
             if o.direct:
-                store.ensure_materialized(o.rows)
+                if store.num_materialized < store.num_rows:
+                    store.ensure_materialized(o.rows)
                 o.src = store.weight
-                rows_np = o.rows.numpy()
-                o.fwd_idx = [torch.from_numpy(rows_np[p]) for p in o.fwd_pos]
+                o.fwd_idx = [torch.from_numpy(o.rows_all[e]) for e in o.pair_entry]
             else:
                 o.update_in_store = self.device.type == "cpu" and self.replica_sync is None and self.update_in_store
                 # the update reads the AdaGrad state from the store when it updates there: no state in the buffer
@@ -576,6 +633,10 @@ class ShardedEmbeddingCollection:
         before = self.replica_sync.snapshot(routing) if self.replica_sync is not None else None
         for st, o in routing.own.items():
             store = self.stores[st]
+            if o.bags:
+                self._update_bags(store, o, g)
+                continue
+            o.dedup()
             grad_pairs = (o.entry_offsets, o.pair_src)
             if o.direct or o.update_in_store:
                 # in place in the store (the fused kernel sums each row's entries and pairs in order: no gradient
@@ -600,6 +661,28 @@ class ShardedEmbeddingCollection:
         elif g is not None:
             g.zero_()  # the gradients restart from zero (only the per-micro-batch-update control updates again)
         self.timer.add("update.sparse", time.perf_counter() - t0)
+
+    def _update_bags(self, store: RowStore, o: _OwnStore, g: torch.Tensor) -> None:
+        """The bag update of one store (:func:`nestpipe.kernels.adagrad_bags`): in place in the store (direct, and
+        buffered with the update in the store) with store rows as indices, else in the buffer with buffer
+        positions (the sorted distinct rows: a monotone renumbering, so the arithmetic is the same) and written
+        back."""
+        if len(o.bag_grad) == 0:
+            return
+        dim = self.dims[store.name]
+        # each bag's gradient row, gathered from the payload at its element offset (blocks of different dims
+        # share the payload, so the rows are taken from its length-dim windows)
+        grad_output = g.unfold(0, dim, 1).index_select(0, o.bag_grad)
+        if o.direct or o.update_in_store:
+            with store.lock:
+                kernels.adagrad_bags(store.weight, store.state, o.bag_rows, o.bag_offsets, grad_output, self.cfg.lr,
+                                     self.cfg.eps)
+            return
+        positions = torch.from_numpy(np.concatenate(o.fwd_pos))
+        kernels.adagrad_bags(o.buf_w, o.buf_s, positions, o.bag_offsets, grad_output, self.cfg.lr, self.cfg.eps)
+        t_wb = time.perf_counter()
+        store.write_back(o.rows, o.buf_w, o.buf_s)
+        self.timer.add("update.write_back", time.perf_counter() - t_wb)
 
     @torch.no_grad()
     def sync_dual_buffer(self, active: Routing, prefetch: Routing) -> int:

@@ -320,7 +320,8 @@ def test_auto_records_its_choice_and_trains_bitwise_like_off(runs, model):
     assert starts and starts[0]["pipeline_choice"] == ch
     explicit = json.load(open(os.path.join(runs[(2, model, "nested")], "metrics.json")))["pipeline_choice"]
     assert explicit["requested"] == "nested" and explicit["schedule"] == "nested"
-    assert explicit["reason"].startswith("--pipeline nested (explicit); auto would choose " + ch["schedule"])
+    would, why, _ = auto.decide("cpu", 2, explicit["cores_per_rank"], explicit["link_gbps"])  # its own probe
+    assert explicit["reason"] == f"--pipeline nested (explicit); auto would choose {would}: {why}"
     assert _bitwise_diff(_export(runs[(2, model, "off")]), _export(run)) == []
 
 

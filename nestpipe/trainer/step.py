@@ -105,11 +105,26 @@ def stage_retrieve(state: StepState, routing: Routing) -> None:
 
 # -- stage 5: forward / backward, micro-batch by micro-batch ------------------------------------------------------
 def stage_forward_backward(state: StepState, routing: Routing, feats: List[Dict[str, torch.Tensor]]) -> torch.Tensor:
-    """Returns this rank's loss sum divided by ``B * W`` (a detached scalar)."""
+    """Returns this rank's loss sum divided by ``B * W`` (a detached scalar).
+
+    Nothing overlaps the exchange here, so all micro-batches' embedding All2Alls are one collective before the
+    first dense forward, and their gradient All2Alls one after the last backward (``emb.embed_all`` /
+    ``emb.grad_exchange_all``: the same bytes and values as one exchange per micro-batch, so bitwise the same
+    result as the Frozen-Window Pipeline's per-micro-batch exchanges, which tests/test_pipeline.py compares)."""
     total = torch.zeros((), dtype=torch.float64)
     step = routing.batch.step
     tl = state.timeline
-    for i in range(len(routing.batch.micro)):
+    n = len(routing.batch.micro)
+    if n > 1:
+        with _span(tl, "embed.a2a", step, 0):
+            outs = state.emb.embed_all(routing, _group(state, "embed"))
+        for i, (emb_out, _) in enumerate(outs):
+            with _span(tl, "dense", step, i):
+                total += dense_forward_backward(state, routing, emb_out, feats[i])
+        with _span(tl, "grad.a2a", step, n - 1):
+            state.emb.grad_exchange_all(routing, [leaf for _, leaf in outs], _group(state, "grad"))
+        return total
+    for i in range(n):
         with _span(tl, "embed.a2a", step, i):
             emb_out, leaf = state.emb.embed(routing, i, _group(state, "embed"))
         with _span(tl, "dense", step, i):

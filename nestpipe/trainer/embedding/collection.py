@@ -81,6 +81,10 @@ def _csr_numpy(segment_of: np.ndarray, num_segments: int):
     return torch.from_numpy(order.astype(np.int64)), torch.from_numpy(offsets)
 
 
+def _split(x: torch.Tensor, sizes: List[int]) -> List[torch.Tensor]:
+    return list(torch.split(x, sizes))
+
+
 def table_dims(manifest: Manifest, cfg: EmbeddingConfig) -> Dict[str, int]:
     return {t: int(cfg.dim or spec.dim) for t, spec in manifest.tables.items()}
 
@@ -524,6 +528,76 @@ class ShardedEmbeddingCollection:
         send = self.embed_send(routing, i)
         recv = self.embed_exchange(routing, i, send, group)
         return self.embed_unpack(routing, i, recv)
+
+    def embed_all(self, routing: Routing, group=None) -> List[Tuple[Dict[str, torch.Tensor], torch.Tensor]]:
+        """Every micro-batch's :meth:`embed` through ONE All2All (the synchronous schedules, where nothing overlaps
+        the exchange anyway): the owner pools every micro-batch from the frozen rows, the per-micro-batch payloads
+        travel concatenated per destination, and each micro-batch's received payload becomes its own leaf. The
+        values are those of per-micro-batch exchanges (the same rows, the same sums), so the result is bitwise
+        that of :meth:`embed` called micro-batch by micro-batch; only the number of collectives differs."""
+        N, W = len(routing.batch.micro), self.world
+        sends = self._embed_send_all(routing)
+        send = self._fuse_by_peer([_split(x, routing.send_splits[i]) for i, x in enumerate(sends)])
+        recv = self._a2a(send, [sum(routing.send_splits[i][r] for i in range(N)) for r in range(W)],
+                         [sum(routing.recv_splits[i][r] for i in range(N)) for r in range(W)], "embed", group)
+        per_mb = self._unfuse_by_peer(recv, routing.recv_splits)
+        return [self.embed_unpack(routing, i, torch.cat(per_mb[i])) for i in range(N)]
+
+    def _embed_send_all(self, routing: Routing) -> List[torch.Tensor]:
+        """:meth:`embed_send` of every micro-batch with one pooling call per store: the micro-batches' payloads are
+        laid out back to back (micro-batch ``i`` at ``grad_mb_off[i]``, the gradient payload's layout), and every
+        segment of every micro-batch is pooled from the frozen rows in one call. Same sums as per micro-batch."""
+        t0 = time.perf_counter()
+        N = len(routing.batch.micro)
+        sizes = [sum(routing.send_splits[i]) for i in range(N)]
+        flat = torch.empty(sum(sizes), dtype=self.dtype, device=self.device)
+        for o in routing.own.values():
+            outs = [routing.grad_mb_off[i] + o.fwd_out[i] for i in range(N) if len(o.fwd_out[i])]
+            if not outs:
+                continue
+            index = torch.cat([o.fwd_idx[i] for i in range(N) if len(o.fwd_out[i])])
+            offsets = None
+            if o.pooled:
+                counts = torch.cat([o.fwd_offsets[i].diff() for i in range(N) if len(o.fwd_out[i])])
+                offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
+                torch.cumsum(counts, 0, out=offsets[1:])
+            kernels.pool_segments(o.src, index, offsets, flat, torch.cat(outs))
+        self.timer.add("embed.owner", time.perf_counter() - t0)
+        return list(torch.split(flat, sizes))
+
+    def grad_exchange_all(self, routing: Routing, leaves: List[torch.Tensor], group=None) -> None:
+        """Every micro-batch's gradient exchange (after all of their backwards) through ONE All2All, received into
+        each micro-batch's slice of the gradient payload: the bytes of :meth:`grad_exchange_and_accumulate` called
+        micro-batch by micro-batch, in one collective."""
+        N, W = len(routing.batch.micro), self.world
+        grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+        send = self._fuse_by_peer([_split(g, routing.recv_splits[i]) for i, g in enumerate(grads)])
+        recv = self._a2a(send, [sum(routing.recv_splits[i][r] for i in range(N)) for r in range(W)],
+                         [sum(routing.send_splits[i][r] for i in range(N)) for r in range(W)], "grad", group)
+        t0 = time.perf_counter()
+        for i, parts in enumerate(self._unfuse_by_peer(recv, routing.send_splits)):
+            off = routing.grad_mb_off[i]
+            for part in parts:
+                routing.grad_payload[off:off + part.numel()].copy_(part)
+                off += part.numel()
+        self.timer.add("grad.owner", time.perf_counter() - t0)
+
+    def _fuse_by_peer(self, blocks: List[List[torch.Tensor]]) -> torch.Tensor:
+        """``blocks[i][r]`` (micro-batch i's part for peer r) -> one buffer ordered (peer, micro-batch)."""
+        parts = [blocks[i][r] for r in range(self.world) for i in range(len(blocks))]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype, device=self.device)
+
+    def _unfuse_by_peer(self, buf: torch.Tensor, splits: List[List[int]]) -> List[List[torch.Tensor]]:
+        """Inverse of :meth:`_fuse_by_peer` for received sizes ``splits[i][r]``: views ``[i][r]``."""
+        N = len(splits)
+        out: List[List[Optional[torch.Tensor]]] = [[None] * self.world for _ in range(N)]
+        at = 0
+        for r in range(self.world):
+            for i in range(N):
+                n = splits[i][r]
+                out[i][r] = buf[at:at + n]
+                at += n
+        return out
 
     def embed_send(self, routing: Routing, i: int) -> torch.Tensor:
         """Owner side of micro-batch ``i``: rows (unique-based) or partial pools (reduction-based) from the frozen

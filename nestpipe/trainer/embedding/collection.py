@@ -561,7 +561,8 @@ class ShardedEmbeddingCollection:
                 counts = torch.cat([o.fwd_offsets[i].diff() for i in range(N) if len(o.fwd_out[i])])
                 offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
                 torch.cumsum(counts, 0, out=offsets[1:])
-            kernels.pool_segments(o.src, index, offsets, flat, torch.cat(outs))
+            # the segments' payload offsets are the bag update's gradient offsets (same layout) where it is planned
+            kernels.pool_segments(o.src, index, offsets, flat, o.bag_grad if o.bags else torch.cat(outs))
         self.timer.add("embed.owner", time.perf_counter() - t0)
         return list(torch.split(flat, sizes))
 

@@ -556,8 +556,8 @@ class ShardedEmbeddingCollection:
             if not outs:
                 continue
             index = torch.cat([o.fwd_idx[i] for i in range(N) if len(o.fwd_out[i])])
-            offsets = None
-            if o.pooled:
+            offsets = o.bag_offsets if o.bags and o.pooled else None  # planned: the same concatenated CSR
+            if o.pooled and offsets is None:
                 counts = torch.cat([o.fwd_offsets[i].diff() for i in range(N) if len(o.fwd_out[i])])
                 offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
                 torch.cumsum(counts, 0, out=offsets[1:])

@@ -56,6 +56,14 @@ from nestpipe.trainer.pipeline.timeline import load_chrome_trace
 from nestpipe.utils.jsonio import read_json
 
 ROUTE_CALLS = 2  # counts + payload all_to_all_single per step
+FUSED_EXCHANGE = ("off", "dbp")  # synchronous schedules: one embedding and one gradient All2All per batch
+
+
+def exchange_calls(pipeline: str, micro_batches: int) -> int:
+    """Embedding (and gradient) All2Alls per step: one per batch in the synchronous schedules (nothing overlaps the
+    exchange there, so the trainer fuses all micro-batches'; ``stage_forward_backward``), one per micro-batch in
+    the Frozen-Window ones."""
+    return 1 if pipeline in FUSED_EXCHANGE else int(micro_batches)
 TCP_IP_HEADER = 52  # IPv4 20 + TCP 20 + timestamps 12 bytes per packet
 
 
@@ -262,8 +270,9 @@ def _collective_points(meas: RunMeasurement, n: int, st: Optional[Dict[str, floa
     the stage times; ``meas.stages_cpu``: their CPU)."""
     st, by = meas.stages if st is None else st, meas.bytes
     pts = []
-    for name, stage, calls in (("route", "route.comm", ROUTE_CALLS), ("embed", "embed.comm", n),
-                               ("grad", "grad.comm", n), ("dense.allreduce", "dense.allreduce.comm", 1)):
+    ex = exchange_calls(meas.pipeline, n)
+    for name, stage, calls in (("route", "route.comm", ROUTE_CALLS), ("embed", "embed.comm", ex),
+                               ("grad", "grad.comm", ex), ("dense.allreduce", "dense.allreduce.comm", 1)):
         if st.get(stage, 0.0) > 0 and calls > 0:
             pts.append((calls, by.get(name, 0.0) / calls, st[stage] / calls))
     return pts
@@ -407,23 +416,28 @@ def step_costs_local(hw: LocalHardware, wl: LocalWorkload, pipeline: str, link_b
     rows_cpu = hw.row_s * wl.exchanged_rows / n
     dense = wl.flops_per_sample * wl.batch / n / hw.dense_flops * dense_scale(hw, n)
     route_b = hw.route_bytes_per_key * (wl.batch_unique + wl.exchanged_rows) * remote / ROUTE_CALLS
-    fwd_b, bwd_b = hw.embed_bytes_per_row * mb_rows, hw.grad_bytes_per_row * mb_rows
+    # one exchange per micro-batch (FWP) or all micro-batches' in one (synchronous schedules: charged to the first
+    # micro-batch's forward and the last one's backward, where the trainer issues them)
+    ex = exchange_calls(pipeline, n)
+    fwd_b, bwd_b = hw.embed_bytes_per_row * mb_rows * n / ex, hw.grad_bytes_per_row * mb_rows * n / ex
     route, fwd, bwd, reduce = ROUTE_CALLS * coll(route_b), coll(fwd_b), coll(bwd_b), coll(allreduce)
+    fwd_comm = [fwd if i % (n // ex) == 0 else 0.0 for i in range(n)]
+    bwd_comm = [bwd if (i + 1) % (n // ex) == 0 else 0.0 for i in range(n)]
     # the collectives' own CPU counts against the rank's share of the cores (``cpu_s``, the floor in :func:`predict`)
-    comm_cpu = coll_cpu(route_b, ROUTE_CALLS) + coll_cpu(fwd_b, n) + coll_cpu(bwd_b, n) + coll_cpu(allreduce, 1)
+    comm_cpu = coll_cpu(route_b, ROUTE_CALLS) + coll_cpu(fwd_b, ex) + coll_cpu(bwd_b, ex) + coll_cpu(allreduce, 1)
     return StepCosts(
         data=hw.token_s * wl.tokens * s, h2d=0.0,
         route=route,
         gather=hw.key_s * (wl.batch_unique + wl.neg_unique) * s, copy=0.0,
-        fwd=[fwd + 0.5 * rows_cpu * s] * n,
+        fwd=[c + 0.5 * rows_cpu * s for c in fwd_comm],
         compute=[dense * s] * n,
-        bwd=[bwd + 0.5 * rows_cpu * s] * n,
+        bwd=[c + 0.5 * rows_cpu * s for c in bwd_comm],
         replica=0.0,
         update=hw.step_overhead_s * s + reduce,
         writeback=0.0, sync=0.0,
         info={"cpu_s": hw.token_s * wl.tokens + hw.key_s * (wl.batch_unique + wl.neg_unique)
               + hw.row_s * wl.exchanged_rows + dense * n + hw.step_overhead_s + comm_cpu,
-              "comm_s": route + n * (fwd + bwd) + reduce})
+              "comm_s": route + ex * (fwd + bwd) + reduce})
 
 
 MODES_LOCAL = ("off", "dbp", "fwp", "nested")

@@ -80,7 +80,8 @@ def test_train_eval_export_and_errors(gr, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     ev = json.load(open(os.path.join(out, "eval.json")))
     assert set(ev["model"]) == {"HR@10", "HR@50", "NDCG@10", "NDCG@50"} and ev["samples"] > 0
-    assert "HR@10" in ev["baseline_most_popular"]
+    assert "HR@10" in ev["baseline_most_popular"] and "NDCG@10" in ev["baseline_successor_counts"]
+    assert ev["strongest_baseline"] in ("most_popular", "successor_counts")
     p = run("export", "--run", out, "--out", str(tmp_path / "m.pt"))
     assert p.returncode == 0, p.stderr[-3000:]
     d = torch.load(str(tmp_path / "m.pt"), weights_only=True)

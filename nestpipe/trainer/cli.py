@@ -58,9 +58,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("torchrun_args", nargs="*", help="passed to torch.distributed.run (after --)")
     p.set_defaults(func=_train)
 
-    e = subparsers.add_parser("eval", help="evaluate a trained run (HR/NDCG for hstu, AUC/logloss for dlrm)")
-    e.add_argument("--run", required=True)
-    e.add_argument("--max-batches", type=int, default=None)
+    e = subparsers.add_parser(
+        "eval", help="evaluate a trained run beside baselines (HR/NDCG for hstu, AUC/logloss for dlrm)",
+        description="Score the run's latest checkpoint on the eval split and, on exactly the same protocol, the "
+        "baselines fitted on the train split: most popular and successor counting (next item), the constant rate "
+        "and a logistic regression over the model's features (CTR; its fit takes up to a minute on large data). "
+        "Writes RUN/eval.json and prints it.")
+    e.add_argument("--run", required=True, help="run directory of nestpipe train")
+    e.add_argument("--max-batches", type=int, default=None, help="score only the first N eval batches")
     e.set_defaults(func=_eval)
 
     x = subparsers.add_parser("export", help="export a run as one dict of full tensors (torch.load weights_only)")

@@ -1,15 +1,19 @@
-"""``nestpipe eval``: quality of a trained run on the eval split, beside a trivial baseline. Writes ``RUN/eval.json``.
+"""``nestpipe eval``: quality of a trained run on the eval split, beside strong simple baselines fitted on the train
+split and scored on exactly the model's protocol (:mod:`nestpipe.trainer.baselines`). Writes ``RUN/eval.json``.
 
 Runs in one process from the run's latest complete checkpoint, assembled into full tables (as ``export`` does).
 
-hstu (chronological leave-one-out): the last token of every eval sample is the held-out target; the model reads the
-tokens before it and scores the last position against the item catalog by cosine similarity. Full-catalog ranking
-when the catalog has at most ``full_catalog_max`` items; above that a sampled protocol: the target against
-``sampled_negatives`` uniform random items (drawn from a generator keyed by the seed), stated in the output.
-The rank is the number of items scoring strictly higher than the target. HR@k = P(rank < k);
-NDCG@k = mean(1 / log2(rank + 2) if rank < k). Baseline: most popular items of the train split (ties by id).
+Next item (gr, chronological leave-one-out): the last token of every eval sample is the held-out target; the model
+reads the tokens before it and scores the last position against the item catalog by cosine similarity. Full-catalog
+ranking when the catalog has at most ``full_catalog_max`` items; above that a sampled protocol: the target against
+``sampled_negatives`` uniform random items (drawn from a generator keyed by the seed; the baselines rank against the
+same items), stated in the output. The rank is the number of items scoring strictly higher than the target.
+HR@k = P(rank < k); NDCG@k = mean(1 / log2(rank + 2) if rank < k). Baselines: most popular items of the train
+split, and the successor-counting model (most frequent successors of the last input item, back-filled with the
+input's own most frequent items, then popularity).
 
-dlrm: AUC and logloss of the target label; baseline: the train split's positive rate as a constant prediction.
+CTR (dlrm): AUC and logloss of the target label; baselines: the train split's positive rate as a constant, and a
+regularised logistic regression over the model's own features (settings and fit time recorded).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 import torch
 
 from nestpipe.datasets.shards import load_manifest, table_offsets
+from nestpipe.trainer import baselines
 from nestpipe.trainer.config import load_run_config
 from nestpipe.trainer.data import ShardStream, iter_shard
 from nestpipe.trainer.embedding.collection import table_dims
@@ -53,24 +58,54 @@ def _rank_metrics(ranks: np.ndarray) -> Dict[str, float]:
     return out
 
 
+def next_item_examples(shards: str, vocab: int, max_batches: Optional[int], negatives: int, seed: int):
+    """The next-item protocol, shared by the model and every baseline: per eval record ``(record, keep, inputs,
+    targets, negatives)``: ``keep`` the samples with at least two tokens, ``inputs`` their tokens before the last
+    (what is read), ``targets`` their last item (held out), ``negatives`` ``[len(targets), negatives]`` uniform
+    items from a generator keyed by ``seed`` (sampled protocol; None when ``negatives == 0``: full catalog)."""
+    g = torch.Generator().manual_seed(seed + 99)
+    for rec in _records(shards, "eval", max_batches):
+        keep = np.diff(table_offsets(rec, "item")) >= 2
+        windows = [w for w, k in zip(baselines._item_windows(rec, vocab), keep) if k]
+        targets = np.array([w[-1] for w in windows], dtype=np.int64)
+        negs = torch.randint(0, vocab, (len(targets), negatives), generator=g).numpy() if negatives else None
+        yield rec, keep, [w[:-1] for w in windows], targets, negs
+
+
+def fit_next_item_baselines(shards: str, vocab: int) -> Dict[str, object]:
+    pop, succ = baselines.fit_next_item(_records(shards, "train", None), vocab)
+    return {"most_popular": pop, "successor_counts": succ}
+
+
+def baseline_ranks(fitted: Dict[str, object], inputs, targets, negs) -> Dict[str, np.ndarray]:
+    return {name: np.array([b.rank(h, int(t), None if negs is None else negs[j])
+                            for j, (h, t) in enumerate(zip(inputs, targets))], dtype=np.int64)
+            for name, b in fitted.items()}
+
+
+def next_item_baselines(shards: str, vocab: int, max_batches: Optional[int] = None, negatives: int = 0,
+                        seed: int = 0) -> Dict[str, Dict[str, float]]:
+    """HR / NDCG of every next-item baseline on the eval split (the protocol of :func:`next_item_examples`)."""
+    fitted = fit_next_item_baselines(shards, vocab)
+    ranks: Dict[str, list] = {n: [] for n in fitted}
+    for _, _, inputs, targets, negs in next_item_examples(shards, vocab, max_batches, negatives, seed):
+        for n, r in baseline_ranks(fitted, inputs, targets, negs).items():
+            ranks[n].append(r)
+    return {n: _rank_metrics(np.concatenate(r)) for n, r in ranks.items()}
+
+
 @torch.no_grad()
 def evaluate_hstu(cfg, man, full, model, max_batches, full_catalog_max=2_000_000, sampled_negatives=1000):
     vocab = man.tables["item"].vocab
     seq = sorted(t for t, s in man.tables.items() if s.kind == "sequence")
     items = torch.nn.functional.normalize(full["embedding.item.weight"].float(), dim=-1)
-    counts = np.zeros(vocab, dtype=np.int64)
-    for rec in _records(cfg.shards, "train", None):
-        np.add.at(counts, to_vocab(rec["item.values"], vocab), 1)
-    pop_order = np.lexsort((np.arange(vocab), -counts))
-    pop_rank = np.empty(vocab, dtype=np.int64)
-    pop_rank[pop_order] = np.arange(vocab)
+    fitted = fit_next_item_baselines(cfg.shards, vocab)
     sampled = vocab > full_catalog_max
-    g = torch.Generator().manual_seed(cfg.seed + 99)
-    ranks, base_ranks = [], []
-    for rec in _records(cfg.shards, "eval", max_batches):
+    ranks, base = [], {n: [] for n in fitted}
+    for rec, keep, inputs, target, negs in next_item_examples(cfg.shards, vocab, max_batches,
+                                                              sampled_negatives if sampled else 0, cfg.seed):
         off = table_offsets(rec, "item")
         lengths = np.diff(off)
-        keep = lengths >= 2
         emb = {}
         idx = np.concatenate([np.arange(off[s], off[s + 1] - 1) for s in range(len(lengths)) if keep[s]])
         for t in seq:
@@ -80,22 +115,26 @@ def evaluate_hstu(cfg, man, full, model, max_batches, full_catalog_max=2_000_000
         hidden = model.encode(emb, in_len)
         last = torch.cumsum(in_len, 0) - 1
         q = torch.nn.functional.normalize(hidden.index_select(0, last), dim=-1)
-        target = to_vocab(rec["item.values"][off[1:][keep] - 1], vocab)
         tgt = torch.from_numpy(target)
-        if not sampled:
+        if negs is None:
             scores = q @ items.t()
             ts = scores.gather(1, tgt[:, None])
             ranks.append((scores > ts).sum(1).numpy())
         else:
-            negs = torch.randint(0, vocab, (len(target), sampled_negatives), generator=g)
+            neg = torch.from_numpy(negs)
             ts = (q * items.index_select(0, tgt)).sum(1, keepdim=True)
-            ns = torch.einsum("bd,bnd->bn", q, items.index_select(0, negs.flatten()).view(len(target), -1, q.shape[1]))
+            ns = torch.einsum("bd,bnd->bn", q, items.index_select(0, neg.flatten()).view(len(target), -1, q.shape[1]))
             ranks.append((ns > ts).sum(1).numpy())
-        base_ranks.append(pop_rank[target] if not sampled else np.zeros(len(target), np.int64))
-    r, br = np.concatenate(ranks), np.concatenate(base_ranks)
-    return {"protocol": ("sampled: target vs %d uniform random items" % sampled_negatives) if sampled
-            else f"full catalog ({vocab} items), chronological leave-one-out",
-            "samples": int(len(r)), "model": _rank_metrics(r), "baseline_most_popular": _rank_metrics(br)}
+        for n, r in baseline_ranks(fitted, inputs, target, negs).items():
+            base[n].append(r)
+    r = np.concatenate(ranks)
+    res = {"protocol": ("sampled: target vs %d uniform random items" % sampled_negatives) if sampled
+           else f"full catalog ({vocab} items), chronological leave-one-out",
+           "samples": int(len(r)), "model": _rank_metrics(r)}
+    for name, rs in base.items():
+        res[f"baseline_{name}"] = _rank_metrics(np.concatenate(rs))
+    res["strongest_baseline"] = max(base, key=lambda n: (res[f"baseline_{n}"]["NDCG@10"], n))
+    return res
 
 
 def _auc(y: np.ndarray, p: np.ndarray) -> float:
@@ -110,14 +149,16 @@ def _logloss(y: np.ndarray, p: np.ndarray) -> float:
 
 
 @torch.no_grad()
-def evaluate_dlrm(cfg, man, full, model, max_batches):
+def evaluate_dlrm(cfg, man, full, model, max_batches, logistic: Optional[baselines.LogisticConfig] = None):
     k = man.labels.index(cfg.dlrm.target)
     pos, n = 0.0, 0
     for rec in _records(cfg.shards, "train", None):
         pos += float(rec["labels"][:, k].sum())
         n += len(rec["labels"])
     rate = pos / max(n, 1)
-    ys, ps = [], []
+    lr = baselines.LogisticBaseline(model.tables, {t: man.tables[t].vocab for t in model.tables}, k,
+                                    logistic).fit(_records(cfg.shards, "train", None))
+    ys, ps, lrs = [], [], []
     for rec in _records(cfg.shards, "eval", max_batches):
         b = len(rec["mb"])
         emb = {}
@@ -130,11 +171,15 @@ def evaluate_dlrm(cfg, man, full, model, max_batches):
         logit = model.logits(emb, torch.from_numpy(np.asarray(rec["dense"], np.float32)))
         ps.append(torch.sigmoid(logit).numpy())
         ys.append(np.asarray(rec["labels"][:, k], np.float64))
+        lrs.append(lr.predict(rec))
     y, p = np.concatenate(ys), np.concatenate(ps).astype(np.float64)
     const = np.full_like(y, rate)
+    p_lr = np.concatenate(lrs)
     return {"target": cfg.dlrm.target, "samples": int(len(y)),
             "model": {"AUC": _auc(y, p), "logloss": _logloss(y, p)},
-            "baseline_constant": {"AUC": 0.5, "logloss": _logloss(y, const), "rate": rate}}
+            "baseline_constant": {"AUC": 0.5, "logloss": _logloss(y, const), "rate": rate},
+            "baseline_logistic_regression": {"AUC": _auc(y, p_lr), "logloss": _logloss(y, p_lr), "fit": lr.fit_info},
+            "strongest_baseline": "logistic_regression"}
 
 
 # the evaluation protocol of each shard task: next-item (HR/NDCG) for gr, CTR (AUC/logloss) for ctr

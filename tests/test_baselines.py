@@ -150,3 +150,49 @@ def test_logistic_baseline_learns_a_planted_signal(shuffled):
         assert abs(auc - 0.5) < 0.05, auc
     else:
         assert auc > 0.7, auc
+
+
+def _leaks(w, validation):
+    """Users whose held-out interaction (valid: e - 2, eval: e - 1) is a training target (a window's token > 0)."""
+    held = 2 if validation else 1
+    bad = 0
+    for s, e in zip(USER_STARTS.tolist(), USER_ENDS.tolist()):
+        for a, b in zip(w["train_start"], w["train_end"]):
+            if s <= a < e and (e - held) in range(a + 1, b):
+                bad += 1
+    return bad
+
+
+USER_STARTS, USER_ENDS = np.array([0, 2, 5, 15, 16]), np.array([2, 5, 15, 16, 60])
+
+
+@pytest.mark.parametrize("validation", [False, True])
+def test_gr_windows_hold_out_the_valid_interaction(validation):
+    from nestpipe.ingest.gr import windows
+
+    w = windows(USER_STARTS, USER_ENDS, 8, validation)
+    assert list(w["eval_end"]) == [2, 5, 15, 60]  # every user with 2+ interactions; the last one is the target
+    if validation:
+        assert list(w["valid_end"]) == [4, 14, 59] and list(w["valid_start"]) == [2, 6, 51]
+        assert max(w["train_end"][w["train_start"] >= 16]) == 58 and _leaks(w, True) == 0
+        # negative control: the windows of the plain split train on the valid target of every user with 3+
+        assert _leaks(windows(USER_STARTS, USER_ENDS, 8, False), True) == 3
+    else:
+        assert "valid_start" not in w and _leaks(w, False) == 0
+
+
+def test_validation_split_is_written_and_evaluable(tmp_path, gr_shards):
+    raw = os.path.join(os.path.dirname(gr_shards), "raw")
+    out = str(tmp_path / "gr-valid")
+    ingest(IngestConfig(raw=raw, out=out, task="gr", batch_size=32, micro_batches=4, max_seq_len=32,
+                        batches_per_shard=4, workers=1, progress=False, validation=True))
+    man = load_manifest(out)
+    assert set(man.sets) == {"train", "valid", "eval"}
+    vocab = man.tables["item"].vocab
+    valid = _split_windows(out, "valid", vocab)
+    evals = _split_windows(out, "eval", vocab)
+    assert len(valid) > 0.8 * len(evals)
+    got = next_item_baselines(out, vocab, split="valid")
+    assert got["successor_counts"] == pytest.approx(_independent(_split_windows(out, "train", vocab), valid, vocab))
+    # the default ingest keeps its fingerprint (no valid split, same manifest as before the option existed)
+    assert "valid" not in load_manifest(gr_shards).sets

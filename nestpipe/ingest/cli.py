@@ -48,6 +48,10 @@ def add_parser(sub) -> None:
     p.add_argument("--clustering", default="default", help="clustering method (see `nestpipe cluster-report`)")
     p.add_argument("--dim", type=int, default=64, help="default embedding dim recorded in the manifest")
     p.add_argument("--ctr-eval-days", type=int, default=3, help="ctr: the last D dates form the eval set")
+    p.add_argument("--validation", action="store_true",
+                   help="also write a 'valid' split carved from the training data, for choosing settings without "
+                   "reading eval (gr: every user's second-to-last interaction held out; ctr: the last date before "
+                   "the eval dates); evaluate on it with `nestpipe eval --split valid`")
     p.add_argument("--release", choices=["27k", "1k", "pure"], default=None, help="default: detect from file names")
     p.add_argument("--keep-work", action="store_true", help="keep the intermediate spill files in OUT/_work")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -70,7 +74,7 @@ def run_ingest(args) -> int:
         max_seq_len=args.max_seq_len, history_len=args.history_len, max_reject_fraction=args.max_reject_fraction,
         workers=args.workers, force=args.force, seed=args.seed, partitions=args.partitions, chunk_mb=args.chunk_mb,
         batches_per_shard=args.batches_per_shard, clustering=args.clustering, dim=args.dim,
-        ctr_eval_days=args.ctr_eval_days, release=args.release, keep_work=args.keep_work, progress=not args.quiet,
+        ctr_eval_days=args.ctr_eval_days, validation=args.validation, release=args.release, keep_work=args.keep_work, progress=not args.quiet,
     )
     cfg.validate()
     # Start-up time: the pool starts before this process imports the stages (Polars, NumPy), so the spawned workers
@@ -83,7 +87,8 @@ def run_ingest(args) -> int:
     print(
         f"{args.out}: task {m.task}, B={m.batch_size}, N={m.micro_batches}: "
         f"train {t['train']['batches']} batches in {t['train']['shards']} shards, "
-        f"eval {t['eval']['batches']} batches; {m.rejected_rows} rejected rows; "
+        + (f"valid {t['valid']['batches']} batches, " if "valid" in t else "")
+        + f"eval {t['eval']['batches']} batches; {m.rejected_rows} rejected rows; "
         f"{m.stats.get('seconds', 0):.1f} s"
     )
     return 0

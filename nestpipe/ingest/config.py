@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 # The ``--task`` names (the task objects are ``nestpipe.ingest.stages.TASKS``; named here so the command line
 # lists them without importing Polars).
@@ -35,6 +35,7 @@ class IngestConfig:
     clustering: str = "default"
     dim: int = 64
     ctr_eval_days: int = 3
+    validation: bool = False  # a "valid" split carved from the training data (see ``splits``)
     release: Optional[str] = None
     progress: bool = True
     keep_work: bool = False
@@ -59,8 +60,16 @@ class IngestConfig:
         if self.batches_per_shard is not None and self.batches_per_shard < 1:
             raise ValueError(f"--batches-per-shard must be >= 1, got {self.batches_per_shard}")
 
+    def splits(self) -> Tuple[str, ...]:
+        """The output splits. ``validation``: ``valid`` is carved from what would be training data, for choosing
+        settings without reading ``eval`` (gr: every user's second-to-last interaction is held out as ``eval``
+        holds out the last, training windows end before it; ctr: the last date before the eval dates)."""
+        return ("train", "valid", "eval") if self.validation else ("train", "eval")
+
     def semantic(self) -> Dict[str, Any]:
         d = dataclasses.asdict(self)
         for k in NON_SEMANTIC:
             d.pop(k)
+        if not d["validation"]:  # outputs written before the option existed keep their fingerprint
+            d.pop("validation")
         return d

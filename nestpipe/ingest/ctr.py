@@ -2,7 +2,8 @@
 user's recent-history window of video ids.
 
 Split: interactions on the last ``ctr_eval_days`` dates of the logs form the ``eval`` set, the rest ``train``
-(a chronological split). The history of a sample is the user's previous ``history_len`` video ids in the total
+(a chronological split); with ``validation`` the last date before the eval dates forms the ``valid`` set instead
+of training. The history of a sample is the user's previous ``history_len`` video ids in the total
 order (time, video, source, line), never including the sample's own interaction.
 
 Sparse tables: single-id features (kind ``single``) and two multi-hot bags (kind ``pooled``): ``tag`` (the
@@ -73,6 +74,11 @@ def _eval_cutoff(max_date: int, days: int) -> int:
     return int(d.strftime("%Y%m%d"))
 
 
+def _day_before(date: int) -> int:
+    d = datetime.datetime.strptime(str(date), "%Y%m%d").date() - datetime.timedelta(days=1)
+    return int(d.strftime("%Y%m%d"))
+
+
 def build_partition(rows: pl.DataFrame, users: pl.DataFrame,
                     opts: Dict[str, Any]) -> Tuple[Dict[str, np.ndarray], Dict[str, int]]:
     rows = sort_interactions(rows)
@@ -126,7 +132,12 @@ def build_partition(rows: pl.DataFrame, users: pl.DataFrame,
         ustart = np.maximum.accumulate(np.where(is_start, np.arange(len(user)), 0))
     else:
         ustart = np.zeros(0, np.int64)
-    is_eval = (df["date"].fill_null(0).to_numpy() >= cutoff)
+    date = df["date"].fill_null(0).to_numpy()
+    is_eval = date >= cutoff
+    is_valid = np.zeros(len(df), bool)
+    if opts.get("validation") and opts.get("max_date"):
+        is_valid = (date >= _eval_cutoff(_day_before(cutoff), 1)) & ~is_eval
+    is_train = ~is_eval & ~is_valid
     # Single-id features as one row-major (C-order) matrix: the shard stage gathers whole rows, and a row is then one
     # run of bytes in the memory-mapped file, not one value per column. int32 where every value fits (half the bytes
     # to write here and to read per shard); the shard stage widens the gathered rows back to int64.
@@ -140,9 +151,11 @@ def build_partition(rows: pl.DataFrame, users: pl.DataFrame,
         "dense": dense_rows.reshape(len(df), len(DENSE_FEATURES)),
         "labels": np.ascontiguousarray(labels.to_numpy(order="c"), dtype=np.uint8).reshape(len(df), len(LABELS)),
         "tag_values": tag_values, "tag_offsets": tag_off, "ustart": ustart.astype(np.int64),
-        "train_rows": np.flatnonzero(~is_eval).astype(np.int64), "eval_rows": np.flatnonzero(is_eval).astype(np.int64),
+        "train_rows": np.flatnonzero(is_train).astype(np.int64), "eval_rows": np.flatnonzero(is_eval).astype(np.int64),
+        "valid_rows": np.flatnonzero(is_valid).astype(np.int64),
     })
-    stats = {"rows": int(len(df)), "train_samples": int((~is_eval).sum()), "eval_samples": int(is_eval.sum()),
+    stats = {"rows": int(len(df)), "train_samples": int(is_train.sum()), "eval_samples": int(is_eval.sum()),
+             "valid_samples": int(is_valid.sum()),
              "users": int(len(np.unique(user))) if len(user) else 0, "missing_users": missing_users}
     return arrays, stats
 

@@ -5,7 +5,9 @@ not depend on the order rows arrive in. The last interaction is held out (chrono
 
 - train windows cover ``seq[:-1]`` with length at most L and stride L-1 (consecutive windows share one token), so
   every next-item target of the training prefix is predicted exactly once;
-- the eval window is the last min(L, n) interactions of the whole sequence; its last token is the target.
+- the eval window is the last min(L, n) interactions of the whole sequence; its last token is the target;
+- with ``validation`` the second-to-last interaction is held out the same way: the valid window is the last
+  min(L, n - 1) interactions of ``seq[:-1]`` (users with at least 3) and the train windows cover ``seq[:-2]``.
 
 Users with fewer than 3 interactions give no training window (counted as ``users_too_short``); users with 2
 give only an eval window; users with 1 give nothing.
@@ -38,7 +40,8 @@ def action_bitmask() -> pl.Expr:
     return expr
 
 
-def windows(user_starts: np.ndarray, user_ends: np.ndarray, max_len: int) -> Dict[str, np.ndarray]:
+def windows(user_starts: np.ndarray, user_ends: np.ndarray, max_len: int,
+            validation: bool = False) -> Dict[str, np.ndarray]:
     """Window slices (into the partition's sorted token arrays) for every user."""
     if max_len < 2:
         raise ValueError(f"max_seq_len must be >= 2, got {max_len}")
@@ -47,14 +50,20 @@ def windows(user_starts: np.ndarray, user_ends: np.ndarray, max_len: int) -> Dic
     tr_e: List[np.ndarray] = []
     ev_s: List[int] = []
     ev_e: List[int] = []
+    va_s: List[int] = []
+    va_e: List[int] = []
+    held = 2 if validation else 1  # interactions held out at the end of every user's sequence
     short = 0
     for s, e in zip(user_starts.tolist(), user_ends.tolist()):
         n = e - s
         if n >= 2:
             ev_s.append(max(s, e - max_len))
             ev_e.append(e)
-        train_end = e - 1
-        n_train = n - 1
+        if validation and n >= 3:
+            va_s.append(max(s, e - 1 - max_len))
+            va_e.append(e - 1)
+        train_end = e - held
+        n_train = n - held
         if n_train >= 2:
             starts = s + np.arange(0, n_train - 1, stride)
             tr_s.append(starts)
@@ -62,11 +71,14 @@ def windows(user_starts: np.ndarray, user_ends: np.ndarray, max_len: int) -> Dic
         else:
             short += 1
     cat = lambda xs: np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, np.int64)  # noqa: E731
-    return {
+    out = {
         "train_start": cat(tr_s), "train_end": cat(tr_e),
         "eval_start": np.asarray(ev_s, np.int64), "eval_end": np.asarray(ev_e, np.int64),
         "users_too_short": np.asarray([short], np.int64),
     }
+    if validation:
+        out.update({"valid_start": np.asarray(va_s, np.int64), "valid_end": np.asarray(va_e, np.int64)})
+    return out
 
 
 USER_BITS, TIME_BITS = 21, 42  # (user, time) packed into one non-negative int64 when both fit
@@ -96,7 +108,8 @@ def sort_interactions(df: pl.DataFrame) -> pl.DataFrame:
     return df.sort(SORT_KEYS)
 
 
-def build_partition(df: pl.DataFrame, max_len: int) -> Tuple[Dict[str, np.ndarray], Dict[str, int]]:
+def build_partition(df: pl.DataFrame, max_len: int,
+                    validation: bool = False) -> Tuple[Dict[str, np.ndarray], Dict[str, int]]:
     """Joined log rows of one user partition -> token arrays + window slices (all numpy, no pickle)."""
     df = sort_interactions(df)
     tokens = df.select(
@@ -117,7 +130,7 @@ def build_partition(df: pl.DataFrame, max_len: int) -> Tuple[Dict[str, np.ndarra
         ends = np.concatenate([cut, [len(user)]])
     else:
         starts = ends = np.zeros(0, np.int64)
-    w = windows(starts, ends, max_len)
+    w = windows(starts, ends, max_len, validation)
     arrays.update(w)
     stats = {
         "tokens": int(len(user)),
@@ -126,6 +139,8 @@ def build_partition(df: pl.DataFrame, max_len: int) -> Tuple[Dict[str, np.ndarra
         "eval_samples": int(len(w["eval_start"])),
         "users_too_short": int(w["users_too_short"][0]),
     }
+    if validation:
+        stats["valid_samples"] = int(len(w["valid_start"]))
     return arrays, stats
 
 
@@ -209,8 +224,7 @@ def shard_records(cache: "PartitionCache", parts: np.ndarray, idxs: np.ndarray, 
     """Yield (key, batch) records of one GR shard, built lazily so only one batch is in memory at a time."""
     B = opts["batch_size"]
     tables = opts["tables"]
-    key = "train_start" if split == "train" else "eval_start"
-    kend = "train_end" if split == "train" else "eval_end"
+    key, kend = f"{split}_start", f"{split}_end"
     for j in range(n_batches):
         if j == 1:
             crash_point("shard", k, "mid")
@@ -252,7 +266,7 @@ class GRTask(IngestTask):
 
     def samples(self, work: str, q: int, opts: Dict[str, Any]):
         rows, missing = rows_with_authors(work, q)
-        arrays, stats = build_partition(rows, opts["max_seq_len"])
+        arrays, stats = build_partition(rows, opts["max_seq_len"], bool(opts.get("validation")))
         stats["missing_video_features"] = missing
         return arrays, stats
 

@@ -161,7 +161,7 @@ def _batch_order(counts: Sequence[int], seed: int, split: str) -> Tuple[np.ndarr
     """Global sample order of a split: partitions in order, each shuffled by a generator keyed by
     (seed, split, partition). Returns (partition id, index within partition) per sample."""
     parts, idxs = [], []
-    split_key = {"train": 0, "eval": 1}[split]
+    split_key = {"train": 0, "eval": 1, "valid": 2}[split]
     for q, n in enumerate(counts):
         rng = np.random.default_rng([seed, split_key, q])
         parts.append(np.full(n, q, np.int32))
@@ -317,6 +317,7 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
     s2 = task.join(ex, cfg, work, maxima, num_parts)
     # 3. samples
     opts = {"max_seq_len": cfg.max_seq_len, "history_len": cfg.history_len, "ctr_eval_days": cfg.ctr_eval_days,
+            "validation": cfg.validation,
             "max_date": maxima.get("date", 0)}
     s3 = ex.run(_unit_samples, [(work, cfg.task, q, opts) for q in range(num_parts)], cfg, "3/4 samples",
                 rows_of=lambda s: s.get("tokens", s.get("rows", 0)))
@@ -327,7 +328,7 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
     sets: Dict[str, List[shards.ShardEntry]] = {}
     dropped: Dict[str, int] = {}
     shard_units = []
-    for split in ("train", "eval"):
+    for split in cfg.splits():
         counts = [s[f"{split}_samples"] for s in s3]
         parts, idxs = _batch_order(counts, cfg.seed, split)
         for name, arr in (("parts", parts), ("idxs", idxs)):
@@ -345,7 +346,7 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
     for u, r in zip(shard_units, s4):
         entry = shards.ShardEntry(r["path"], r["batches"], r["samples"], r["sha256"], r["bytes"])
         sets.setdefault(u[2], []).append(entry)
-    for split in ("train", "eval"):
+    for split in cfg.splits():
         sets.setdefault(split, [])
     if not sets["train"]:
         raise IngestError(
@@ -359,7 +360,7 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
         "partitions": num_parts,
         "missing_video_features": sum(s.get("missing_video_features", 0) for s in s2 + s3),
         "duplicate_video_rows": sum(s["duplicate_video_rows"] for s in s2),
-        "samples": {split: int(sum(s[f"{split}_samples"] for s in s3)) for split in ("train", "eval")},
+        "samples": {split: int(sum(s[f"{split}_samples"] for s in s3)) for split in cfg.splits()},
         "resumed_shards": sum(1 for r in s4 if r.get("resumed")),
         "seconds": round(time.time() - t_start, 3),
         "stage_seconds": dict(ex.stage_seconds),

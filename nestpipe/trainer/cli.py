@@ -66,6 +66,9 @@ def add_parser(subparsers) -> None:
         "Writes RUN/eval.json and prints it.")
     e.add_argument("--run", required=True, help="run directory of nestpipe train")
     e.add_argument("--max-batches", type=int, default=None, help="score only the first N eval batches")
+    e.add_argument("--split", default="eval", choices=["eval", "valid"],
+                   help="valid: the split carved from the training data by `nestpipe ingest --validation` (for "
+                   "choosing settings; writes RUN/eval-valid.json)")
     e.set_defaults(func=_eval)
 
     x = subparsers.add_parser("export", help="export a run as one dict of full tensors (torch.load weights_only)")
@@ -156,7 +159,7 @@ def _print_metrics(run: str) -> None:
 def _eval(args) -> int:
     from nestpipe.trainer.evaluate import evaluate_run  # start-up time: torch only for this command
 
-    res = evaluate_run(args.run, max_batches=args.max_batches)
+    res = evaluate_run(args.run, max_batches=args.max_batches, split=args.split)
     print(json.dumps(res, indent=1, sort_keys=True))
     return 0
 

@@ -58,13 +58,14 @@ def _rank_metrics(ranks: np.ndarray) -> Dict[str, float]:
     return out
 
 
-def next_item_examples(shards: str, vocab: int, max_batches: Optional[int], negatives: int, seed: int):
+def next_item_examples(shards: str, vocab: int, max_batches: Optional[int], negatives: int, seed: int,
+                       split: str = "eval"):
     """The next-item protocol, shared by the model and every baseline: per eval record ``(record, keep, inputs,
     targets, negatives)``: ``keep`` the samples with at least two tokens, ``inputs`` their tokens before the last
     (what is read), ``targets`` their last item (held out), ``negatives`` ``[len(targets), negatives]`` uniform
     items from a generator keyed by ``seed`` (sampled protocol; None when ``negatives == 0``: full catalog)."""
     g = torch.Generator().manual_seed(seed + 99)
-    for rec in _records(shards, "eval", max_batches):
+    for rec in _records(shards, split, max_batches):
         keep = np.diff(table_offsets(rec, "item")) >= 2
         windows = [w for w, k in zip(baselines._item_windows(rec, vocab), keep) if k]
         targets = np.array([w[-1] for w in windows], dtype=np.int64)
@@ -84,18 +85,19 @@ def baseline_ranks(fitted: Dict[str, object], inputs, targets, negs) -> Dict[str
 
 
 def next_item_baselines(shards: str, vocab: int, max_batches: Optional[int] = None, negatives: int = 0,
-                        seed: int = 0) -> Dict[str, Dict[str, float]]:
+                        seed: int = 0, split: str = "eval") -> Dict[str, Dict[str, float]]:
     """HR / NDCG of every next-item baseline on the eval split (the protocol of :func:`next_item_examples`)."""
     fitted = fit_next_item_baselines(shards, vocab)
     ranks: Dict[str, list] = {n: [] for n in fitted}
-    for _, _, inputs, targets, negs in next_item_examples(shards, vocab, max_batches, negatives, seed):
+    for _, _, inputs, targets, negs in next_item_examples(shards, vocab, max_batches, negatives, seed, split):
         for n, r in baseline_ranks(fitted, inputs, targets, negs).items():
             ranks[n].append(r)
     return {n: _rank_metrics(np.concatenate(r)) for n, r in ranks.items()}
 
 
 @torch.no_grad()
-def evaluate_hstu(cfg, man, full, model, max_batches, full_catalog_max=2_000_000, sampled_negatives=1000):
+def evaluate_hstu(cfg, man, full, model, max_batches, split="eval", full_catalog_max=2_000_000,
+                  sampled_negatives=1000):
     vocab = man.tables["item"].vocab
     seq = sorted(t for t, s in man.tables.items() if s.kind == "sequence")
     items = torch.nn.functional.normalize(full["embedding.item.weight"].float(), dim=-1)
@@ -103,7 +105,7 @@ def evaluate_hstu(cfg, man, full, model, max_batches, full_catalog_max=2_000_000
     sampled = vocab > full_catalog_max
     ranks, base = [], {n: [] for n in fitted}
     for rec, keep, inputs, target, negs in next_item_examples(cfg.shards, vocab, max_batches,
-                                                              sampled_negatives if sampled else 0, cfg.seed):
+                                                              sampled_negatives if sampled else 0, cfg.seed, split):
         off = table_offsets(rec, "item")
         lengths = np.diff(off)
         emb = {}
@@ -149,7 +151,8 @@ def _logloss(y: np.ndarray, p: np.ndarray) -> float:
 
 
 @torch.no_grad()
-def evaluate_dlrm(cfg, man, full, model, max_batches, logistic: Optional[baselines.LogisticConfig] = None):
+def evaluate_dlrm(cfg, man, full, model, max_batches, split="eval",
+                  logistic: Optional[baselines.LogisticConfig] = None):
     k = man.labels.index(cfg.dlrm.target)
     pos, n = 0.0, 0
     for rec in _records(cfg.shards, "train", None):
@@ -159,7 +162,7 @@ def evaluate_dlrm(cfg, man, full, model, max_batches, logistic: Optional[baselin
     lr = baselines.LogisticBaseline(model.tables, {t: man.tables[t].vocab for t in model.tables}, k,
                                     logistic).fit(_records(cfg.shards, "train", None))
     ys, ps, lrs = [], [], []
-    for rec in _records(cfg.shards, "eval", max_batches):
+    for rec in _records(cfg.shards, split, max_batches):
         b = len(rec["mb"])
         emb = {}
         for t in model.tables:
@@ -186,17 +189,23 @@ def evaluate_dlrm(cfg, man, full, model, max_batches, logistic: Optional[baselin
 PROTOCOLS = {"gr": evaluate_hstu, "ctr": evaluate_dlrm}
 
 
-def evaluate_run(run: str, max_batches: Optional[int] = None) -> Dict:
+def evaluate_run(run: str, max_batches: Optional[int] = None, split: str = "eval") -> Dict:
+    """Evaluate ``run`` on ``split`` (``eval``, or ``valid`` for shards ingested with ``--validation``); writes
+    ``RUN/eval.json`` (``RUN/eval-valid.json`` for the valid split)."""
     cfg = load_run_config(run)
     torch.set_num_threads(max(1, cfg.threads))
     man = load_manifest(cfg.shards)
+    if split not in man.sets:
+        raise ValueError(f"{cfg.shards}: no {split!r} split (splits: {sorted(man.sets)})"
+                         + ("; ingest with --validation to carve one from the training data" if split == "valid"
+                            else ""))
     full = assemble(run)
     model = build_model(cfg, man, table_dims(man, cfg.embedding))
     model.load_state_dict({k[len("dense."):]: v.float() for k, v in full.items() if k.startswith("dense.")})
     model.eval()
-    res = PROTOCOLS[model_spec(cfg.model).task](cfg, man, full, model, max_batches)
-    res.update({"run": os.path.abspath(run), "step": int(full["meta.step"]), "model_name": cfg.model})
-    write_json_atomic(os.path.join(run, "eval.json"), res)
+    res = PROTOCOLS[model_spec(cfg.model).task](cfg, man, full, model, max_batches, split)
+    res.update({"run": os.path.abspath(run), "step": int(full["meta.step"]), "model_name": cfg.model, "split": split})
+    write_json_atomic(os.path.join(run, "eval.json" if split == "eval" else f"eval-{split}.json"), res)
     return res
 
 

@@ -37,6 +37,8 @@ MB = 4  # micro-batches per batch
 SETS = {
     "hstu": {"embedding": {"replicate_max_rows": 300, "lr": 0.05}, "optim": {"lr": 0.01, "weight_decay": 0.01},
              "hstu": {"num_layers": 1, "num_random_negatives": 8, "num_popular_negatives": 8}},
+    "sasrec": {"embedding": {"replicate_max_rows": 300, "lr": 0.05}, "optim": {"lr": 0.01, "weight_decay": 0.01},
+               "sasrec": {"num_layers": 1, "num_random_negatives": 8, "num_popular_negatives": 8}},
     "dlrm": {"embedding": {"replicate_max_rows": 256, "lr": 0.05}, "optim": {"lr": 0.01, "weight_decay": 0.01},
              "dlrm": {"bottom_mlp": [16, 8], "top_mlp": [16], "cross_rank": 4}},
 }
@@ -53,7 +55,7 @@ def _sets(model, **pipe):
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("pipe")
     shards = {
-        "hstu": str(base / "gr"), "dlrm": str(base / "ctr")}
+        "hstu": str(base / "gr"), "sasrec": str(base / "gr"), "dlrm": str(base / "ctr")}
     make_shards(shards["hstu"], "gr", batch_size=12, micro_batches=MB, shards=(11, 12, 11), eval_shards=(1,),
                 vocab=400, seq_len=10, seed=1)
     make_shards(shards["dlrm"], "ctr", batch_size=16, micro_batches=MB, shards=(11, 12, 11), eval_shards=(1,),
@@ -85,7 +87,7 @@ def runs(tmp_path_factory):
         out[(world, model, name)] = run
 
     plan2 = []
-    for model in ("hstu", "dlrm"):
+    for model in ("hstu", "dlrm", "sasrec"):
         add(plan2, 2, model, "off", "off")
         add(plan2, 2, model, "nested", "nested")
     add(plan2, 2, "hstu", "dbp", "dbp")
@@ -95,6 +97,7 @@ def runs(tmp_path_factory):
     nosync = {"skip_dual_buffer_sync": True}  # negative control (nestpipe.trainer.testing_hooks)
     add(plan2, 2, "hstu", "nosync", "nested", hooks=nosync)
     add(plan2, 2, "dlrm", "nosync", "nested", hooks=nosync)
+    add(plan2, 2, "sasrec", "nosync", "nested", hooks=nosync)
     # the buffered update with write-back (the device path's order) instead of the CPU default (update in the store,
     # sync from the store), with its own sync-off control
     wb = {"dbp_update_in_store": False}
@@ -147,8 +150,7 @@ def _spans(run):
     return tl.load_chrome_trace(os.path.join(run, "trace.json"))
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("model", ["hstu", "dlrm"])
+@pytest.mark.parametrize("model,world", [(m, w) for m in ("hstu", "dlrm") for w in (2, 3, 4)] + [("sasrec", 2)])
 def test_nested_is_bitwise_equal_to_off_and_overlaps(runs, model, world):
     """World 4 runs 2D sparse parallelism (2 groups of 2)."""
     steps = STEPS_2DSP if world == 4 else STEPS
@@ -245,7 +247,7 @@ def test_negative_control_dual_buffer_sync_off_breaks_equality_with_write_back(r
     assert any(k.startswith("embedding.") for k in diff), diff
 
 
-@pytest.mark.parametrize("model", ["hstu", "dlrm"])
+@pytest.mark.parametrize("model", ["hstu", "dlrm", "sasrec"])
 def test_negative_control_dual_buffer_sync_off_breaks_equality(runs, model):
     off, bad = _export(runs[(2, model, "off")]), _export(runs[(2, model, "nosync")])
     diff = _bitwise_diff(off, bad)

@@ -26,6 +26,7 @@ import torch
 from nestpipe.clustering.balance import capacities
 from nestpipe.trainer.config import TrainConfig
 from nestpipe.trainer.data import ShardStream
+from nestpipe.trainer.models import model_spec
 from nestpipe.trainer.embedding.collection import table_dims
 from nestpipe.trainer.models import build_model
 from nestpipe.trainer.models.hstu import NEG
@@ -37,10 +38,10 @@ def _micro_batch_inputs(cfg, manifest, record: Dict, model, dims: Dict[str, int]
     caps = capacities(b, n)
     starts = np.concatenate([[0], np.cumsum(caps)]).astype(np.int64)
     out = []
-    if cfg.model == "hstu":
+    if model_spec(cfg.model).task == "gr":
         dim = model.dim
         lengths = np.asarray(record["item.lengths"], dtype=np.int64)
-        k = int(cfg.hstu.num_random_negatives) + int(cfg.hstu.num_popular_negatives)
+        k = sum(model_spec(cfg.model).negatives(cfg))
         neg_ids = torch.randint(0, 1 << 30, (k,), generator=rng)
         for g in range(n):
             ln = torch.from_numpy(lengths[starts[g]:starts[g + 1]].copy())

@@ -107,13 +107,17 @@ class LocalWorkload:
 def dense_flops_per_sample(cfg: Dict, manifest) -> float:
     """Forward + backward FLOPs of one sample (3 x forward multiply-adds x 2), from the model config."""
     dim = int(cfg["embedding"].get("dim") or next(iter(manifest.tables.values())).dim)
-    if cfg["model"] == "hstu":
-        h = cfg["hstu"]
+    if cfg["model"] in ("hstu", "sasrec"):
+        h = cfg[cfg["model"]]
         L = min(int(manifest.max_seq_len or h["max_seq_len"]), int(h["max_seq_len"]))
-        hd = int(h["num_heads"]) * int(h["linear_dim"])
-        per_token = (dim * 4 * hd  # u, v, q, k projections
-                     + 2 * L * hd  # q k^T and attention x v over the sequence
-                     + hd * dim)  # output projection
+        if cfg["model"] == "hstu":
+            hd = int(h["num_heads"]) * int(h["linear_dim"])
+            per_token = (dim * 4 * hd  # u, v, q, k projections
+                         + 2 * L * hd  # q k^T and attention x v over the sequence
+                         + hd * dim)  # output projection
+        else:
+            per_token = (dim * 3 * dim + 2 * L * dim + dim * dim  # q, k, v; attention; output projection
+                         + 2 * int(h["ffn_mult"]) * dim * dim)  # point-wise feed-forward
         per_token *= int(h["num_layers"])
         per_token += (int(h["num_random_negatives"]) + int(h["num_popular_negatives"]) + 1) * dim  # logits
         fwd = per_token * L
@@ -139,8 +143,9 @@ def workload_from_shards(shards: str, cfg: Dict, world: int, steps: int = 8) -> 
     seq = [t for t, s in sorted(man.tables.items()) if s.kind in ("sequence", "single")]
     exch = [t for t in seq if kinds.get(t, "unique" if man.tables[t].vocab > rep_max else "replicated") == "unique"]
     n_rand, n_pop = 0, 0
-    if cfg["model"] == "hstu" and "item" in exch:
-        n_rand, n_pop = int(cfg["hstu"]["num_random_negatives"]), int(cfg["hstu"]["num_popular_negatives"])
+    if cfg["model"] in ("hstu", "sasrec") and "item" in exch:
+        h = cfg[cfg["model"]]
+        n_rand, n_pop = int(h["num_random_negatives"]), int(h["num_popular_negatives"])
     tok, bu, mu, neg, n = 0.0, 0.0, 0.0, 0.0, 0
     for r in range(world):
         s = stream0 if r == 0 else ShardStream(shards, "train", r, world, verify=False)

@@ -21,8 +21,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from nestpipe.trainer.embedding.config import EXCHANGE_KINDS, EmbeddingConfig
 from nestpipe.trainer.models import MODEL_SPECS
-from nestpipe.trainer.models.dlrm import DLRMConfig
-from nestpipe.trainer.models.hstu import HSTUConfig
 from nestpipe.utils.jsonio import read_json, write_json_atomic
 from nestpipe.utils.options import annotation_name, opt, value_fits
 
@@ -36,6 +34,8 @@ RETIRED_KEYS = {
     "embedding.debug_requester_salt", "embedding.debug_skip_replica_sync",
     "pipe.debug_skip_dual_buffer_sync", "pipe.debug_update_per_micro_batch", "pipe.debug_replica_refresh_own_keys_only",
 }
+# keys removed because they did nothing: runs that set them trained exactly as without them
+REMOVED_NO_OP_KEYS = {"hstu.dropout": "the model never applied it"}
 
 
 @dataclasses.dataclass
@@ -70,10 +70,13 @@ class PipelineConfig:
 
 
 @dataclasses.dataclass
-class TrainConfig:
+class _TrainConfigBase:
+    """Everything but the model sections (those come from the model registry: ``TrainConfig`` below)."""
+
     shards: str = opt("", help="shard directory (a `nestpipe ingest` output with manifest.json)")
     out: str = opt("", help="run directory")
-    model: str = opt("hstu", help="model to train: hstu (gr shards) or dlrm (ctr shards)", choices=MODELS)
+    model: str = opt("hstu", help="model to train: " + ", ".join(f"{n} ({s.task} shards)" for n, s in MODEL_SPECS.items()),
+                     choices=MODELS)
     pipeline: str = opt("auto", help="schedule: auto (chosen once at start from the cores per rank and a probe of "
                         "the link, see docs/pipeline.md) | off (the synchronous step) | dbp | fwp | nested; all give "
                         "bitwise-identical results", choices=SCHEDULES)
@@ -94,8 +97,6 @@ class TrainConfig:
     progress: bool = opt(True, help="show a progress bar on rank 0")
     verify_shards: bool = opt(True, help="check every shard's sha256 against the manifest before training")
     embedding: EmbeddingConfig = opt(factory=EmbeddingConfig, help="sparse tables")
-    hstu: HSTUConfig = opt(factory=HSTUConfig, help="the HSTU model")
-    dlrm: DLRMConfig = opt(factory=DLRMConfig, help="the DLRM model")
     optim: OptimConfig = opt(factory=OptimConfig, help="dense optimizer")
     pipe: PipelineConfig = opt(factory=PipelineConfig, help="the nested pipeline")
 
@@ -111,8 +112,14 @@ class TrainConfig:
         return cfg
 
 
-_SECTIONS = {"embedding": EmbeddingConfig, "hstu": HSTUConfig, "dlrm": DLRMConfig, "optim": OptimConfig,
-             "pipe": PipelineConfig}
+# One section per registered model (``models/<name>.py`` defines its config class and SPEC): adding a model touches
+# nothing here.
+TrainConfig = dataclasses.make_dataclass(
+    "TrainConfig", [(name, spec.config, opt(factory=spec.config, help=spec.help)) for name, spec in MODEL_SPECS.items()],
+    bases=(_TrainConfigBase,), namespace={"__module__": __name__, "__doc__": "``nestpipe train`` configuration."})
+
+_SECTIONS = {"embedding": EmbeddingConfig, "optim": OptimConfig, "pipe": PipelineConfig,
+             **{name: spec.config for name, spec in MODEL_SPECS.items()}}
 
 
 def _drop_retired(d: Dict[str, Any], where: str) -> Dict[str, Any]:
@@ -127,6 +134,11 @@ def _drop_retired(d: Dict[str, Any], where: str) -> Dict[str, Any]:
     if dropped:
         print(f"warning: {where}: ignoring {', '.join(dropped)}: test-only hooks are no longer configuration keys "
               "(they are set through nestpipe.trainer.testing_hooks)", file=sys.stderr)
+    for key, why in sorted(REMOVED_NO_OP_KEYS.items()):
+        section, name = key.split(".")
+        if isinstance(out.get(section), dict) and name in out[section]:
+            out[section].pop(name)
+            print(f"warning: {where}: ignoring {key}: removed because {why}", file=sys.stderr)
     return out
 
 

@@ -3,7 +3,7 @@ split and scored on exactly the model's protocol (:mod:`nestpipe.trainer.baselin
 
 Runs in one process from the run's latest complete checkpoint, assembled into full tables (as ``export`` does).
 
-Next item (gr, chronological leave-one-out): the last token of every eval sample is the held-out target; the model
+Next item (gr: hstu, sasrec; chronological leave-one-out): the last token of every eval sample is the held-out target; the model
 reads the tokens before it and scores the last position against the item catalog by cosine similarity. Full-catalog
 ranking when the catalog has at most ``full_catalog_max`` items; above that a sampled protocol: the target against
 ``sampled_negatives`` uniform random items (drawn from a generator keyed by the seed; the baselines rank against the
@@ -96,7 +96,7 @@ def next_item_baselines(shards: str, vocab: int, max_batches: Optional[int] = No
 
 
 @torch.no_grad()
-def evaluate_hstu(cfg, man, full, model, max_batches, split="eval", full_catalog_max=2_000_000,
+def evaluate_next_item(cfg, man, full, model, max_batches, split="eval", full_catalog_max=2_000_000,
                   sampled_negatives=1000):
     vocab = man.tables["item"].vocab
     seq = sorted(t for t, s in man.tables.items() if s.kind == "sequence")
@@ -151,7 +151,7 @@ def _logloss(y: np.ndarray, p: np.ndarray) -> float:
 
 
 @torch.no_grad()
-def evaluate_dlrm(cfg, man, full, model, max_batches, split="eval",
+def evaluate_ctr(cfg, man, full, model, max_batches, split="eval",
                   logistic: Optional[baselines.LogisticConfig] = None):
     k = man.labels.index(cfg.dlrm.target)
     pos, n = 0.0, 0
@@ -186,7 +186,7 @@ def evaluate_dlrm(cfg, man, full, model, max_batches, split="eval",
 
 
 # the evaluation protocol of each shard task: next-item (HR/NDCG) for gr, CTR (AUC/logloss) for ctr
-PROTOCOLS = {"gr": evaluate_hstu, "ctr": evaluate_dlrm}
+PROTOCOLS = {"gr": evaluate_next_item, "ctr": evaluate_ctr}
 
 
 def evaluate_run(run: str, max_batches: Optional[int] = None, split: str = "eval") -> Dict:

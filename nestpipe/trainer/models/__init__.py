@@ -7,11 +7,11 @@ from typing import Dict
 import torch
 
 from nestpipe.datasets.shards import Manifest
-from nestpipe.trainer.models import dlrm, hstu
+from nestpipe.trainer.models import dlrm, hstu, sasrec
 from nestpipe.trainer.models.common import init_parameters
 from nestpipe.trainer.models.spec import ModelSpec
 
-MODEL_SPECS: Dict[str, ModelSpec] = {spec.name: spec for spec in (hstu.SPEC, dlrm.SPEC)}
+MODEL_SPECS: Dict[str, ModelSpec] = {spec.name: spec for spec in (hstu.SPEC, sasrec.SPEC, dlrm.SPEC)}
 MODEL_TASK = {name: spec.task for name, spec in MODEL_SPECS.items()}
 
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import math
+from typing import Dict, List, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from nestpipe.trainer.embedding.batch import NEG_SLOT as NEG  # the slot of the batch's shared negatives
 
 
 @torch.no_grad()
@@ -33,3 +37,52 @@ def mlp(sizes, final_activation: bool = True) -> nn.Sequential:
         if final_activation or i < len(sizes) - 2:
             layers.append(nn.ReLU())
     return nn.Sequential(*layers)
+
+
+# -- sequential next-item models (hstu, sasrec): shared inputs and objective -------------------------------------
+def padded_tokens(emb: Dict[str, torch.Tensor], tables: List[str], pos_table: torch.Tensor, lengths: torch.Tensor,
+                  max_len: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Jagged token embeddings (sum over ``tables`` + the learned position of each token in its sample) ->
+    ``(padded [b, n, D], flat index of every token in padded.view(b * n, D), valid [b, n])``, ``n`` the longest
+    sample of the micro-batch."""
+    b = len(lengths)
+    n = int(lengths.max()) if b else 0
+    sample = torch.repeat_interleave(torch.arange(b, device=lengths.device), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    pos = torch.arange(len(sample), device=lengths.device) - starts[sample]
+    x = emb[tables[0]]
+    for t in tables[1:]:
+        x = x + emb[t]
+    x = x + pos_table.index_select(0, pos.clamp(max=max_len - 1))
+    flat = sample * n + pos
+    padded = x.new_zeros(b * n, x.shape[1]).index_copy(0, flat, x).view(b, n, x.shape[1])
+    valid = torch.arange(n, device=lengths.device)[None, :] < lengths[:, None]
+    return padded, flat, valid
+
+
+def next_item_loss(hidden: torch.Tensor, emb: Dict[str, torch.Tensor], feats: Dict[str, torch.Tensor],
+                   temperature: float) -> torch.Tensor:
+    """Per-sample loss ``[b]``: the mean over the sample's positions of the next-item sampled softmax (cosine
+    similarity / ``temperature``; the target against the batch's shared negatives, negatives equal to the target
+    masked). A per-sample mean, so the loss does not depend on how the batch is partitioned into micro-batches."""
+    lengths = feats["lengths"]
+    b = len(lengths)
+    sample = torch.repeat_interleave(torch.arange(b, device=lengths.device), lengths)
+    ends = torch.cumsum(lengths, 0) - 1
+    is_query = torch.ones(len(sample), dtype=torch.bool, device=lengths.device)
+    is_query[ends] = False
+    q_idx = torch.nonzero(is_query).flatten()
+    query = F.normalize(hidden.index_select(0, q_idx), dim=-1)
+    target = F.normalize(emb["item"].index_select(0, q_idx + 1), dim=-1)
+    negs = F.normalize(emb[NEG], dim=-1)
+    pos_logit = (query * target).sum(-1, keepdim=True) / temperature
+    neg_logit = query @ negs.t() / temperature
+    same = feats["item_ids"].index_select(0, q_idx + 1)[:, None] == feats["neg_ids"][None, :]
+    neg_logit = neg_logit.masked_fill(same, -1e9)
+    logits = torch.cat([pos_logit, neg_logit], dim=1)
+    token_loss = torch.logsumexp(logits, dim=1) - logits[:, 0]
+    q_sample = sample.index_select(0, q_idx)
+    per_sample = token_loss.new_zeros(b).index_add(0, q_sample, token_loss)
+    count = torch.zeros(b, dtype=token_loss.dtype, device=lengths.device).index_add(
+        0, q_sample, torch.ones_like(token_loss))
+    return per_sample / count.clamp(min=1)

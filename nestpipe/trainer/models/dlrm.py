@@ -97,4 +97,4 @@ def negatives(cfg) -> Tuple[int, int]:
 
 
 SPEC = ModelSpec(name="dlrm", task="ctr", build=build, dense_inputs=dense_inputs, negatives=negatives,
-                 shared_negatives=False)
+                 shared_negatives=False, config=DLRMConfig, help="the DLRM model")

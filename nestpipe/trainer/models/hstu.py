@@ -22,6 +22,7 @@ from torch import nn
 
 from nestpipe.datasets.shards import Manifest
 from nestpipe.trainer.embedding.batch import NEG_SLOT, PreparedBatch
+from nestpipe.trainer.models.common import next_item_loss, padded_tokens
 from nestpipe.trainer.models.spec import ModelSpec
 from nestpipe.utils.options import opt
 
@@ -41,7 +42,6 @@ class HSTUConfig:
         0, help="in-batch popularity negatives (they push popular items down, which costs full-catalog HR/NDCG "
         "without a logQ correction: off by default)", minimum=0)
     temperature: float = opt(0.1, help="softmax temperature of the sampled softmax", minimum=0)
-    dropout: float = opt(0.0, help="dropout probability", minimum=0)
 
 
 class HSTULayer(nn.Module):
@@ -82,20 +82,10 @@ class HSTU(nn.Module):
     # -- encoder ---------------------------------------------------------------------------------------------------
     def encode(self, emb: Dict[str, torch.Tensor], lengths: torch.Tensor) -> torch.Tensor:
         """Jagged tokens -> hidden states, flat ``[nnz, D]`` in the input order."""
-        b = len(lengths)
-        n = int(lengths.max()) if b else 0
-        sample = torch.repeat_interleave(torch.arange(b, device=lengths.device), lengths)
-        starts = torch.cumsum(lengths, 0) - lengths
-        pos = torch.arange(len(sample), device=lengths.device) - starts[sample]
-        x = emb[self.tables[0]]
-        for t in self.tables[1:]:
-            x = x + emb[t]
-        x = x + self.pos.index_select(0, pos.clamp(max=self.max_len - 1))
-        flat = sample * n + pos
-        padded = x.new_zeros(b * n, self.dim).index_copy(0, flat, x).view(b, n, self.dim)
-        valid = torch.arange(n, device=lengths.device)[None, :] < lengths[:, None]
+        padded, flat, valid = padded_tokens(emb, self.tables, self.pos, lengths, self.max_len)
+        b, n = valid.shape
         causal = torch.tril(torch.ones(n, n, dtype=torch.bool, device=lengths.device))
-        mask = (causal[None] & valid[:, None, :] & valid[:, :, None]).to(x.dtype)
+        mask = (causal[None] & valid[:, None, :] & valid[:, :, None]).to(padded.dtype)
         for layer in self.layers:
             padded = layer(padded, mask, self.max_len)
         return self.norm_out(padded).reshape(b * n, self.dim).index_select(0, flat)
@@ -103,29 +93,7 @@ class HSTU(nn.Module):
     # -- training objective ---------------------------------------------------------------------------------------
     def forward(self, emb: Dict[str, torch.Tensor], feats: Dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-sample loss ``[b]``: mean next-item sampled-softmax loss over the sample's positions."""
-        lengths = feats["lengths"]
-        hidden = self.encode(emb, lengths)
-        b = len(lengths)
-        sample = torch.repeat_interleave(torch.arange(b, device=lengths.device), lengths)
-        ends = torch.cumsum(lengths, 0) - 1
-        is_query = torch.ones(len(sample), dtype=torch.bool, device=lengths.device)
-        is_query[ends] = False
-        q_idx = torch.nonzero(is_query).flatten()
-        query = F.normalize(hidden.index_select(0, q_idx), dim=-1)
-        target = F.normalize(emb["item"].index_select(0, q_idx + 1), dim=-1)
-        negs = F.normalize(emb[NEG], dim=-1)
-        tau = self.cfg.temperature
-        pos_logit = (query * target).sum(-1, keepdim=True) / tau
-        neg_logit = query @ negs.t() / tau
-        same = feats["item_ids"].index_select(0, q_idx + 1)[:, None] == feats["neg_ids"][None, :]
-        neg_logit = neg_logit.masked_fill(same, -1e9)
-        logits = torch.cat([pos_logit, neg_logit], dim=1)
-        token_loss = torch.logsumexp(logits, dim=1) - logits[:, 0]
-        q_sample = sample.index_select(0, q_idx)
-        per_sample = token_loss.new_zeros(b).index_add(0, q_sample, token_loss)
-        count = torch.zeros(b, dtype=token_loss.dtype, device=lengths.device).index_add(
-            0, q_sample, torch.ones_like(token_loss))
-        return per_sample / count.clamp(min=1)
+        return next_item_loss(self.encode(emb, feats["lengths"]), emb, feats, self.cfg.temperature)
 
 
 def build(cfg, manifest: Manifest, dims: Dict[str, int]) -> HSTU:
@@ -152,4 +120,4 @@ def negatives(cfg) -> Tuple[int, int]:
 
 
 SPEC = ModelSpec(name="hstu", task="gr", build=build, dense_inputs=dense_inputs, negatives=negatives,
-                 shared_negatives=True)
+                 shared_negatives=True, config=HSTUConfig, help="the HSTU model")

@@ -14,7 +14,9 @@ class ModelSpec:
     """``task``: the shard task it trains on (``gr`` or ``ctr``; also selects the evaluation protocol).
     ``build(cfg, manifest, dims)``: the module, before initialisation. ``dense_inputs(cfg, manifest, batch, i,
     device, dtype)``: micro-batch ``i``'s non-embedding inputs. ``negatives(cfg)``: (random, popular) negatives per
-    batch. ``shared_negatives``: the batch carries one key list of negatives served by the ``item`` store."""
+    batch. ``shared_negatives``: the batch carries one key list of negatives served by the ``item`` store.
+    ``config``: the dataclass of its ``nestpipe train`` config section (named like the model); ``help``: that
+    section's one-line description."""
 
     name: str
     task: str
@@ -22,3 +24,5 @@ class ModelSpec:
     dense_inputs: Callable[..., Dict[str, torch.Tensor]]
     negatives: Callable[..., Tuple[int, int]]
     shared_negatives: bool
+    config: type
+    help: str

@@ -1,0 +1,105 @@
+"""SASRec (Kang and McAuley, 2018): causal softmax self-attention over item (+ author + action) tokens, the
+reference sequential recommender that HSTU is judged against.
+
+Inputs, objective and negatives are HSTU's (:mod:`nestpipe.trainer.models.hstu`): token = sum of the sequence
+tables' embeddings + a learned absolute position embedding; next-item sampled softmax with cosine similarity and a
+temperature against the batch's shared negatives (:func:`nestpipe.trainer.models.common.next_item_loss`), each
+sample's loss the mean over its positions. Block (pre-norm): ``x += MHA(LN(x))`` under a causal mask over the
+sample's own tokens (softmax over the keys at or before the query), ``x += FFN(LN(x))`` with a ReLU MLP of width
+``ffn_mult x D``; a final LayerNorm. No dropout (every schedule must give bitwise-identical results).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nestpipe.datasets.shards import Manifest
+from nestpipe.trainer.models import hstu
+from nestpipe.trainer.models.common import next_item_loss, padded_tokens
+from nestpipe.trainer.models.spec import ModelSpec
+from nestpipe.utils.options import opt
+
+
+@dataclasses.dataclass
+class SASRecConfig:
+    """SASRec: causal softmax self-attention (the reference sequential model), next-item sampled softmax."""
+
+    num_layers: int = opt(2, help="self-attention blocks", minimum=1)
+    num_heads: int = opt(2, help="attention heads (must divide the embedding dim)", minimum=1)
+    ffn_mult: int = opt(1, help="point-wise feed-forward width as a multiple of the embedding dim", minimum=1)
+    max_seq_len: int = opt(64, help="longest sequence the positional encoding covers", minimum=1)
+    num_random_negatives: int = opt(512, help="uniform random negatives, shared by the batch", minimum=0)
+    num_popular_negatives: int = opt(0, help="in-batch popularity negatives (off by default, as for hstu)",
+                                     minimum=0)
+    temperature: float = opt(0.1, help="softmax temperature of the sampled softmax", minimum=0)
+
+
+class SASRecBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, ffn_mult: int):
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"sasrec.num_heads ({heads}) must divide the embedding dim ({dim})")
+        self.heads = heads
+        self.norm_attn = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm_ffn = nn.LayerNorm(dim)
+        self.ffn = nn.Sequential(nn.Linear(dim, ffn_mult * dim), nn.ReLU(), nn.Linear(ffn_mult * dim, dim))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        h = self.heads
+        q, k, v = self.qkv(self.norm_attn(x)).view(b, n, 3, h, d // h).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        x = x + self.proj(att.transpose(1, 2).reshape(b, n, d))
+        return x + self.ffn(self.norm_ffn(x))
+
+
+class SASRec(nn.Module):
+    def __init__(self, cfg: SASRecConfig, dim: int, sequence_tables: List[str], max_seq_len: int):
+        super().__init__()
+        self.cfg = cfg
+        self.dim = dim
+        self.tables = sorted(sequence_tables)
+        if "item" not in self.tables:
+            raise ValueError(f"sasrec needs a sequence table named 'item' (got {self.tables})")
+        self.max_len = max_seq_len
+        self.pos = nn.Parameter(torch.zeros(max_seq_len, dim))
+        self.blocks = nn.ModuleList([SASRecBlock(dim, cfg.num_heads, cfg.ffn_mult) for _ in range(cfg.num_layers)])
+        self.norm_out = nn.LayerNorm(dim)
+
+    def encode(self, emb: Dict[str, torch.Tensor], lengths: torch.Tensor) -> torch.Tensor:
+        """Jagged tokens -> hidden states, flat ``[nnz, D]`` in the input order."""
+        x, flat, valid = padded_tokens(emb, self.tables, self.pos, lengths, self.max_len)
+        b, n = valid.shape
+        causal = torch.tril(torch.ones(n, n, dtype=torch.bool, device=lengths.device))
+        # keys: the sample's own tokens at or before the query (a padded query still sees key 0: no empty row)
+        mask = causal[None] & valid[:, None, :]
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.norm_out(x).reshape(b * n, self.dim).index_select(0, flat)
+
+    def forward(self, emb: Dict[str, torch.Tensor], feats: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-sample loss ``[b]``: mean next-item sampled-softmax loss over the sample's positions."""
+        return next_item_loss(self.encode(emb, feats["lengths"]), emb, feats, self.cfg.temperature)
+
+
+def build(cfg, manifest: Manifest, dims: Dict[str, int]) -> SASRec:
+    seq = [t for t, s in manifest.tables.items() if s.kind == "sequence"]
+    dset = {dims[t] for t in seq}
+    if len(dset) != 1:
+        raise ValueError(f"sasrec needs one embedding dim for all sequence tables, got {dims}")
+    return SASRec(cfg.sasrec, dset.pop(), seq, int(manifest.max_seq_len or cfg.sasrec.max_seq_len))
+
+
+def negatives(cfg):
+    return (cfg.sasrec.num_random_negatives, cfg.sasrec.num_popular_negatives)
+
+
+SPEC = ModelSpec(name="sasrec", task="gr", build=build, dense_inputs=hstu.dense_inputs, negatives=negatives,
+                 shared_negatives=True, config=SASRecConfig, help="the SASRec model (causal softmax attention)")

@@ -41,6 +41,13 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+# The demo's shards: small enough that every training rank gets several (benchmarks/quality_bench.py uses the same).
+DEMO_INGEST = {
+    "gr": dict(batch_size=64, micro_batches=4, max_seq_len=64, batches_per_shard=8),
+    "ctr": dict(batch_size=512, micro_batches=8, batches_per_shard=50),
+}
+
+
 def _log(msg: str) -> None:
     print(f"[demo] {msg}", file=sys.stderr, flush=True)
 
@@ -63,12 +70,7 @@ def run(args) -> int:
     if not os.path.exists(os.path.join(raw, "user_features_27k.csv")):
         _log(f"generating {args.scale} synthetic KuaiRand data in {raw}")
         generate(raw, scale=args.scale, seed=args.seed)
-    # Shards small enough that every training rank gets several.
-    tasks = {
-        "gr": dict(batch_size=64, micro_batches=4, max_seq_len=64, batches_per_shard=8),
-        "ctr": dict(batch_size=512, micro_batches=8, batches_per_shard=50),
-    }
-    for task, opts in tasks.items():
+    for task, opts in DEMO_INGEST.items():
         out = os.path.join(args.out, f"shards-{task}")
         _log(f"ingest --task {task} -> {out}")
         ingest(IngestConfig(raw=raw, out=out, task=task, seed=args.seed, workers=args.workers, **opts))
@@ -100,6 +102,9 @@ def run(args) -> int:
     print(f"dlrm (ctr): AUC {d['model']['AUC']:.4f} vs logistic regression {lr['AUC']:.4f} (constant 0.5000); "
           f"logloss {d['model']['logloss']:.4f} vs {lr['logloss']:.4f} (constant {d['baseline_constant']['logloss']:.4f}); "
           f"{summary['dlrm']['samples_per_s'] or 0:,.0f} samples/s")
+    if "bayes_ceiling" in d:
+        print(f"            the data's Bayes ceiling (the generator's own click probabilities): AUC "
+              f"{d['bayes_ceiling']['AUC']:.4f}, logloss {d['bayes_ceiling']['logloss']:.4f}")
     print(f"runs, traces (trace.json, timeline.png) and metrics are under {args.out}/hstu and {args.out}/dlrm")
     _log(f"done in {time.time() - t0:.1f} s")
     return 0

@@ -196,3 +196,38 @@ def test_validation_split_is_written_and_evaluable(tmp_path, gr_shards):
     assert got["successor_counts"] == pytest.approx(_independent(_split_windows(out, "train", vocab), valid, vocab))
     # the default ingest keeps its fingerprint (no valid split, same manifest as before the option existed)
     assert "valid" not in load_manifest(gr_shards).sets
+
+
+def test_click_truth_streams_the_exact_auc_and_logloss():
+    from sklearn.metrics import roc_auc_score
+
+    from nestpipe.datasets.synth import ClickTruth
+
+    rng = np.random.default_rng(4)
+    dates = rng.choice([20220505, 20220506, 20220507, 20220508], 20_000)
+    p = 1 / (1 + np.exp(-rng.normal(0, 1, len(dates))))
+    y = rng.random(len(dates)) < p
+    truth = ClickTruth()
+    for part in np.array_split(np.arange(len(dates)), 7):  # streamed in chunks
+        truth.add(dates[part], p[part], y[part])
+    r = truth.result(2)
+    sel = dates >= 20220507
+    assert r["rows"] == sel.sum() and r["first_date"] == 20220507
+    assert abs(r["AUC"] - roc_auc_score(y[sel], p[sel])) < 1e-4
+    want_ll = -np.mean(np.where(y[sel], np.log(p[sel]), np.log1p(-p[sel])))
+    assert abs(r["logloss"] - want_ll) < 1e-9
+    # negative control: probabilities that do not belong to the rows give chance
+    shuffled = ClickTruth()
+    shuffled.add(dates, rng.permutation(p), y)
+    assert abs(shuffled.result(2)["AUC"] - 0.5) < 0.03 and r["AUC"] > 0.65
+
+
+def test_synth_truth_travels_with_the_shards(gr_shards):
+    from nestpipe.datasets.synth import TRUTH_FILE
+    from nestpipe.utils.jsonio import read_json
+
+    raw = os.path.join(os.path.dirname(gr_shards), "raw")
+    assert read_json(os.path.join(gr_shards, TRUTH_FILE)) == read_json(os.path.join(raw, TRUTH_FILE))
+    ceiling = read_json(os.path.join(raw, TRUTH_FILE))["bayes_ceiling_by_eval_days"]
+    assert set(ceiling) == {str(d) for d in range(1, 8)}
+    assert ceiling["3"]["rows"] > ceiling["1"]["rows"] > 0 and 0.6 < ceiling["3"]["AUC"] < 0.8

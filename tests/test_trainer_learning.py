@@ -74,5 +74,8 @@ def test_dlrm_beats_constant(data):
     ev = train(data["ctr"], str(data["root"] / "dlrm"), "dlrm", "--epochs", "1")
     assert ev["samples"] >= 1000
     assert dlrm_beats(ev), ev
+    # synthetic data: the generator's own probabilities bound what any model can reach (within sampling noise)
+    ceiling = ev["bayes_ceiling"]
+    assert ceiling["rows"] >= ev["samples"] and ceiling["AUC"] > ev["model"]["AUC"] - 0.01, ev
     frozen = train(data["ctr"], str(data["root"] / "dlrm-frozen"), "dlrm", "--steps", "1", *FROZEN)
     assert not dlrm_beats(frozen), frozen

@@ -8,6 +8,7 @@ them in a directory; :mod:`nestpipe.ingest` reads them.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import glob
 import os
 from typing import Dict, List, Sequence
@@ -215,3 +216,9 @@ def discover(root: str, release: str | None = None, check_headers: bool = True) 
             paths.append(os.path.abspath(p))
         files[kind.name] = paths
     return Discovered(os.path.abspath(root), release, files)
+
+
+def eval_cutoff(max_date: int, days: int) -> int:
+    """The first date (``YYYYMMDD``) of the CTR eval split: the last ``days`` dates up to ``max_date``."""
+    d = datetime.datetime.strptime(str(max_date), "%Y%m%d").date() - datetime.timedelta(days=max(days, 1) - 1)
+    return int(d.strftime("%Y%m%d"))

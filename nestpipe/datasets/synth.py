@@ -71,6 +71,7 @@ import polars as pl
 from tqdm.auto import tqdm
 
 from nestpipe.datasets import kuairand
+from nestpipe.utils.jsonio import write_json_atomic
 
 SCALES: Dict[str, Dict[str, int]] = {
     "tiny": dict(num_users=300, num_videos=5_000, interactions=30_000, num_communities=8, head_size=200),
@@ -112,8 +113,8 @@ SPILL_DTYPE = np.dtype(
     [("user_id", "<i4"), ("video_id", "<i4"), ("time_ms", "<i8")]
     + [(c, "u1") for c in FLAG_COLUMNS]
     + [("play_time_ms", "<i4"), ("duration_ms", "<i4"), ("profile_stay_time", "<i4"),
-       ("comment_stay_time", "<i4"), ("is_rand", "u1"), ("tab", "u1")]
-)
+       ("comment_stay_time", "<i4"), ("is_rand", "u1"), ("tab", "u1"), ("p_click", "<f8")]
+)  # p_click: the generator's own click probability (never written into the logs; see ClickTruth)
 
 # Random streams (first word after the seed) so that every piece has its own independent, reproducible stream.
 _S_LAYOUT, _S_USERS, _S_LOG, _S_SHUFFLE, _S_USERFEAT, _S_VBASIC, _S_VSTAT = range(7)
@@ -350,9 +351,10 @@ def _feedback(cfg, rng, users, videos, match, successor, head) -> Dict[str, np.n
     s = successor.astype(np.float64)
     h = head.astype(np.float64)
     duration = video_duration_ms(cfg, videos)
-    click = rng.random(n) < _sigmoid(
+    p_click = _sigmoid(
         -1.0 + cfg.click_community_boost * m + cfg.click_successor_boost * s + 0.4 * h + _user_bias(cfg, users)
     )
+    click = rng.random(n) < p_click
     ratio = np.exp(rng.normal(-1.0 + 0.6 * m + 0.5 * s + 0.3 * click, 0.6))
     play = np.minimum(ratio * duration, 5.0 * duration).astype(np.int64)
     long_view = play >= np.minimum(duration, 18_000)
@@ -370,6 +372,7 @@ def _feedback(cfg, rng, users, videos, match, successor, head) -> Dict[str, np.n
         "is_click": click, "is_like": like, "is_follow": follow, "is_comment": comment, "is_forward": forward,
         "is_hate": hate, "long_view": long_view, "is_profile_enter": profile, "play_time_ms": play,
         "duration_ms": duration, "profile_stay_time": profile_stay, "comment_stay_time": comment_stay, "tab": tab,
+        "p_click": p_click,
     }
 
 
@@ -380,7 +383,7 @@ def _pack(users, videos, times, fb, is_rand) -> np.ndarray:
     rec["time_ms"] = times
     for c in FLAG_COLUMNS:
         rec[c] = fb[c]
-    for c in ("play_time_ms", "duration_ms", "profile_stay_time", "comment_stay_time", "tab"):
+    for c in ("play_time_ms", "duration_ms", "profile_stay_time", "comment_stay_time", "tab", "p_click"):
         rec[c] = fb[c]
     rec["is_rand"] = is_rand
     return rec
@@ -702,6 +705,53 @@ def _atomic_file(path: str):
     os.replace(path + ".partial", path)
 
 
+TRUTH_FILE = "synth_truth.json"  # beside the KuaiRand files; `nestpipe ingest` copies it next to the shards
+TRUTH_EVAL_DAYS = range(1, 8)  # the ctr eval splits (`ingest --ctr-eval-days D`) the ceiling is written for
+
+
+class ClickTruth:
+    """The Bayes ceiling of ``is_click``: AUC and logloss of the generator's own click probabilities over the rows
+    of the last D dates (the ctr eval split of ``nestpipe ingest --ctr-eval-days D``), for D in 1..7.
+
+    Streams: per date, histograms of the probability (``BINS`` equal bins) for clicked and not-clicked rows (the AUC
+    from them counts two rows in one bin as a tie: within 1e-4 of the exact AUC, tested) and exact float64 logloss
+    sums; memory does not grow with the rows."""
+
+    BINS = 1 << 16
+
+    def __init__(self):
+        self.hist: Dict[int, np.ndarray] = {}  # date -> [2, BINS] (not clicked, clicked)
+        self.logloss: Dict[int, float] = {}
+
+    def add(self, dates: np.ndarray, p: np.ndarray, clicked: np.ndarray) -> None:
+        p = np.asarray(p, np.float64)
+        y = np.asarray(clicked).astype(bool)
+        b = np.minimum((p * self.BINS).astype(np.int64), self.BINS - 1)
+        q = np.clip(p, 1e-15, 1 - 1e-15)
+        ll = -np.where(y, np.log(q), np.log1p(-q))
+        for d in np.unique(dates).tolist():
+            sel = dates == d
+            h = self.hist.setdefault(d, np.zeros((2, self.BINS), np.int64))
+            h += np.stack([np.bincount(b[sel & ~y], minlength=self.BINS), np.bincount(b[sel & y], minlength=self.BINS)])
+            self.logloss[d] = self.logloss.get(d, 0.0) + float(ll[sel].sum())
+
+    def result(self, eval_days: int) -> Dict[str, float]:
+        cutoff = kuairand.eval_cutoff(max(self.hist), eval_days)
+        dates = [d for d in self.hist if d >= cutoff]
+        h = sum(self.hist[d] for d in dates)
+        neg, pos = h[0].astype(np.float64), h[1].astype(np.float64)
+        below = np.concatenate([[0.0], np.cumsum(neg)[:-1]])
+        n_pos, n_neg = pos.sum(), neg.sum()
+        auc = float((pos * (below + 0.5 * neg)).sum() / (n_pos * n_neg)) if n_pos and n_neg else float("nan")
+        return {"rows": int(n_pos + n_neg), "first_date": int(cutoff), "AUC": auc,
+                "logloss": sum(self.logloss[d] for d in dates) / max(n_pos + n_neg, 1)}
+
+    def summary(self) -> Dict:
+        return {"label": "is_click", "what": "the generator's own click probabilities on every interaction of the "
+                "last D dates (the ctr eval split of `nestpipe ingest --ctr-eval-days D`)",
+                "bayes_ceiling_by_eval_days": {str(d): self.result(d) for d in TRUTH_EVAL_DAYS}}
+
+
 def generate(
     out_dir: str,
     scale: str = "tiny",
@@ -729,7 +779,8 @@ def generate(
     bar = _progress_bar(2 * cfg.interactions + 2 * cfg.num_videos + cfg.num_users, progress)
     try:
         rows_per_file = _spill_log_rows(cfg, model, tmp, n_buckets, bar)
-        _write_log_files(cfg, out_dir, tmp, n_buckets, bar)
+        truth = _write_log_files(cfg, out_dir, tmp, n_buckets, bar)
+        write_json_atomic(os.path.join(out_dir, TRUTH_FILE), truth.summary())
         _write_user_features(cfg, model, out_dir, bar)
         basic_path, stat_paths = _write_video_features(cfg, model.layout, out_dir, bar)
     finally:
@@ -788,8 +839,10 @@ def _spill_log_rows(cfg: SynthConfig, model: "_LogModel", tmp: str, n_buckets: i
     return rows_per_file
 
 
-def _write_log_files(cfg: SynthConfig, out_dir: str, tmp: str, n_buckets: int, bar) -> None:
-    """Pass 2: per log file, shuffle each of its buckets and append it as CSV (rows in no user or time order)."""
+def _write_log_files(cfg: SynthConfig, out_dir: str, tmp: str, n_buckets: int, bar) -> "ClickTruth":
+    """Pass 2: per log file, shuffle each of its buckets and append it as CSV (rows in no user or time order).
+    Returns the click truth of every row written."""
+    truth = ClickTruth()
     for fi, name in enumerate(LOG_FILES):
         with _atomic_file(os.path.join(out_dir, name)) as out:
             out.write((",".join(kuairand.LOG_COLUMNS) + "\n").encode())
@@ -799,9 +852,12 @@ def _write_log_files(cfg: SynthConfig, out_dir: str, tmp: str, n_buckets: int, b
                     continue
                 recs = np.fromfile(sp, dtype=SPILL_DTYPE)
                 recs = recs[_rng(cfg, _S_SHUFFLE, fi, bucket).permutation(len(recs))]
-                _log_frame(recs).write_csv(out, include_header=False)
+                frame = _log_frame(recs)
+                frame.write_csv(out, include_header=False)
+                truth.add(frame["date"].to_numpy(), recs["p_click"], recs["is_click"])
                 os.remove(sp)
                 bar.update(len(recs))
+    return truth
 
 
 def _write_user_features(cfg: SynthConfig, model: "_LogModel", out_dir: str, bar) -> None:

@@ -69,9 +69,7 @@ def tables(cfg, maxima: Dict[str, int]) -> Dict[str, shards.TableSpec]:
     return out
 
 
-def _eval_cutoff(max_date: int, days: int) -> int:
-    d = datetime.datetime.strptime(str(max_date), "%Y%m%d").date() - datetime.timedelta(days=max(days, 1) - 1)
-    return int(d.strftime("%Y%m%d"))
+_eval_cutoff = kuairand.eval_cutoff
 
 
 def _day_before(date: int) -> int:

@@ -35,6 +35,7 @@ import numpy as np
 import polars as pl
 
 from nestpipe.datasets import kuairand, shards
+from nestpipe.datasets.synth import TRUTH_FILE
 from nestpipe.ingest.common import WORK, IngestTask, PartitionCache, crash_point
 from nestpipe.ingest.config import IngestConfig
 from nestpipe.ingest.ctr import CTRTask
@@ -375,6 +376,9 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
         inputs=[{**f, "kind": kind} for f, (kind, _, _) in zip(fps, inputs)],
         options=semantic, stats=stats,
     )
+    truth = os.path.join(cfg.raw, TRUTH_FILE)
+    if os.path.isfile(truth):  # synthetic inputs: the generator's own click probabilities (the eval's Bayes ceiling)
+        write_json_atomic(os.path.join(cfg.out, TRUTH_FILE), read_json(truth, "synthetic truth"))
     shards.save_manifest(cfg.out, manifest)
     if not cfg.keep_work:
         shutil.rmtree(work, ignore_errors=True)

@@ -13,7 +13,8 @@ split, and the successor-counting model (most frequent successors of the last in
 input's own most frequent items, then popularity).
 
 CTR (dlrm): AUC and logloss of the target label; baselines: the train split's positive rate as a constant, and a
-regularised logistic regression over the model's own features (settings and fit time recorded).
+regularised logistic regression over the model's own features (settings and fit time recorded). On synthetic data
+(``nestpipe synth``) also the Bayes ceiling: the generator's own click probabilities on the eval dates.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from nestpipe.datasets.shards import load_manifest, table_offsets
+from nestpipe.datasets.synth import TRUTH_FILE
 from nestpipe.trainer import baselines
 from nestpipe.trainer.config import load_run_config
 from nestpipe.trainer.data import ShardStream, iter_shard
@@ -33,7 +35,7 @@ from nestpipe.trainer.embedding.collection import table_dims
 from nestpipe.trainer.embedding.placement import to_vocab
 from nestpipe.trainer.export import assemble
 from nestpipe.trainer.models import build_model, model_spec
-from nestpipe.utils.jsonio import write_json_atomic
+from nestpipe.utils.jsonio import read_json, write_json_atomic
 
 KS = (10, 50)
 
@@ -182,7 +184,22 @@ def evaluate_ctr(cfg, man, full, model, max_batches, split="eval",
             "model": {"AUC": _auc(y, p), "logloss": _logloss(y, p)},
             "baseline_constant": {"AUC": 0.5, "logloss": _logloss(y, const), "rate": rate},
             "baseline_logistic_regression": {"AUC": _auc(y, p_lr), "logloss": _logloss(y, p_lr), "fit": lr.fit_info},
-            "strongest_baseline": "logistic_regression"}
+            "strongest_baseline": "logistic_regression", **_bayes_ceiling(cfg, man, split, len(y))}
+
+
+def _bayes_ceiling(cfg, man, split: str, samples: int) -> Dict:
+    """Synthetic data only (``SHARDS/synth_truth.json``, copied there by the ingest from ``nestpipe synth``'s output):
+    the AUC and logloss of the generator's own click probabilities on the eval dates."""
+    path = os.path.join(cfg.shards, TRUTH_FILE)
+    days = int((man.options or {}).get("ctr_eval_days", 0))
+    if split != "eval" or cfg.dlrm.target != "is_click" or not os.path.isfile(path):
+        return {}
+    entry = read_json(path, "synthetic truth").get("bayes_ceiling_by_eval_days", {}).get(str(days))
+    if not entry:
+        return {}
+    return {"bayes_ceiling": {**entry, "note": f"every interaction of the last {days} dates ({entry['rows']} rows; "
+                              f"the eval split scored here: {samples} samples, after the incomplete last batch is "
+                              "dropped)"}}
 
 
 # the evaluation protocol of each shard task: next-item (HR/NDCG) for gr, CTR (AUC/logloss) for ctr

@@ -37,7 +37,9 @@ class HSTUConfig:
     num_heads: int = opt(2, help="attention heads per layer", minimum=1)
     linear_dim: int = opt(16, help="per-head dimension of u/v/q/k", minimum=1)
     max_seq_len: int = opt(64, help="longest sequence the positional encoding covers", minimum=1)
-    num_random_negatives: int = opt(512, help="uniform random negatives, shared by the batch", minimum=0)
+    num_random_negatives: int = opt(
+        4096, help="uniform random negatives, shared by the batch (more cost time and help full-catalog ranking: "
+        "docs/trainer.md)", minimum=0)
     num_popular_negatives: int = opt(
         0, help="in-batch popularity negatives (they push popular items down, which costs full-catalog HR/NDCG "
         "without a logQ correction: off by default)", minimum=0)

@@ -33,7 +33,7 @@ class SASRecConfig:
     num_heads: int = opt(2, help="attention heads (must divide the embedding dim)", minimum=1)
     ffn_mult: int = opt(1, help="point-wise feed-forward width as a multiple of the embedding dim", minimum=1)
     max_seq_len: int = opt(64, help="longest sequence the positional encoding covers", minimum=1)
-    num_random_negatives: int = opt(512, help="uniform random negatives, shared by the batch", minimum=0)
+    num_random_negatives: int = opt(4096, help="uniform random negatives, shared by the batch (as hstu)", minimum=0)
     num_popular_negatives: int = opt(0, help="in-batch popularity negatives (off by default, as for hstu)",
                                      minimum=0)
     temperature: float = opt(0.1, help="softmax temperature of the sampled softmax", minimum=0)

@@ -1,0 +1,131 @@
+"""Model quality against strong simple baselines, over seeds: the demo's data and settings, every model trained.
+
+    python benchmarks/quality_bench.py [--seeds 0 1 2] [--scale small] [--split eval] [--epochs 3] [--out DIR]
+
+Per seed: ``nestpipe synth --scale SCALE --seed S`` -> ``nestpipe ingest`` (the demo's settings, ``--validation``
+so that ``--split valid`` can be scored) -> ``nestpipe train`` of hstu and sasrec on the gr shards (``--epochs``
+each, 2 processes, default configs: the same training budget) and dlrm on the ctr shards (``--dlrm-epochs``) ->
+``nestpipe eval --split SPLIT``. Settings are chosen with ``--split valid``; ``--split eval`` reports the held-out
+figures. Prints, per metric, the mean and the spread (min..max) over seeds and the ratios the quality targets name
+(hstu / successor counts, hstu / sasrec on HR@10 and NDCG@10; dlrm AUC - logistic regression AUC), and writes every
+figure, the commands, versions and the load average before and after to ``OUT/results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+from nestpipe.datasets.synth import generate
+from nestpipe.demo import DEMO_INGEST
+from nestpipe.ingest import IngestConfig, ingest
+from nestpipe.trainer.evaluate import evaluate_run
+
+GR_MODELS = ("hstu", "sasrec")
+
+
+def train(shards: str, run: str, model: str, epochs: int, nproc: int, sets):
+    """Wall seconds of ``nestpipe train`` (None when ``run`` was already trained: a rerun continues)."""
+    if os.path.exists(os.path.join(run, "metrics.json")):
+        return None
+    cmd = [sys.executable, "-m", "nestpipe", "train", "--shards", shards, "--out", run, "--model", model,
+           "--nproc-per-node", str(nproc), "--epochs", str(epochs), "--no-progress"]
+    for s in sets:
+        cmd += ["--set", s]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if p.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def one_seed(args, seed: int) -> dict:
+    root = os.path.join(args.out, f"{args.scale}-seed{seed}")
+    raw = os.path.join(root, "raw")
+    if not os.path.exists(os.path.join(raw, "user_features_27k.csv")):
+        generate(raw, scale=args.scale, seed=seed, progress=False)
+    shards = {}
+    for task, opts in DEMO_INGEST.items():
+        shards[task] = os.path.join(root, f"shards-{task}")
+        ingest(IngestConfig(raw=raw, out=shards[task], task=task, seed=seed, workers=2, progress=False,
+                            validation=True, **opts))
+    out = {"train_s": {}}
+    for model in GR_MODELS:
+        run = os.path.join(root, model)
+        out["train_s"][model] = train(shards["gr"], run, model, args.epochs, args.nproc, args.set)
+        out[model] = evaluate_run(run, split=args.split)
+    run = os.path.join(root, "dlrm")
+    out["train_s"]["dlrm"] = train(shards["ctr"], run, "dlrm", args.dlrm_epochs, args.nproc, args.set_dlrm)
+    out["dlrm"] = evaluate_run(run, split=args.split)
+    return out
+
+
+def summary(per_seed) -> dict:
+    rows = {}
+
+    def add(name, values):
+        rows[name] = {"mean": statistics.mean(values), "min": min(values), "max": max(values), "values": values}
+
+    for metric in ("HR@10", "NDCG@10"):
+        for model in GR_MODELS:
+            add(f"{model} {metric}", [s[model]["model"][metric] for s in per_seed])
+        for base in ("successor_counts", "most_popular"):
+            add(f"{base} {metric}", [s["hstu"][f"baseline_{base}"][metric] for s in per_seed])
+        add(f"hstu / successor_counts {metric}",
+            [s["hstu"]["model"][metric] / s["hstu"]["baseline_successor_counts"][metric] for s in per_seed])
+        add(f"hstu / sasrec {metric}", [s["hstu"]["model"][metric] / s["sasrec"]["model"][metric] for s in per_seed])
+    for metric in ("AUC", "logloss"):
+        add(f"dlrm {metric}", [s["dlrm"]["model"][metric] for s in per_seed])
+        add(f"logistic_regression {metric}", [s["dlrm"]["baseline_logistic_regression"][metric] for s in per_seed])
+    add("dlrm AUC - logistic_regression AUC",
+        [s["dlrm"]["model"]["AUC"] - s["dlrm"]["baseline_logistic_regression"]["AUC"] for s in per_seed])
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--scale", default="small", choices=["tiny", "small", "medium"])
+    ap.add_argument("--split", default="eval", choices=["eval", "valid"])
+    ap.add_argument("--epochs", type=int, default=3, help="hstu and sasrec epochs (the demo's default)")
+    ap.add_argument("--dlrm-epochs", type=int, default=1)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--set", action="append", default=[], help="KEY=VALUE for the gr models' runs")
+    ap.add_argument("--set-dlrm", action="append", default=[], help="KEY=VALUE for the dlrm runs")
+    ap.add_argument("--out", default="/tmp/nestpipe-quality")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    load0 = os.getloadavg()
+    t0 = time.time()
+    per_seed = []
+    for seed in args.seeds:
+        per_seed.append(one_seed(args, seed))
+        print(f"seed {seed} done ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+    rows = summary(per_seed)
+    print(f"{args.scale}, split {args.split}, seeds {args.seeds}, {args.epochs} epochs (gr), {args.dlrm_epochs} (dlrm)")
+    print(f"{'figure':45s} {'mean':>8s}   spread over seeds")
+    for name, r in rows.items():
+        print(f"{name:45s} {r['mean']:8.4f}   {r['min']:.4f} .. {r['max']:.4f}")
+    try:
+        import torch
+
+        versions = {"torch": torch.__version__, "python": platform.python_version()}
+    except ImportError:
+        versions = {}
+    res = {"command": " ".join(sys.argv), "args": vars(args), "summary": rows, "per_seed": per_seed,
+           "versions": versions, "load_average": {"before": load0, "after": os.getloadavg()},
+           "seconds": round(time.time() - t0, 1)}
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    print(f"results: {os.path.join(args.out, 'results.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

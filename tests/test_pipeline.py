@@ -31,6 +31,8 @@ from nestpipe.trainer.pipeline import timeline as tl
 from nestpipe.measure.launcher import run_plan, write_run
 from shard_sets import make_shards
 
+pytestmark = pytest.mark.slow  # module fixtures train for a minute or more
+
 STEPS = 20
 STEPS_2DSP = 10  # world 4 on a 2-core machine: fewer steps
 MB = 4  # micro-batches per batch

@@ -28,6 +28,8 @@ from nestpipe.cli import main
 from nestpipe.measure import measured
 from nestpipe.measure import validate_local as v
 
+pytestmark = pytest.mark.slow  # module fixtures train for a minute or more
+
 C = v.Config
 STEPS, BATCH, SEQ, VOCAB = 8, 16, 40, 20_000
 CAP_BIT = 20e6

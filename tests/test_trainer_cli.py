@@ -148,6 +148,7 @@ def _wait_for(path, proc, limit=120):
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_checkpoint_and_mid_step_then_resume_is_bitwise(gr, tmp_path):
     args = ["--model", "hstu", "--nproc-per-node", "2", "--steps", "9", "--checkpoint-every", "3", "--no-progress",
             *SETS]

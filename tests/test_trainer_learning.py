@@ -19,6 +19,8 @@ from nestpipe.datasets import synth
 from nestpipe.ingest import IngestConfig, ingest
 from nestpipe.trainer.evaluate import evaluate_run
 
+pytestmark = pytest.mark.slow  # module fixtures train for a minute or more
+
 # margins over the baselines (measured on 2 ranks: HR@10 0.26 vs 0.15, NDCG@10 0.15 vs 0.09; AUC 0.63, logloss
 # 0.653 vs 0.676; with learning rate 0: HR@10 0.00, AUC 0.49, logloss 0.693)
 HR_MARGIN = 0.05

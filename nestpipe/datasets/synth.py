@@ -101,7 +101,8 @@ LOG_FILES = [  # index = destination code used by the spill files
 USER_FILE = "user_features_27k.csv"
 VIDEO_BASIC_FILE = "video_features_basic_27k.csv"
 VIDEO_STAT_FILES = [f"video_features_statistic_27k_part{i}.csv" for i in (1, 2, 3)]
-ALL_FILES = LOG_FILES + [USER_FILE, VIDEO_BASIC_FILE] + VIDEO_STAT_FILES
+TRUTH_FILE = "synth_truth.json"  # not a KuaiRand file: the Bayes ceiling (ClickTruth); ingest copies it beside shards
+ALL_FILES = LOG_FILES + [USER_FILE, VIDEO_BASIC_FILE] + VIDEO_STAT_FILES + [TRUTH_FILE]
 TMP_DIR_NAME = ".synth-tmp"
 
 NUM_TAGS = 70
@@ -705,7 +706,6 @@ def _atomic_file(path: str):
     os.replace(path + ".partial", path)
 
 
-TRUTH_FILE = "synth_truth.json"  # beside the KuaiRand files; `nestpipe ingest` copies it next to the shards
 TRUTH_EVAL_DAYS = range(1, 8)  # the ctr eval splits (`ingest --ctr-eval-days D`) the ceiling is written for
 
 

@@ -465,6 +465,24 @@ def test_forced_reference_path(monkeypatch):
         kernels.select_path("lookup", "cpu")
 
 
+def test_paths_are_noted_at_the_call(monkeypatch):
+    """``taken_paths`` lists what ran, noted inside each op: not the rule's table of what could run."""
+    src = torch.randn(10, 4)
+    out = torch.zeros(12)
+    idx, off = torch.tensor([1, 2, 3]), torch.tensor([0, 2, 3])
+    kernels.reset_taken()
+    kernels.pool_segments(src, idx, off, out, torch.tensor([0, 4]))
+    assert kernels.taken_paths() == {"pool_segments": {"aten": 1}}
+    monkeypatch.setenv("NESTPIPE_KERNELS", "reference")
+    kernels.pool_segments(src, idx, off, out, torch.tensor([0, 4]))
+    kernels.dedup_rows(np.array([3, 1, 3]), 5)
+    assert kernels.taken_paths() == {"dedup_rows": {"reference": 1}, "pool_segments": {"aten": 1, "reference": 1}}
+    # negative control: the rule's table names ops nothing here called
+    assert set(kernels.kernel_paths("cpu")) - set(kernels.taken_paths())
+    kernels.reset_taken()
+    assert kernels.taken_paths() == {}
+
+
 def test_kernels_info_cli(capsys):
     import json
 

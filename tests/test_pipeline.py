@@ -410,3 +410,31 @@ def test_runs_use_their_saved_sharding_plan(runs):
     # the dlrm plan is not the hashed layout: some table sits on one rank only (table-wise)
     meta = checkpoint.read_meta(checkpoint.latest(runs[(2, "dlrm", "nested")]))
     assert any(len(pm["owners"]) == 1 for pm in meta["placement"].values()), meta["placement"]
+
+
+# the kernel ops the trainer runs (nestpipe.kernels' public ops; routing and gathers are its own code today)
+TRAINER_KERNEL_OPS = {"adagrad_update", "adagrad_bags", "pool_segments", "dual_buffer_sync_rows", "dedup_rows",
+                      "csr_by_segment", "lookup"}
+
+
+def _paths_problem(recorded, rule):
+    """Why a run's ``kernel_paths`` record is not what the run took (None when it is)."""
+    if not recorded:
+        return "nothing recorded"
+    for op, paths in recorded.items():
+        if op not in TRAINER_KERNEL_OPS:
+            return f"{op} recorded, but the trainer never calls it"
+        if op in rule and any(p not in (rule[op], "reference") for p in paths):
+            return f"{op}: {paths} is not what the rule selects ({rule[op]})"
+    return None
+
+
+@pytest.mark.parametrize("model", ["hstu", "dlrm"])
+@pytest.mark.parametrize("name", ["off", "nested"])
+def test_kernel_paths_record_what_ran(runs, model, name):
+    m = json.load(open(os.path.join(runs[(2, model, name)], "metrics.json")))
+    assert _paths_problem(m["kernel_paths"], m["kernel_rule"]) is None, m["kernel_paths"]
+    assert all(r["kernel_paths"] for r in m["per_rank"])  # every rank noted its calls, with counts
+    assert set(m["kernel_paths"]) >= {"adagrad_bags", "pool_segments"}, m["kernel_paths"]  # the owner update, the exchange
+    # negative control: the rule's table (what metrics.json held before) lists paths this run never took
+    assert _paths_problem({op: [p] for op, p in m["kernel_rule"].items()}, m["kernel_rule"]) is not None

@@ -36,12 +36,13 @@ from .row_placement import (
     splitmix64,
 )
 from .routing import RoutedKeys, route
-from .select import OPS, kernel_paths, select_path
+from .select import OPS, kernel_paths, note, reset_taken, select_path, taken_paths
 
 __all__ = [
     "MAX_VOCAB", "OPS", "RoutedKeys", "adagrad_bags", "adagrad_update", "affine_params", "block_size", "dual_buffer_sync",
     "dual_buffer_sync_rows", "gather_rows", "gather_to_device", "kernel_paths", "map_into_vocab", "owner_num_rows", "placement",
     "placement_hash", "pool_segments", "pooled_lookup", "route_keys", "select_path", "sequence_lookup", "splitmix64",
+    "dedup_rows", "csr_by_segment", "taken_paths", "reset_taken",
 ]
 
 
@@ -73,7 +74,7 @@ def route_keys(
     """Route a batch's keys: ``ids`` holds the ids of table 0, then table 1, ... (``table_lengths`` each; one
     table when None); ``vocabs`` one size per table (or one for all); ``table_ids`` the tables' global ids used by
     the placement hash (default ``0..T-1``)."""
-    path = select_path("route_keys", ids.device)
+    path = note("route_keys", select_path("route_keys", ids.device))
     return route(ids, table_lengths, vocabs, world, table_ids, use_fbgemm=path == "fbgemm")
 
 
@@ -82,7 +83,7 @@ def gather_rows(weights: torch.Tensor, rows: torch.Tensor, out: Optional[torch.T
     ``weights``."""
     if weights.dim() != 2:
         raise ValueError(f"weights must be [rows, dim], got shape {tuple(weights.shape)}")
-    path = select_path("gather_rows", weights.device)
+    path = note("gather_rows", select_path("gather_rows", weights.device))
     if path == "reference":
         result = reference.gather_rows(weights, rows)
         return out.copy_(result) if out is not None else result
@@ -135,7 +136,7 @@ def adagrad_update(
         raise ValueError(f"state must be [{weights.shape[0]}], got {tuple(state.shape)}")
     if momentum_scale <= 0:
         raise ValueError(f"momentum_scale must be positive, got {momentum_scale}")
-    path = select_path("adagrad_update", weights.device)
+    path = note("adagrad_update", select_path("adagrad_update", weights.device))
     if grad_pairs is not None:
         if grad_segments is None:
             raise ValueError("grad_pairs needs grad_segments (the entries of every row)")
@@ -212,7 +213,7 @@ def adagrad_bags(
         raise IndexError(f"adagrad_bags: an index is outside [0, {weights.shape[0]})")
     if len(indices) == 0:  # no row touched (fbgemm refuses a table of zero rows)
         return
-    if select_path("adagrad_bags", weights.device) == "fbgemm":
+    if note("adagrad_bags", select_path("adagrad_bags", weights.device)) == "fbgemm":
         from . import tbe  # optional: fbgemm_gpu
 
         tbe.adagrad_bags(weights, state, indices.to(torch.int64).contiguous(), offsets.to(torch.int64).contiguous(),
@@ -247,13 +248,16 @@ def pool_segments(src: torch.Tensor, index: torch.Tensor, offsets: Optional[torc
     D = src.shape[1]
     if (offsets is not None and src.device.type == "cpu" and out.device.type == "cpu" and src.dtype == torch.float32
             and out.dtype == torch.float32 and len(out_offsets) and select_path("lookup", src.device) != "reference"):
+        note("pool_segments", "aten")  # ATen's embedding_bag (fbgemm's EmbeddingSpMDM on x86)
         pooled = torch.nn.functional.embedding_bag(index, src.detach(), offsets, mode="sum", include_last_offset=True)
         _write_runs(out, out_offsets, pooled)
         return
     if (src.device.type == "cpu" and out.device.type == "cpu" and src.dtype == torch.float32
             and out.dtype == torch.float32 and select_path("lookup", src.device) == "numba"):
+        note("pool_segments", "numba")
         backend("numba").pool_segments(src.detach(), index, offsets, out, out_offsets)
         return
+    note("pool_segments", "reference")
     index = index.to(src.device)
     if offsets is None:
         rows = src.index_select(0, index)
@@ -263,6 +267,28 @@ def pool_segments(src: torch.Tensor, index: torch.Tensor, offsets: Optional[torc
         rows.index_add_(0, seg, src.index_select(0, index))
     at = (out_offsets.to(out.device)[:, None] + torch.arange(D, device=out.device)).reshape(-1)
     out.view(-1)[at] = rows.reshape(-1).to(out.dtype)
+
+
+def dedup_rows(rows: np.ndarray, num_rows: int):
+    """Stable dedup of int64 ``rows`` in ``[0, num_rows)``: ``(order, uniq, starts, inv_sorted, inv)`` (see
+    :func:`nestpipe.kernels.reference.dedup_rows`). CPU rule: Numba's counting sort when Numba imports and the rows
+    are few against the entries (``num_rows <= 8 len(rows)``: linear), else numpy's stable argsort; the same
+    arrays either way (tested)."""
+    if select_path("adagrad_update", "cpu") == "numba" and num_rows <= 8 * len(rows):
+        note("dedup_rows", "numba")
+        return backend("numba").dedup_rows(rows, num_rows)
+    note("dedup_rows", "reference")
+    return reference.dedup_rows(rows)
+
+
+def csr_by_segment(segment_of: torch.Tensor, num_segments: int):
+    """``(order, offsets)`` int64 tensors: positions grouped by segment, ascending inside one (a stable counting
+    sort with Numba on CPU, else a stable sort)."""
+    if segment_of.device.type == "cpu" and select_path("adagrad_update", "cpu") == "numba":
+        note("csr_by_segment", "numba")
+        return backend("numba").csr_by_segment(segment_of, num_segments)
+    note("csr_by_segment", "reference")
+    return reference.csr_by_segment(segment_of, num_segments)
 
 
 def _write_runs(out: torch.Tensor, out_offsets: torch.Tensor, rows: torch.Tensor) -> None:
@@ -286,7 +312,7 @@ def dual_buffer_sync(
         raise ValueError("each buffer must have one row per key")
     if active_rows.shape[1:] != prefetch_rows.shape[1:]:
         raise ValueError("active and prefetch rows must have the same dim")
-    path = select_path("dual_buffer_sync", prefetch_rows.device)
+    path = note("dual_buffer_sync", select_path("dual_buffer_sync", prefetch_rows.device))
     if path == "reference":
         reference.dual_buffer_sync(active_keys, active_rows, prefetch_keys, prefetch_rows)
     else:
@@ -308,7 +334,7 @@ def dual_buffer_sync_rows(
     if not from_store and src_weight.shape[0] != active_keys.numel():
         raise ValueError("the active buffer must have one row per active key")
     path = select_path("dual_buffer_sync", dst_weight.device)
-    if path == "numba":
+    if note("dual_buffer_sync_rows", "numba" if path == "numba" else "reference") == "numba":
         return backend(path).dual_buffer_sync_rows(active_keys, prefetch_keys, src_weight, src_state, dst_weight,
                                                    dst_state, from_store)
     return reference.dual_buffer_sync_rows(active_keys.to(dst_weight.device), prefetch_keys.to(dst_weight.device),
@@ -371,7 +397,7 @@ def sequence_lookup(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """Jagged lookup: ``out[i] = rows[inverse[i]]`` ([n, D]). Backward: ``grad_rows[u]`` = sum of ``grad_out[i]``
     over tokens with ``inverse[i] == u``, added in ascending ``i`` (bitwise reproducible)."""
     _check_lookup(rows, inverse)
-    return _SequenceLookup.apply(rows, inverse.to(torch.int64), select_path("lookup", rows.device))
+    return _SequenceLookup.apply(rows, inverse.to(torch.int64), note("lookup", select_path("lookup", rows.device)))
 
 
 def pooled_lookup(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -382,5 +408,5 @@ def pooled_lookup(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tens
     if offsets.dim() != 1 or offsets.numel() < 1 or int(offsets[-1]) != inverse.numel():
         raise ValueError("offsets must be [B + 1] with offsets[-1] == len(inverse)")
     return _PooledLookup.apply(
-        rows, inverse.to(torch.int64), offsets.to(torch.int64), select_path("lookup", rows.device)
+        rows, inverse.to(torch.int64), offsets.to(torch.int64), note("lookup", select_path("lookup", rows.device))
     )

@@ -103,5 +103,27 @@ def select_path(op: str, device: Union[str, torch.device]) -> str:
 
 
 def kernel_paths(device: Union[str, torch.device]) -> Dict[str, str]:
-    """``{op: path}`` for ``device``: record this in the run's metadata."""
+    """``{op: path}`` the rule selects for ``device`` (what ``nestpipe kernels-info`` prints). What a run actually
+    executed is :func:`taken_paths`."""
     return {op: select_path(op, device) for op in OPS}
+
+
+# What this process executed: every public op of nestpipe.kernels notes (op, path) at the call, so a run's metadata
+# lists only paths it took (``taken_paths``), never the rule's table of paths it might take.
+_TAKEN: Dict[str, Dict[str, int]] = {}
+
+
+def note(op: str, path: str) -> str:
+    """Record one call of ``op`` on ``path`` in this process; returns ``path``."""
+    calls = _TAKEN.setdefault(op, {})
+    calls[path] = calls.get(path, 0) + 1
+    return path
+
+
+def taken_paths() -> Dict[str, Dict[str, int]]:
+    """``{op: {path: calls}}`` of every kernel op this process executed since the last :func:`reset_taken`."""
+    return {op: dict(sorted(paths.items())) for op, paths in sorted(_TAKEN.items())}
+
+
+def reset_taken() -> None:
+    _TAKEN.clear()

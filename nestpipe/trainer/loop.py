@@ -21,7 +21,7 @@ from typing import Iterator, Tuple
 import torch
 import torch.distributed as dist
 
-from nestpipe.kernels import kernel_paths
+from nestpipe.kernels import kernel_paths, taken_paths
 from nestpipe.kernels.memory import huge_pages_mode
 from nestpipe.planning.planner import format_plan, save_plan
 from nestpipe.trainer import testing_hooks
@@ -172,7 +172,7 @@ def announce(run: RankRun, start: int, log: ScalarLog) -> None:
     log.write(
         start, event="start", resumed_from_step=start, world=run.world, steps=run.steps, pipeline=run.schedule.schedule,
         pipeline_choice=run.schedule.to_dict(),
-        dropped_batches=run.stream.dropped, kinds=emb.kinds, kernel_paths=kernel_paths(run.device.torch),
+        dropped_batches=run.stream.dropped, kinds=emb.kinds, kernel_rule=kernel_paths(run.device.torch),
         store_huge_pages=_huge_pages(cfg), flush_denormal=run.flush_denormal, testing_hooks=run.hooks.changed())
 
 
@@ -211,6 +211,7 @@ def report(run: RankRun, runner: PipelineRunner, start: int, progress: Progress,
             "lookup_total_s": t.lookup_total(), "dbp_rows_synced": runner.rows_synced,
             **replica_sync.metrics(state.emb),
             "network_bytes": dict(t.bytes),
+            "kernel_paths": taken_paths(),  # {op: {path: calls}} this rank executed (noted at every call)
             "timeline": state.timeline.export()}
     gathered = [None] * world
     if world > 1:
@@ -232,7 +233,8 @@ def report(run: RankRun, runner: PipelineRunner, start: int, progress: Progress,
                    "steps_run": done, "resumed_from_step": start, "final_loss": loss,
                    "samples_per_s": total_sps, "samples_per_s_per_rank": [g["samples_per_s"] for g in gathered],
                    "per_rank": gathered, "exchange_kinds": state.emb.kinds,
-                   "kernel_paths": kernel_paths(run.device.torch), "store_huge_pages": _huge_pages(cfg),
+                   "kernel_paths": _union_paths(gathered), "kernel_rule": kernel_paths(run.device.torch),
+                   "store_huge_pages": _huge_pages(cfg),
                    "flush_denormal": run.flush_denormal, "testing_hooks": run.hooks.changed(),
                    **exposure_summary(gathered, cfg.pipe.baseline_metrics)}
         write_json_atomic(os.path.join(cfg.out, "metrics.json"), metrics)
@@ -243,6 +245,15 @@ def report(run: RankRun, runner: PipelineRunner, start: int, progress: Progress,
         for g in gathered:
             g.pop("timeline", None)
     return result
+
+
+def _union_paths(gathered) -> dict:
+    """``{op: [paths]}`` that any rank executed: what the run took, never the rule's table of possible paths."""
+    out: dict = {}
+    for g in gathered:
+        for op, paths in g.get("kernel_paths", {}).items():
+            out.setdefault(op, set()).update(paths)
+    return {op: sorted(paths) for op, paths in sorted(out.items())}
 
 
 def _per_step(gathered, key: str) -> float:

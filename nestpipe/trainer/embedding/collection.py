@@ -73,14 +73,6 @@ def choose_kind(name: str, vocab: int, table_kind: str, cfg: EmbeddingConfig) ->
     return kind
 
 
-def _csr_numpy(segment_of: np.ndarray, num_segments: int):
-    """``(order, offsets)`` tensors: positions grouped by segment, ascending within one (stable)."""
-    order = np.argsort(segment_of, kind="stable")
-    offsets = np.zeros(num_segments + 1, dtype=np.int64)
-    np.cumsum(np.bincount(segment_of, minlength=num_segments), out=offsets[1:])
-    return torch.from_numpy(order.astype(np.int64)), torch.from_numpy(offsets)
-
-
 def _split(x: torch.Tensor, sizes: List[int]) -> List[torch.Tensor]:
     return list(torch.split(x, sizes))
 
@@ -164,10 +156,7 @@ class _OwnStore:
             return
         rows_all = self.rows_all
         n_rows = self.num_store_rows
-        if kernels.select_path("adagrad_update", "cpu") == "numba" and n_rows <= 8 * len(rows_all):
-            order, uniq, starts, inv_sorted, inv = kernels.backend("numba").dedup_rows(rows_all, n_rows)
-        else:
-            order, uniq, starts, inv_sorted, inv = kernels.reference.dedup_rows(rows_all)
+        order, uniq, starts, inv_sorted, inv = kernels.dedup_rows(rows_all, n_rows)
         self._rows = torch.from_numpy(uniq.astype(np.int64, copy=False))
         self.inv = torch.from_numpy(inv_sorted)
         self.fwd_pos = [inv[e] for e in self.pair_entry]
@@ -182,8 +171,7 @@ class _OwnStore:
         renum = np.empty(len(order), dtype=np.int64)
         renum[order] = np.arange(len(order), dtype=np.int64)
         key = torch.from_numpy(renum[pe])
-        p_order, self.entry_offsets = kernels.backend("numba").csr_by_segment(key, len(rows_all)) \
-            if kernels.select_path("adagrad_update", "cpu") == "numba" else _csr_numpy(key.numpy(), len(rows_all))
+        p_order, self.entry_offsets = kernels.csr_by_segment(key, len(rows_all))
         self.pair_src = torch.from_numpy(ps[p_order.numpy()])
         self.seg_order = torch.arange(len(order), dtype=torch.int64)
         self.seg_offsets = torch.from_numpy(np.append(starts, len(rows_all)).astype(np.int64))

@@ -1,7 +1,8 @@
 """Order-stable reductions the synchronous step and the pipelined modes rely on for bitwise reproducibility.
 
 - CPU ``index_add_`` adds source rows into their targets in index order (a serial loop), for any thread count.
-- The owner's reduction-based pooling (ordered segment sum) is bitwise equal to ``zeros.index_add_``.
+- The reduction-based plan keeps value order per owner (the owner's ordered segment sum, ``kernels.pool_segments``,
+  is tested bitwise against ``zeros.index_add_`` in tests/test_kernels.py).
 Negative controls: the values are chosen so that another summation order gives other bits, and the test checks
 that it does.
 """
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from nestpipe.trainer.embedding.reduction_based import ReductionBased, ShardedReductionBased
+from nestpipe.trainer.embedding.reduction_based import ReductionBased
 
 
 def cancelling_rows(n: int, dim: int, seed: int) -> torch.Tensor:
@@ -46,38 +47,6 @@ def test_cpu_index_add_accumulates_in_index_order(threads):
         assert not torch.equal(got, serial(base, index, src, range(n - 1, -1, -1)))
     finally:
         torch.set_num_threads(old)
-
-
-@pytest.mark.parametrize("threads", [1, 2])  # 1: the serial Numba loop; 2: nestpipe.kernels.pooled_lookup
-def test_owner_pooling_bitwise_equals_index_add(threads):
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        _check_owner_pooling()
-    finally:
-        torch.set_num_threads(old)
-
-
-def _check_owner_pooling():
-    rng = np.random.default_rng(3)
-    buf = cancelling_rows(500, 64, 4)
-    for n, b in ((0, 4), (1, 1), (20_000, 1024), (777, 5)):
-        samples = torch.from_numpy(np.sort(rng.integers(0, b, n)))
-        entries = torch.from_numpy(rng.integers(0, len(buf), n))
-        fast = ShardedReductionBased.compute(buf, samples, entries, b)
-        ref = ShardedReductionBased.compute_reference(buf, samples, entries, b)
-        assert fast.shape == (b, 64) and torch.equal(fast, ref)
-    # unsorted pairs take the index_add_ path: still the reference
-    samples = torch.from_numpy(rng.integers(0, 9, 400))
-    entries = torch.from_numpy(rng.integers(0, len(buf), 400))
-    assert torch.equal(ShardedReductionBased.compute(buf, samples, entries, 9),
-                       ShardedReductionBased.compute_reference(buf, samples, entries, 9))
-    # negative control: pooling the same pairs in another order gives other bits
-    samples = torch.from_numpy(np.sort(rng.integers(0, 3, 3000)))
-    entries = torch.from_numpy(rng.integers(0, len(buf), 3000))
-    flip = torch.arange(2999, -1, -1)
-    ref = ShardedReductionBased.compute_reference(buf, samples, entries, 3)
-    assert not torch.equal(ref, ShardedReductionBased.compute_reference(buf, samples[flip], entries[flip], 3))
 
 
 def test_reduction_plan_keeps_value_order_per_owner():
@@ -126,29 +95,6 @@ def test_reduction_plan_single_owner_shortcut_equals_general():
         # negative control: the check catches lists handed to the wrong owner
         wrong = ReductionBased.plan(dest, pos, value_key, value_sample, world, (owner + 1) % world)
         assert not all(np.array_equal(a, b) for a, b in zip(general, wrong))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_owner_gradient_accumulation_bitwise_equals_index_add(dtype):
-    from nestpipe.trainer.embedding.reduction_based import ShardedReductionBased, scatter_add_rows
-    from nestpipe.trainer.embedding.unique_based import ShardedUniqueBased
-
-    rng = np.random.default_rng(7)
-    acc = cancelling_rows(50, 32, 8).to(dtype)
-    for n in (1, 5000):
-        index = torch.from_numpy(rng.integers(0, 50, n))  # repeated targets: order matters
-        src = cancelling_rows(n, 32, 9).to(dtype)
-        got, ref = acc.clone(), acc.clone().index_add_(0, index, src)
-        ShardedUniqueBased.accumulate(got, index, src)
-        assert torch.equal(got, ref)
-        pooled = cancelling_rows(64, 32, 10).to(dtype)
-        samples = torch.from_numpy(rng.integers(0, 64, n))
-        got, ref = acc.clone(), acc.clone().index_add_(0, index, pooled.index_select(0, samples))
-        ShardedReductionBased.accumulate(got, samples, index, pooled)
-        assert torch.equal(got, ref)
-    assert scatter_add_rows(acc.clone(), index, src)  # the Numba loop ran (not the index_add_ fallback)
-    with pytest.raises(IndexError):  # out-of-range targets fail loudly, as index_add_ does
-        scatter_add_rows(acc.clone(), torch.tensor([50]), src[:1])
 
 
 def _views_unpack(leaf, blocks):

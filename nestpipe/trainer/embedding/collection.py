@@ -49,10 +49,10 @@ from nestpipe.trainer import testing_hooks
 from nestpipe.datasets.shards import Manifest
 from nestpipe.trainer.embedding.config import EmbeddingConfig
 from nestpipe.trainer.embedding.batch import NEG_SLOT, PreparedBatch
-from nestpipe.trainer.embedding.reduction_based import ReductionBased, ShardedReductionBased
+from nestpipe.trainer.embedding.reduction_based import ReductionBased
 from nestpipe.trainer.embedding.replicated import ReplicatedTable, owner_bounds, owner_order
 from nestpipe.trainer.embedding.store import RowStore, apply_adagrad
-from nestpipe.trainer.embedding.unique_based import ShardedUniqueBased, UniqueBased
+from nestpipe.trainer.embedding.unique_based import UniqueBased
 from nestpipe.trainer.embedding.placement import make_placement
 from nestpipe.trainer.sharding_plan import resolve_plan, table_owners
 from nestpipe.utils.timing import StageTimer

@@ -7,15 +7,14 @@ sum per owner instead of the bag's rows is about ``ids per bag`` times fewer byt
   (sample within the micro-batch, entry) pairs of the values that owner holds, in value order, as one count per
   sample followed by the entries (the samples of the pairs are ``repeat(arange(b), counts)``: values come in
   sample order).
-- compute (owner): ``partial[sample] = sum of buffer[entry]`` over its pairs, in value order starting from zero.
-  The pairs of one owner arrive sorted by sample (the requester's stable bucketing keeps value order, which is
-  sample order), so on CPU float32 this is ``nestpipe.kernels.pooled_lookup``'s ordered segment sum (one pass,
-  bitwise equal to ``zeros.index_add_(0, samples, buffer[entries])``, tested); other dtypes/devices, or pairs not
-  sorted by sample, use that ``index_add_``.
+- compute (owner, in ``collection.py``): ``partial[sample] = sum of buffer[entry]`` over its pairs, in value order
+  starting from zero: ``nestpipe.kernels.pool_segments``' ordered segment sum (bitwise equal to
+  ``zeros.index_add_(0, samples, buffer[entries])``, tested).
 - output_dist (the per-micro-batch embedding All2All): each owner returns ``[b, D]``; the requester adds the partial
   sums in rank order: ``((partial_0 + partial_1) + ...)``.
-- backward: the pooled gradient ``[b, D]`` goes to every owner; the owner adds ``grad[sample]`` into each pair's
-  entry (value order), so each entry accumulates its micro-batches in order.
+- backward: the pooled gradient ``[b, D]`` goes to every owner; the owner's update treats every (requester, sample)
+  as one bag of its entries (``nestpipe.kernels.adagrad_bags``) or, on the entry path, adds ``grad[sample]`` into
+  each pair's entry in value order (``entry_grads_from_pairs``).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import numpy as np
 import torch
 
 from nestpipe.trainer.embedding.replicated import owner_bounds, owner_order
-from nestpipe import kernels
 
 
 class ReductionBased:
@@ -113,143 +111,3 @@ class _FlatUnpack(torch.autograd.Function):
                 else:
                     dst.copy_(go)
         return g, None
-
-
-class ShardedReductionBased:
-    """Owner side."""
-
-    @staticmethod
-    def compute(buffer: torch.Tensor, samples: torch.Tensor, entry_rows: torch.Tensor, num_samples: int
-                ) -> torch.Tensor:
-        """``[num_samples, D]``: ``out[s] = sum of buffer[entry_rows[j]]`` over ``samples[j] == s``, ascending ``j``."""
-        if (buffer.device.type == "cpu" and buffer.dtype == torch.float32 and len(samples)
-                and bool((samples[1:] >= samples[:-1]).all()) and int(samples[-1]) < num_samples):
-            return segment_pool(buffer, samples, entry_rows, num_samples)
-        return ShardedReductionBased.compute_reference(buffer, samples, entry_rows, num_samples)
-
-    @staticmethod
-    def compute_reference(buffer: torch.Tensor, samples: torch.Tensor, entry_rows: torch.Tensor, num_samples: int
-                          ) -> torch.Tensor:
-        out = buffer.new_zeros(num_samples, buffer.shape[1])
-        return out.index_add_(0, samples, buffer.index_select(0, entry_rows))
-
-    @staticmethod
-    def accumulate(grad_entries: torch.Tensor, samples: torch.Tensor, entries: torch.Tensor,
-                   grad_pooled: torch.Tensor) -> None:
-        """``grad_entries[entries[j]] += grad_pooled[samples[j]]`` for ascending ``j``: exactly
-        ``grad_entries.index_add_(0, entries, grad_pooled.index_select(0, samples))`` (a serial loop in index order
-        on CPU, tested bitwise), without materialising the gathered rows."""
-        if not scatter_add_rows(grad_entries, entries, grad_pooled, samples):
-            grad_entries.index_add_(0, entries, grad_pooled.index_select(0, samples))
-
-
-def segment_pool(buffer: torch.Tensor, samples: torch.Tensor, entry_rows: torch.Tensor, num_samples: int
-                 ) -> torch.Tensor:
-    """Ordered segment sum for ``samples`` sorted ascending: bag ``s`` sums ``buffer[entry_rows[j]]`` for its ``j``
-    in ascending order from zero (the arithmetic of ``nestpipe.kernels.pooled_lookup``'s forward; no autograd: the
-    owner's buffer is frozen and its gradient arrives through the gradient All2All).
-
-    With one intra-op thread (the trainer's default) a serial Numba loop runs it: calling Numba's parallel kernels
-    from ranks that share the cores wakes its OpenMP pool (``NUMBA_NUM_THREADS`` threads, all cores by default),
-    whose spinning workers measured 7x slower steps on 2 ranks x 1 thread (1183 vs 159 ms per step). With more
-    threads: ``nestpipe.kernels.pooled_lookup``."""
-    counts = torch.bincount(samples, minlength=num_samples)
-    offsets = torch.zeros(num_samples + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=offsets[1:])
-    buffer = buffer.detach().contiguous()
-    serial = _serial_kernel() if torch.get_num_threads() == 1 else None
-    if serial is not None:
-        out = torch.empty(num_samples, buffer.shape[1], dtype=buffer.dtype)
-        serial(buffer.numpy(), entry_rows.contiguous().numpy(), offsets.numpy(), out.numpy())
-        return out
-
-    with torch.no_grad():
-        return kernels.pooled_lookup(buffer, entry_rows, offsets)
-
-
-_SERIAL = []
-
-
-def _serial_kernel():
-    """The serial segment sum (compiled once per process, cached on disk); None without Numba."""
-    if not _SERIAL:
-        try:
-            import numba
-        except ImportError:
-            _SERIAL.append(None)
-            return None
-
-        @numba.njit(cache=True, nogil=True)
-        def segment_sum_serial(src, index, offsets, out):
-            dim = src.shape[1]
-            for s in range(offsets.shape[0] - 1):
-                for k in range(dim):
-                    out[s, k] = 0.0
-                for j in range(offsets[s], offsets[s + 1]):
-                    r = index[j]
-                    for k in range(dim):
-                        out[s, k] += src[r, k]
-
-        _SERIAL.append(segment_sum_serial)
-    return _SERIAL[0]
-
-
-def scatter_add_rows(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
-                     src_index: Optional[torch.Tensor] = None) -> bool:
-    """In place ``out[index[j]] += src[src_index[j]]`` (``src[j]`` when ``src_index`` is None) for ``j`` ascending,
-    one row at a time: the arithmetic of CPU ``out.index_add_(0, index, src[src_index])``. Returns False (nothing
-    done) where it does not apply (not CPU, other dtypes, no Numba); the caller then runs ``index_add_``."""
-    if (out.device.type != "cpu" or src.device.type != "cpu" or out.dtype not in (torch.float32, torch.float64)
-            or src.dtype != out.dtype or not out.is_contiguous() or out.dim() != 2 or len(index) == 0):
-        return False
-    compiled = _scatter_kernels()
-    if compiled is None:
-        return False
-    gather_scatter, scatter = compiled
-    src = src.detach().contiguous()
-    # indices checked here once (vectorised) instead of per access inside the loop (bounds checks there kept it
-    # from vectorising: about 1.6x slower)
-    if int(index.min()) < 0 or int(index.max()) >= out.shape[0]:
-        raise IndexError(f"scatter_add_rows: index outside [0, {out.shape[0]})")
-    if src_index is None:
-        if len(index) > src.shape[0]:
-            raise IndexError(f"scatter_add_rows: {len(index)} indices for {src.shape[0]} source rows")
-    elif len(src_index) != len(index) or int(src_index.min()) < 0 or int(src_index.max()) >= src.shape[0]:
-        raise IndexError(f"scatter_add_rows: src_index outside [0, {src.shape[0]}) or of another length")
-    if src_index is None:
-        scatter(out.numpy(), index.contiguous().numpy(), src.numpy())
-    else:
-        gather_scatter(out.numpy(), index.contiguous().numpy(), src.numpy(), src_index.contiguous().numpy())
-    return True
-
-
-_SCATTER = []
-
-
-def _scatter_kernels():
-    if not _SCATTER:
-        try:
-            import numba
-        except ImportError:
-            _SCATTER.append(None)
-            return None
-
-        @numba.njit(cache=True, nogil=True)
-        def gather_scatter_add(out, index, src, src_index):
-            dim = out.shape[1]
-            for j in range(index.shape[0]):
-                o = index[j]
-                s = src_index[j]
-                for k in range(dim):
-                    out[o, k] += src[s, k]
-
-        @numba.njit(cache=True, nogil=True)
-        def scatter_add(out, index, src):
-            dim = out.shape[1]
-            for j in range(index.shape[0]):
-                o = index[j]
-                for k in range(dim):
-                    out[o, k] += src[j, k]
-
-        _SCATTER.append((gather_scatter_add, scatter_add))
-    return _SCATTER[0]

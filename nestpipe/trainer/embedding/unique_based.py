@@ -1,6 +1,6 @@
 """Unique-based exchange (EMBark): the deduplicated rows of a micro-batch travel, for sequence features.
 
-``UniqueBased`` is the requester side, ``ShardedUniqueBased`` the owner side. For micro-batch ``i`` of slot ``s``:
+``UniqueBased`` is the requester side (the owner side is ``collection.py``'s). For micro-batch ``i`` of slot ``s``:
 
 - input_dist (once per batch, inside the fused routing): the requester sends each owner, for every micro-batch, the
   positions (within the keys it routed to that owner) of the micro-batch's unique keys, in the shard's
@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from nestpipe.trainer.embedding.replicated import owner_bounds, owner_order
-from nestpipe.trainer.embedding.reduction_based import scatter_add_rows
 
 
 class UniqueBased:
@@ -49,19 +48,3 @@ class UniqueBased:
             return per_value
         out = per_value.new_zeros(num_samples, per_value.shape[1])
         return out.index_add(0, value_sample, per_value)
-
-
-class ShardedUniqueBased:
-    """Owner side."""
-
-    @staticmethod
-    def compute(buffer: torch.Tensor, entry_rows: torch.Tensor) -> torch.Tensor:
-        """Rows to send for one requester: ``buffer[entry_rows]`` (``entry_rows`` index the owner's buffer)."""
-        return buffer.index_select(0, entry_rows)
-
-    @staticmethod
-    def accumulate(grad_entries: torch.Tensor, entries: torch.Tensor, grad_rows: torch.Tensor) -> None:
-        """``grad_entries.index_add_(0, entries, grad_rows)`` (CPU: the same serial loop in index order, in Numba)."""
-
-        if not scatter_add_rows(grad_entries, entries, grad_rows):
-            grad_entries.index_add_(0, entries, grad_rows)

@@ -465,6 +465,36 @@ def test_forced_reference_path(monkeypatch):
         kernels.select_path("lookup", "cpu")
 
 
+def test_per_op_overrides_environment_and_block(monkeypatch):
+    rule = kernels.kernel_paths("cpu")
+    assert rule["adagrad_update"] == "numba"
+    monkeypatch.setenv("NESTPIPE_KERNELS", "adagrad_update:reference,dual_buffer_sync:triton")
+    got = kernels.kernel_paths("cpu")
+    assert got["adagrad_update"] == "reference" and got["dual_buffer_sync"] == "triton"
+    assert {op: p for op, p in got.items() if op not in ("adagrad_update", "dual_buffer_sync")} == \
+        {op: p for op, p in rule.items() if op not in ("adagrad_update", "dual_buffer_sync")}
+    with kernels.forced({"adagrad_update": "numba"}):  # the block wins over the environment, then is undone
+        assert kernels.select_path("adagrad_update", "cpu") == "numba"
+    assert kernels.select_path("adagrad_update", "cpu") == "reference"
+    # the forced path is the one that runs (noted at the call), and both paths give the same bits here
+    w, st = torch.randn(30, 8), torch.rand(30)
+    rows, g = torch.tensor([1, 5, 7]), torch.randn(3, 8)
+    outs = []
+    for path in ("reference", "numba"):
+        kernels.reset_taken()
+        a, b = w.clone(), st.clone()
+        with kernels.forced(f"adagrad_update:{path}"):
+            kernels.adagrad_update(a, b, rows, g, 0.1)
+        assert kernels.taken_paths() == {"adagrad_update": {path: 1}}
+        outs.append(a)
+    assert torch.equal(outs[0], outs[1])
+    for bad in ("adagrad_update", "nope:numba", "lookup:fast"):
+        monkeypatch.setenv("NESTPIPE_KERNELS", bad)
+        with pytest.raises(ValueError, match="NESTPIPE_KERNELS"):
+            kernels.select_path("lookup", "cpu")
+    kernels.reset_taken()
+
+
 def test_paths_are_noted_at_the_call(monkeypatch):
     """``taken_paths`` lists what ran, noted inside each op: not the rule's table of what could run."""
     src = torch.randn(10, 4)

@@ -10,16 +10,20 @@ run's metadata.
 | npu    | ``npu`` (torch_npu required)                   | torch                                     | ``npu``                                 |
 | other  | ``reference``                                  | ``reference``                             | ``reference``                           |
 
-``NESTPIPE_KERNELS=reference`` forces the plain-torch references everywhere (for debugging; set it on every
-rank alike).
+Overrides, for tests and debugging (set them on every rank alike): ``NESTPIPE_KERNELS=reference`` forces the
+plain-torch references everywhere; ``NESTPIPE_KERNELS=op:path,...`` forces the named ops only (for example
+``adagrad_update:reference,dual_buffer_sync:triton``); :func:`forced` does the same inside a ``with`` block of the
+calling process. A forced path is taken as is: forcing ``triton`` on CPU tensors runs Triton's interpreter mode
+only where ``TRITON_INTERPRET=1`` is set.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
-from typing import Dict, Union
+from typing import Dict, Iterator, Union
 
 import torch
 
@@ -79,11 +83,9 @@ def select_path(op: str, device: Union[str, torch.device]) -> str:
     """The path op ``op`` takes for tensors on ``device`` (one of :data:`PATHS`)."""
     if op not in OPS:
         raise ValueError(f"unknown kernel op {op!r}; ops are {', '.join(OPS)}")
-    forced = os.environ.get(FORCE_ENV, "")
-    if forced not in ("", "reference"):
-        raise ValueError(f"{FORCE_ENV} must be unset or 'reference', got {forced!r}")
-    if forced == "reference":
-        return "reference"
+    override = _override(op)
+    if override is not None:
+        return override
     kind = torch.device(device).type
     if op == "adagrad_bags":
         return "fbgemm" if kind == "cpu" and has_fbgemm_tbe_cpu() else "reference"
@@ -100,6 +102,47 @@ def select_path(op: str, device: Union[str, torch.device]) -> str:
             raise RuntimeError("tensors on an npu device but torch_npu does not import")
         return "npu"
     return "reference"
+
+
+_FORCED: Dict[str, str] = {}  # the innermost ``forced`` block's per-op paths
+
+
+def _parse_overrides(text: str) -> Dict[str, str]:
+    """``reference`` -> every op; ``op:path,op:path`` -> those ops. Unknown ops or paths are refused."""
+    text = text.strip()
+    if text in ("", "reference"):
+        return {op: "reference" for op in OPS} if text else {}
+    out = {}
+    for item in text.split(","):
+        op, sep, path = item.strip().partition(":")
+        if not sep or op not in OPS or path not in PATHS:
+            raise ValueError(f"{FORCE_ENV}: {item.strip()!r} is not OP:PATH with OP one of {', '.join(OPS)} and PATH "
+                             f"one of {', '.join(PATHS)} (or the whole value 'reference')")
+        out[op] = path
+    return out
+
+
+def _override(op: str):
+    if op in _FORCED:
+        return _FORCED[op]
+    return _parse_overrides(os.environ.get(FORCE_ENV, "")).get(op)
+
+
+@contextlib.contextmanager
+def forced(paths: Union[str, Dict[str, str]]) -> Iterator[None]:
+    """Inside the block, the ops named in ``paths`` (a dict, or the ``NESTPIPE_KERNELS`` syntax) take the given
+    path in this process, whatever the rule and the environment say."""
+    new = _parse_overrides(paths) if isinstance(paths, str) else dict(paths)
+    bad = {op: p for op, p in new.items() if op not in OPS or p not in PATHS}
+    if bad:
+        raise ValueError(f"forced: unknown op or path in {bad} (ops {', '.join(OPS)}; paths {', '.join(PATHS)})")
+    saved = dict(_FORCED)
+    _FORCED.update(new)
+    try:
+        yield
+    finally:
+        _FORCED.clear()
+        _FORCED.update(saved)
 
 
 def kernel_paths(device: Union[str, torch.device]) -> Dict[str, str]:

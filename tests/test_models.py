@@ -56,3 +56,50 @@ def test_negative_control_sasrec_without_causal_mask_sees_the_future(monkeypatch
     emb2 = {k: v.clone() for k, v in emb.items()}
     emb2["item"][6] += torch.linspace(-1, 1, D, dtype=torch.float64)
     assert not torch.allclose(m.encode(emb2, lengths)[:6], m.encode(emb, lengths)[:6])
+
+
+def test_history_negatives_are_each_query_s_distinct_prefix_items_other_than_its_target():
+    from nestpipe.trainer.models.common import _history_logits
+
+    torch.manual_seed(0)
+    lengths = torch.tensor([4, 3])
+    item_ids = torch.tensor([7, 9, 7, 5, 3, 3, 8])  # sample 0: 7 9 7 5; sample 1: 3 3 8
+    items = torch.randn(7, D, dtype=torch.float64)
+    sample = torch.repeat_interleave(torch.arange(2), lengths)
+    q_idx = torch.tensor([0, 1, 2, 4, 5])  # every position but each sample's last
+    query = torch.nn.functional.normalize(torch.randn(5, D, dtype=torch.float64), dim=-1)
+    got = _history_logits(query, items, item_ids, lengths, sample, q_idx, 0.5)
+    kept = (got > -1e8).tolist()
+    # query at sample 0 pos 0 (target 9): {7}; pos 1 (target 7): {9} (7 is the target); pos 2 (target 5): {7, 9}
+    # (the second 7 repeats position 0); sample 1 pos 0 (target 3): {} (3 is the target); pos 1 (target 8): {3}
+    assert kept == [[True, False, False, False], [False, True, False, False], [True, True, False, False],
+                    [False, False, False, False], [True, False, False, False]]
+    normed = torch.nn.functional.normalize(items, dim=-1)
+    assert torch.allclose(got[2, :2], query[2] @ normed[:2].t() / 0.5)
+    assert torch.allclose(got[4, 0], query[4] @ normed[4] / 0.5)
+
+
+@pytest.mark.parametrize("name", ["hstu", "sasrec"])
+def test_history_negatives_push_the_read_items_down(name):
+    """One gradient step with history negatives lowers the query's score of its prefix items more than one without
+    (negative control: with the option off the prefix items get only the uniform negatives' push)."""
+    from nestpipe.trainer.models.common import next_item_loss
+
+    lengths = torch.tensor([6])
+    ids = torch.tensor([11, 12, 13, 14, 15, 16])
+    emb = _emb([6], 5)
+    negs = torch.randn(8, D, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    feats = {"lengths": lengths, "item_ids": ids, "neg_ids": torch.arange(100, 108)}
+    drops = []
+    for on in (False, True):
+        m = _model(name)
+        e = {k: v.clone().requires_grad_(k == "item") for k, v in emb.items()}
+        e["item#neg"] = negs
+        loss = next_item_loss(m.encode(e, lengths), e, feats, 0.1, history_negatives=on).sum()
+        loss.backward()
+        hidden = m.encode(e, lengths)[4].detach()  # query at position 4: prefix items 11..15, target 16
+        before = torch.nn.functional.normalize(e["item"][:4].detach(), dim=-1) @ torch.nn.functional.normalize(hidden, dim=-1)
+        after_items = e["item"][:4].detach() - 0.5 * e["item"].grad[:4]
+        after = torch.nn.functional.normalize(after_items, dim=-1) @ torch.nn.functional.normalize(hidden, dim=-1)
+        drops.append(float((before - after).sum()))
+    assert drops[1] > drops[0], drops

@@ -61,10 +61,18 @@ def padded_tokens(emb: Dict[str, torch.Tensor], tables: List[str], pos_table: to
 
 
 def next_item_loss(hidden: torch.Tensor, emb: Dict[str, torch.Tensor], feats: Dict[str, torch.Tensor],
-                   temperature: float) -> torch.Tensor:
+                   temperature: float, history_negatives: bool = False,
+                   sampled_log_weight: float = 0.0) -> torch.Tensor:
     """Per-sample loss ``[b]``: the mean over the sample's positions of the next-item sampled softmax (cosine
     similarity / ``temperature``; the target against the batch's shared negatives, negatives equal to the target
-    masked). A per-sample mean, so the loss does not depend on how the batch is partitioned into micro-batches."""
+    masked). A per-sample mean, so the loss does not depend on how the batch is partitioned into micro-batches.
+
+    ``history_negatives``: each position's own prefix (the distinct items the sample read up to and including the
+    position, other than the target) joins its negatives. Uniform negatives almost never contain a user's own
+    items, so without them nothing teaches the model that the next item is usually not one it just read, and the
+    query, built from those items, scores them high. ``sampled_log_weight``: added to every uniform negative's logit;
+    ``log(V / K)`` makes each of the K uniform draws stand for V / K catalog items (the sampled-softmax logQ
+    correction), so that the prefix items, present once each, weigh what they weigh in the full softmax."""
     lengths = feats["lengths"]
     b = len(lengths)
     sample = torch.repeat_interleave(torch.arange(b, device=lengths.device), lengths)
@@ -76,13 +84,39 @@ def next_item_loss(hidden: torch.Tensor, emb: Dict[str, torch.Tensor], feats: Di
     target = F.normalize(emb["item"].index_select(0, q_idx + 1), dim=-1)
     negs = F.normalize(emb[NEG], dim=-1)
     pos_logit = (query * target).sum(-1, keepdim=True) / temperature
-    neg_logit = query @ negs.t() / temperature
+    neg_logit = query @ negs.t() / temperature + sampled_log_weight
     same = feats["item_ids"].index_select(0, q_idx + 1)[:, None] == feats["neg_ids"][None, :]
     neg_logit = neg_logit.masked_fill(same, -1e9)
-    logits = torch.cat([pos_logit, neg_logit], dim=1)
+    logits = [pos_logit, neg_logit]
+    if history_negatives:
+        logits.append(_history_logits(query, emb["item"], feats["item_ids"], lengths, sample, q_idx, temperature))
+    logits = torch.cat(logits, dim=1)
     token_loss = torch.logsumexp(logits, dim=1) - logits[:, 0]
     q_sample = sample.index_select(0, q_idx)
     per_sample = token_loss.new_zeros(b).index_add(0, q_sample, token_loss)
     count = torch.zeros(b, dtype=token_loss.dtype, device=lengths.device).index_add(
         0, q_sample, torch.ones_like(token_loss))
     return per_sample / count.clamp(min=1)
+
+
+def _history_logits(query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor, lengths: torch.Tensor,
+                    sample: torch.Tensor, q_idx: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[Q, n]`` logits of every query against its sample's items at positions up to its own, masked (-1e9) where
+    the item is the query's target or repeats an earlier position of the sample."""
+    b, n = len(lengths), int(lengths.max())
+    starts = torch.cumsum(lengths, 0) - lengths
+    pos = torch.arange(len(sample), device=lengths.device) - starts[sample]
+    flat = sample * n + pos
+    d = items.shape[1]
+    items_pad = items.new_zeros(b * n, d).index_copy(0, flat, F.normalize(items, dim=-1)).view(b, n, d)
+    q_pad = query.new_zeros(b * n, d).index_copy(0, flat.index_select(0, q_idx), query).view(b, n, d)
+    q_flat = flat.index_select(0, q_idx)
+    logit = (q_pad @ items_pad.transpose(1, 2)).view(b * n, n).index_select(0, q_flat) / temperature
+    ids = torch.full((b * n,), -1, dtype=item_ids.dtype, device=item_ids.device).index_copy(0, flat, item_ids)
+    ids = ids.view(b, n)
+    earlier = torch.tril(torch.ones(n, n, dtype=torch.bool, device=ids.device), diagonal=-1)
+    first = ~((ids[:, :, None] == ids[:, None, :]) & earlier).any(-1)  # [b, n]: no earlier position has the item
+    qs, qp = sample.index_select(0, q_idx), pos.index_select(0, q_idx)
+    keep = (torch.arange(n, device=ids.device)[None, :] <= qp[:, None]) & first.index_select(0, qs)
+    keep &= ids.index_select(0, qs) != item_ids.index_select(0, q_idx + 1)[:, None]
+    return logit.masked_fill(~keep, -1e9)

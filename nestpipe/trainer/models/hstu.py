@@ -14,6 +14,7 @@ the batch is partitioned into micro-batches.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, List, Tuple
 
 import torch
@@ -44,6 +45,10 @@ class HSTUConfig:
         0, help="in-batch popularity negatives (they push popular items down, which costs full-catalog HR/NDCG "
         "without a logQ correction: off by default)", minimum=0)
     temperature: float = opt(0.1, help="softmax temperature of the sampled softmax", minimum=0)
+    history_negatives: bool = opt(
+        True, help="each position's own prefix items (other than its target) join its negatives (docs/trainer.md)")
+    logq_correction: bool = opt(
+        True, help="weigh each uniform negative as V / K catalog items (log(V / K) added to its logit)")
 
 
 class HSTULayer(nn.Module):
@@ -69,8 +74,10 @@ class HSTULayer(nn.Module):
 
 
 class HSTU(nn.Module):
-    def __init__(self, cfg: HSTUConfig, dim: int, sequence_tables: List[str], max_seq_len: int):
+    def __init__(self, cfg: HSTUConfig, dim: int, sequence_tables: List[str], max_seq_len: int,
+                 num_items: int = 0):
         super().__init__()
+        self.num_items = num_items  # the item catalog size V (the logQ correction's log(V / K))
         self.cfg = cfg
         self.dim = dim
         self.tables = sorted(sequence_tables)
@@ -95,7 +102,10 @@ class HSTU(nn.Module):
     # -- training objective ---------------------------------------------------------------------------------------
     def forward(self, emb: Dict[str, torch.Tensor], feats: Dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-sample loss ``[b]``: mean next-item sampled-softmax loss over the sample's positions."""
-        return next_item_loss(self.encode(emb, feats["lengths"]), emb, feats, self.cfg.temperature)
+        k = self.cfg.num_random_negatives
+        w = math.log(self.num_items / k) if self.cfg.logq_correction and k and self.num_items > k else 0.0
+        return next_item_loss(self.encode(emb, feats["lengths"]), emb, feats, self.cfg.temperature,
+                              self.cfg.history_negatives, w)
 
 
 def build(cfg, manifest: Manifest, dims: Dict[str, int]) -> HSTU:
@@ -103,7 +113,8 @@ def build(cfg, manifest: Manifest, dims: Dict[str, int]) -> HSTU:
     dset = {dims[t] for t in seq}
     if len(dset) != 1:
         raise ValueError(f"hstu needs one embedding dim for all sequence tables, got {dims}")
-    return HSTU(cfg.hstu, dset.pop(), seq, int(manifest.max_seq_len or cfg.hstu.max_seq_len))
+    return HSTU(cfg.hstu, dset.pop(), seq, int(manifest.max_seq_len or cfg.hstu.max_seq_len),
+                 int(manifest.tables["item"].vocab))
 
 
 def dense_inputs(cfg, manifest: Manifest, batch: PreparedBatch, i: int, device: torch.device,

@@ -12,6 +12,7 @@ sample's own tokens (softmax over the keys at or before the query), ``x += FFN(L
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, List
 
 import torch
@@ -37,6 +38,10 @@ class SASRecConfig:
     num_popular_negatives: int = opt(0, help="in-batch popularity negatives (off by default, as for hstu)",
                                      minimum=0)
     temperature: float = opt(0.1, help="softmax temperature of the sampled softmax", minimum=0)
+    history_negatives: bool = opt(
+        True, help="each position's own prefix items (other than its target) join its negatives (docs/trainer.md)")
+    logq_correction: bool = opt(
+        True, help="weigh each uniform negative as V / K catalog items (log(V / K) added to its logit)")
 
 
 class SASRecBlock(nn.Module):
@@ -61,8 +66,10 @@ class SASRecBlock(nn.Module):
 
 
 class SASRec(nn.Module):
-    def __init__(self, cfg: SASRecConfig, dim: int, sequence_tables: List[str], max_seq_len: int):
+    def __init__(self, cfg: SASRecConfig, dim: int, sequence_tables: List[str], max_seq_len: int,
+                 num_items: int = 0):
         super().__init__()
+        self.num_items = num_items  # the item catalog size V (the logQ correction's log(V / K))
         self.cfg = cfg
         self.dim = dim
         self.tables = sorted(sequence_tables)
@@ -86,7 +93,10 @@ class SASRec(nn.Module):
 
     def forward(self, emb: Dict[str, torch.Tensor], feats: Dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-sample loss ``[b]``: mean next-item sampled-softmax loss over the sample's positions."""
-        return next_item_loss(self.encode(emb, feats["lengths"]), emb, feats, self.cfg.temperature)
+        k = self.cfg.num_random_negatives
+        w = math.log(self.num_items / k) if self.cfg.logq_correction and k and self.num_items > k else 0.0
+        return next_item_loss(self.encode(emb, feats["lengths"]), emb, feats, self.cfg.temperature,
+                              self.cfg.history_negatives, w)
 
 
 def build(cfg, manifest: Manifest, dims: Dict[str, int]) -> SASRec:
@@ -94,7 +104,8 @@ def build(cfg, manifest: Manifest, dims: Dict[str, int]) -> SASRec:
     dset = {dims[t] for t in seq}
     if len(dset) != 1:
         raise ValueError(f"sasrec needs one embedding dim for all sequence tables, got {dims}")
-    return SASRec(cfg.sasrec, dset.pop(), seq, int(manifest.max_seq_len or cfg.sasrec.max_seq_len))
+    return SASRec(cfg.sasrec, dset.pop(), seq, int(manifest.max_seq_len or cfg.sasrec.max_seq_len),
+                 int(manifest.tables["item"].vocab))
 
 
 def negatives(cfg):

@@ -92,10 +92,11 @@ def runs(tmp_path_factory):
     for model in ("hstu", "dlrm", "sasrec"):
         add(plan2, 2, model, "off", "off")
         add(plan2, 2, model, "nested", "nested")
-    add(plan2, 2, "hstu", "dbp", "dbp")
+    for model in ("hstu", "dlrm"):
+        add(plan2, 2, model, "dbp", "dbp")
+        add(plan2, 2, model, "fwp", "fwp")
     for model in ("hstu", "dlrm"):
         add(plan2, 2, model, "auto", "auto")
-    add(plan2, 2, "hstu", "fwp", "fwp")
     nosync = {"skip_dual_buffer_sync": True}  # negative control (nestpipe.trainer.testing_hooks)
     add(plan2, 2, "hstu", "nosync", "nested", hooks=nosync)
     add(plan2, 2, "dlrm", "nosync", "nested", hooks=nosync)
@@ -114,6 +115,8 @@ def runs(tmp_path_factory):
     for model in ("hstu", "dlrm"):
         add(plan3, 3, model, "off", "off")
         add(plan3, 3, model, "nested", "nested")
+        add(plan3, 3, model, "dbp", "dbp")
+        add(plan3, 3, model, "fwp", "fwp")
     plan4 = []  # 2D sparse parallelism: 2 groups of 2
     sg = {"sparse_groups": 2}
     for model in ("hstu", "dlrm"):
@@ -225,13 +228,16 @@ def test_boundary_primes_the_configured_number_of_embedding_all2alls(runs, model
                 assert all(mb1[t + 1] >= dense_end[t] for t in range(STEPS - 1)), (name, rank)
 
 
-def test_dbp_alone_and_fwp_alone_are_bitwise_equal_to_off(runs):
-    off = _export(runs[(2, "hstu", "off")])
+@pytest.mark.parametrize("model", ["hstu", "dlrm"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_dbp_alone_and_fwp_alone_are_bitwise_equal_to_off(runs, model, world):
+    off = _export(runs[(world, model, "off")])
     for name in ("dbp", "fwp"):
-        assert _bitwise_diff(off, _export(runs[(2, "hstu", name)])) == [], name
-    dbp, fwp = _spans(runs[(2, "hstu", "dbp")]), _spans(runs[(2, "hstu", "fwp")])
-    assert tl.a2a_overlaps(dbp, 0) == [] and len(tl.retrieval_overlaps(dbp, 0)) > 0
-    assert tl.retrieval_overlaps(fwp, 0) == [] and len(tl.a2a_overlaps(fwp, 0)) > 0
+        assert _bitwise_diff(off, _export(runs[(world, model, name)])) == [], name
+    dbp, fwp = _spans(runs[(world, model, "dbp")]), _spans(runs[(world, model, "fwp")])
+    for rank in range(world):  # each schedule overlapped what it overlaps, and only that
+        assert tl.a2a_overlaps(dbp, rank) == [] and len(tl.retrieval_overlaps(dbp, rank)) > 0
+        assert tl.retrieval_overlaps(fwp, rank) == [] and len(tl.a2a_overlaps(fwp, rank)) > 0
 
 
 @pytest.mark.parametrize("model", ["hstu", "dlrm"])
@@ -438,3 +444,26 @@ def test_kernel_paths_record_what_ran(runs, model, name):
     assert set(m["kernel_paths"]) >= {"adagrad_bags", "pool_segments"}, m["kernel_paths"]  # the owner update, the exchange
     # negative control: the rule's table (what metrics.json held before) lists paths this run never took
     assert _paths_problem({op: [p] for op, p in m["kernel_rule"].items()}, m["kernel_rule"]) is not None
+
+
+def test_export_refuses_diverged_data_parallel_replicas(runs, tmp_path):
+    """Every export above passed the replica check (each rank's digest of its replicated tables, dense parameters
+    and AdamW state equals the digest of the tensors rank 0 saved); tensors that differ from what the other ranks
+    held are refused, naming the ranks."""
+    import shutil
+
+    from nestpipe.trainer import checkpoint
+
+    run = str(tmp_path / "run")
+    shutil.copytree(runs[(2, "dlrm", "nested")], run)
+    ckpt = checkpoint.latest(run)
+    rank1 = torch.load(os.path.join(ckpt, "rank-00001.pt"), weights_only=True)
+    path = os.path.join(ckpt, "rank-00000.pt")
+    payload = torch.load(path, weights_only=True)
+    assert rank1["replica_digest"] == payload["replica_digest"] == checkpoint.replica_digest(payload)
+    name = sorted(payload["dense"])[0]
+    payload["dense"][name] = payload["dense"][name].clone()
+    payload["dense"][name].view(-1)[0] += 1e-6
+    torch.save(payload, path)
+    with pytest.raises(ValueError, match=r"rank\(s\) \[0, 1\] differs from the one rank 0 saved"):
+        _export(run)

@@ -14,6 +14,7 @@ Checkpoints are taken between steps only: no batch is in flight. Files load with
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import time
@@ -36,12 +37,30 @@ def _rank_payload(state, step: int) -> Dict:
     emb = state.emb
     payload = {"step": step, "rank": state.rank, "world": state.world,
                "tables": {t: s.state_dict() for t, s in emb.stores.items()}}
+    data_parallel = {"dense": {k: v.detach().cpu() for k, v in state.model.state_dict().items()},
+                     "optimizer": state.optimizer.state_dict(),
+                     "replicated": {t: {"weight": r.weight.detach().cpu(), "state": r.state.cpu()}
+                                    for t, r in emb.replicated.items()}}
+    # every rank records a digest of its data-parallel copy (rank 0 also the tensors): the export checks them
+    payload["replica_digest"] = replica_digest(data_parallel)
     if state.rank == 0:
-        payload["dense"] = {k: v.detach().cpu() for k, v in state.model.state_dict().items()}
-        payload["optimizer"] = state.optimizer.state_dict()
-        payload["replicated"] = {t: {"weight": r.weight.detach().cpu(), "state": r.state.cpu()}
-                                 for t, r in emb.replicated.items()}
+        payload.update(data_parallel)
     return payload
+
+
+def replica_digest(payload: Dict) -> str:
+    """sha256 over the data-parallel tensors (replicated tables, dense parameters, AdamW state) by name and bytes:
+    equal on every rank when the replicas are bitwise equal."""
+    h = hashlib.sha256()
+    items = {f"replicated.{n}.{k}": v for n, rep in payload["replicated"].items() for k, v in rep.items()}
+    items.update({f"dense.{k}": v for k, v in payload["dense"].items()})
+    for idx, st in payload["optimizer"]["state"].items():
+        items.update({f"optim.{idx}.{k}": v if torch.is_tensor(v) else torch.tensor(v) for k, v in st.items()})
+    for name in sorted(items):
+        t = items[name].detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def save(run: str, state, step: int, sleep_s: float = 0.0) -> str:

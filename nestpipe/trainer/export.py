@@ -62,6 +62,21 @@ def assemble(run: str, ckpt: str = None, max_rows_in_memory: int = 50_000_000) -
     return out
 
 
+def _check_replicas(ckpt: str, rank_files: Dict[int, Dict]) -> None:
+    """The export takes rank 0's replicated tables, dense parameters and AdamW state; every rank's recorded digest of
+    its own copy must match them bit for bit (the all-reduced gradients and identical updates guarantee it), else
+    the replicas diverged and there is no single model to export. Checkpoints written before the digests: no check."""
+    digests = {r: p.get("replica_digest") for r, p in rank_files.items()}
+    if any(d is None for d in digests.values()):
+        return
+    mine = checkpoint.replica_digest(rank_files[0])
+    bad = [r for r, d in sorted(digests.items()) if d != mine]
+    if bad:
+        raise ValueError(f"{ckpt}: the data-parallel copy (replicated tables, dense parameters, AdamW state) of "
+                         f"rank(s) {bad} differs from the one rank 0 saved: the replicas diverged, so there is no "
+                         "single model to export")
+
+
 def _assemble(run, ckpt, stream_prefix, max_rows_in_memory):
     cfg = load_run_config(run)
     ckpt = ckpt or checkpoint.latest(run)
@@ -87,6 +102,7 @@ def _assemble(run, ckpt, stream_prefix, max_rows_in_memory):
                 out[f"embedding.{name}.weight"] = w
                 out[f"embedding.{name}.adagrad_state"] = s
     r0 = rank_files[0]
+    _check_replicas(ckpt, rank_files)
     for name, rep in r0["replicated"].items():
         out[f"embedding.{name}.weight"] = rep["weight"]
         out[f"embedding.{name}.adagrad_state"] = rep["state"]

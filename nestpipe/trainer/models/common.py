@@ -40,6 +40,34 @@ def mlp(sizes, final_activation: bool = True) -> nn.Sequential:
 
 
 # -- sequential next-item models (hstu, sasrec): shared inputs and objective -------------------------------------
+class SequentialModel(nn.Module):
+    """What hstu and sasrec share: token inputs (``tables`` summed + a learned position ``pos``), a final LayerNorm
+    and the next-item objective; a subclass adds its layers and ``encode``. ``cfg`` holds ``num_random_negatives``,
+    ``temperature``, ``history_negatives`` and ``logq_correction``; ``num_items`` is the catalog size V."""
+
+    def __init__(self, name: str, cfg, dim: int, sequence_tables: List[str], max_seq_len: int, num_items: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.dim = dim
+        self.num_items = num_items  # the item catalog size V (the logQ correction's log(V / K))
+        self.tables = sorted(sequence_tables)
+        if "item" not in self.tables:
+            raise ValueError(f"{name} needs a sequence table named 'item' (got {self.tables})")
+        self.max_len = max_seq_len
+        self.pos = nn.Parameter(torch.zeros(max_seq_len, dim))
+        self.norm_out = nn.LayerNorm(dim)
+
+    def encode(self, emb: Dict[str, torch.Tensor], lengths: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, emb: Dict[str, torch.Tensor], feats: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-sample loss ``[b]``: mean next-item sampled-softmax loss over the sample's positions."""
+        k = self.cfg.num_random_negatives
+        w = math.log(self.num_items / k) if self.cfg.logq_correction and k and self.num_items > k else 0.0
+        return next_item_loss(self.encode(emb, feats["lengths"]), emb, feats, self.cfg.temperature,
+                              self.cfg.history_negatives, w)
+
+
 def padded_tokens(emb: Dict[str, torch.Tensor], tables: List[str], pos_table: torch.Tensor, lengths: torch.Tensor,
                   max_len: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Jagged token embeddings (sum over ``tables`` + the learned position of each token in its sample) ->

@@ -14,7 +14,6 @@ the batch is partitioned into micro-batches.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Dict, List, Tuple
 
 import torch
@@ -23,7 +22,7 @@ from torch import nn
 
 from nestpipe.datasets.shards import Manifest
 from nestpipe.trainer.embedding.batch import NEG_SLOT, PreparedBatch
-from nestpipe.trainer.models.common import next_item_loss, padded_tokens
+from nestpipe.trainer.models.common import SequentialModel, padded_tokens
 from nestpipe.trainer.models.spec import ModelSpec
 from nestpipe.utils.options import opt
 
@@ -73,20 +72,11 @@ class HSTULayer(nn.Module):
         return x + self.out(self.norm_attn(av) * u)
 
 
-class HSTU(nn.Module):
+class HSTU(SequentialModel):
     def __init__(self, cfg: HSTUConfig, dim: int, sequence_tables: List[str], max_seq_len: int,
                  num_items: int = 0):
-        super().__init__()
-        self.num_items = num_items  # the item catalog size V (the logQ correction's log(V / K))
-        self.cfg = cfg
-        self.dim = dim
-        self.tables = sorted(sequence_tables)
-        if "item" not in self.tables:
-            raise ValueError(f"hstu needs a sequence table named 'item' (got {self.tables})")
-        self.max_len = max_seq_len
-        self.pos = nn.Parameter(torch.zeros(max_seq_len, dim))
+        super().__init__("hstu", cfg, dim, sequence_tables, max_seq_len, num_items)
         self.layers = nn.ModuleList([HSTULayer(dim, cfg.num_heads, cfg.linear_dim) for _ in range(cfg.num_layers)])
-        self.norm_out = nn.LayerNorm(dim)
 
     # -- encoder ---------------------------------------------------------------------------------------------------
     def encode(self, emb: Dict[str, torch.Tensor], lengths: torch.Tensor) -> torch.Tensor:
@@ -98,14 +88,6 @@ class HSTU(nn.Module):
         for layer in self.layers:
             padded = layer(padded, mask, self.max_len)
         return self.norm_out(padded).reshape(b * n, self.dim).index_select(0, flat)
-
-    # -- training objective ---------------------------------------------------------------------------------------
-    def forward(self, emb: Dict[str, torch.Tensor], feats: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """Per-sample loss ``[b]``: mean next-item sampled-softmax loss over the sample's positions."""
-        k = self.cfg.num_random_negatives
-        w = math.log(self.num_items / k) if self.cfg.logq_correction and k and self.num_items > k else 0.0
-        return next_item_loss(self.encode(emb, feats["lengths"]), emb, feats, self.cfg.temperature,
-                              self.cfg.history_negatives, w)
 
 
 def build(cfg, manifest: Manifest, dims: Dict[str, int]) -> HSTU:

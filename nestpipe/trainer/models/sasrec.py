@@ -12,7 +12,6 @@ sample's own tokens (softmax over the keys at or before the query), ``x += FFN(L
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Dict, List
 
 import torch
@@ -21,7 +20,7 @@ from torch import nn
 
 from nestpipe.datasets.shards import Manifest
 from nestpipe.trainer.models import hstu
-from nestpipe.trainer.models.common import next_item_loss, padded_tokens
+from nestpipe.trainer.models.common import SequentialModel, padded_tokens
 from nestpipe.trainer.models.spec import ModelSpec
 from nestpipe.utils.options import opt
 
@@ -65,20 +64,11 @@ class SASRecBlock(nn.Module):
         return x + self.ffn(self.norm_ffn(x))
 
 
-class SASRec(nn.Module):
+class SASRec(SequentialModel):
     def __init__(self, cfg: SASRecConfig, dim: int, sequence_tables: List[str], max_seq_len: int,
                  num_items: int = 0):
-        super().__init__()
-        self.num_items = num_items  # the item catalog size V (the logQ correction's log(V / K))
-        self.cfg = cfg
-        self.dim = dim
-        self.tables = sorted(sequence_tables)
-        if "item" not in self.tables:
-            raise ValueError(f"sasrec needs a sequence table named 'item' (got {self.tables})")
-        self.max_len = max_seq_len
-        self.pos = nn.Parameter(torch.zeros(max_seq_len, dim))
+        super().__init__("sasrec", cfg, dim, sequence_tables, max_seq_len, num_items)
         self.blocks = nn.ModuleList([SASRecBlock(dim, cfg.num_heads, cfg.ffn_mult) for _ in range(cfg.num_layers)])
-        self.norm_out = nn.LayerNorm(dim)
 
     def encode(self, emb: Dict[str, torch.Tensor], lengths: torch.Tensor) -> torch.Tensor:
         """Jagged tokens -> hidden states, flat ``[nnz, D]`` in the input order."""
@@ -90,13 +80,6 @@ class SASRec(nn.Module):
         for block in self.blocks:
             x = block(x, mask)
         return self.norm_out(x).reshape(b * n, self.dim).index_select(0, flat)
-
-    def forward(self, emb: Dict[str, torch.Tensor], feats: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """Per-sample loss ``[b]``: mean next-item sampled-softmax loss over the sample's positions."""
-        k = self.cfg.num_random_negatives
-        w = math.log(self.num_items / k) if self.cfg.logq_correction and k and self.num_items > k else 0.0
-        return next_item_loss(self.encode(emb, feats["lengths"]), emb, feats, self.cfg.temperature,
-                              self.cfg.history_negatives, w)
 
 
 def build(cfg, manifest: Manifest, dims: Dict[str, int]) -> SASRec:

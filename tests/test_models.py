@@ -65,10 +65,9 @@ def test_history_negatives_are_each_query_s_distinct_prefix_items_other_than_its
     lengths = torch.tensor([4, 3])
     item_ids = torch.tensor([7, 9, 7, 5, 3, 3, 8])  # sample 0: 7 9 7 5; sample 1: 3 3 8
     items = torch.randn(7, D, dtype=torch.float64)
-    sample = torch.repeat_interleave(torch.arange(2), lengths)
     q_idx = torch.tensor([0, 1, 2, 4, 5])  # every position but each sample's last
     query = torch.nn.functional.normalize(torch.randn(5, D, dtype=torch.float64), dim=-1)
-    got = _history_logits(query, items, item_ids, lengths, sample, q_idx, 0.5)
+    got = _history_logits(query, items, item_ids, lengths, q_idx, 0.5)
     kept = (got > -1e8).tolist()
     # query at sample 0 pos 0 (target 9): {7}; pos 1 (target 7): {9} (7 is the target); pos 2 (target 5): {7, 9}
     # (the second 7 repeats position 0); sample 1 pos 0 (target 3): {} (3 is the target); pos 1 (target 8): {3}

@@ -426,8 +426,8 @@ def step_costs_local(hw: LocalHardware, wl: LocalWorkload, pipeline: str, link_b
     ex = exchange_calls(pipeline, n)
     fwd_b, bwd_b = hw.embed_bytes_per_row * mb_rows * n / ex, hw.grad_bytes_per_row * mb_rows * n / ex
     route, fwd, bwd, reduce = ROUTE_CALLS * coll(route_b), coll(fwd_b), coll(bwd_b), coll(allreduce)
-    fwd_comm = [fwd if i % (n // ex) == 0 else 0.0 for i in range(n)]
-    bwd_comm = [bwd if (i + 1) % (n // ex) == 0 else 0.0 for i in range(n)]
+    fwd_comm = [fwd] * n if ex == n else [fwd] + [0.0] * (n - 1)
+    bwd_comm = [bwd] * n if ex == n else [0.0] * (n - 1) + [bwd]
     # the collectives' own CPU counts against the rank's share of the cores (``cpu_s``, the floor in :func:`predict`)
     comm_cpu = coll_cpu(route_b, ROUTE_CALLS) + coll_cpu(fwd_b, ex) + coll_cpu(bwd_b, ex) + coll_cpu(allreduce, 1)
     return StepCosts(

@@ -34,7 +34,8 @@ from nestpipe.trainer.embedding.placement import to_vocab
 
 
 # -- next item -----------------------------------------------------------------------------------------------------
-def _item_windows(rec, vocab: int) -> List[np.ndarray]:
+def item_windows(rec, vocab: int) -> List[np.ndarray]:
+    """Every sample's item tokens (in-vocabulary ids) of one gr record."""
     off = table_offsets(rec, "item")
     vals = to_vocab(rec["item.values"], vocab)
     return [vals[off[s]:off[s + 1]] for s in range(len(off) - 1)]
@@ -85,34 +86,25 @@ class SuccessorCounts:
         self._pairs = []
         return self
 
+    def _successors(self, last: int):
+        """(items, counts) that followed ``last`` in training, items ascending."""
+        lo, hi = np.searchsorted(self.keys, [last * self.vocab, (last + 1) * self.vocab])
+        return self.keys[lo:hi] - last * self.vocab, self.counts[lo:hi]
+
     def _scores(self, history: np.ndarray, items: np.ndarray) -> np.ndarray:
         """Lexicographic (successor count, own count, popularity) as one int64 per item."""
-        last = int(history[-1])
-        lo, hi = np.searchsorted(self.keys, [last * self.vocab, (last + 1) * self.vocab])
-        succ_items, succ_counts = self.keys[lo:hi] - last * self.vocab, self.counts[lo:hi]
-        own_items, own_counts = np.unique(history, return_counts=True)
-        succ = np.zeros(len(items), dtype=np.int64)
-        pos = np.searchsorted(succ_items, items)
-        hit = (pos < len(succ_items)) & (succ_items[np.minimum(pos, max(len(succ_items) - 1, 0))] == items) \
-            if len(succ_items) else np.zeros(len(items), bool)
-        succ[hit] = succ_counts[pos[hit]]
-        own = np.zeros(len(items), dtype=np.int64)
-        pos = np.searchsorted(own_items, items)
-        hit = (pos < len(own_items)) & (own_items[np.minimum(pos, len(own_items) - 1)] == items)
-        own[hit] = own_counts[pos[hit]]
+        succ = _counts_of(*self._successors(int(history[-1])), items)
+        own = _counts_of(*np.unique(history, return_counts=True), items)
         v = self.vocab
         return (succ * (len(history) + 1) + own) * (v + 1) + (v - self.popular.pop_rank[items])
 
     def rank(self, history: np.ndarray, target: int, negatives: Optional[np.ndarray] = None) -> int:
         if len(history) == 0:
             return self.popular.rank(history, target, negatives)
-        t = np.array([target], dtype=np.int64)
-        ts = self._scores(history, t)[0]
+        ts = self._scores(history, np.array([target], dtype=np.int64))[0]
         if negatives is not None:
             return int((self._scores(history, negatives) > ts).sum())
-        last = int(history[-1])
-        lo, hi = np.searchsorted(self.keys, [last * self.vocab, (last + 1) * self.vocab])
-        cand = np.union1d(self.keys[lo:hi] - last * self.vocab, history)  # every item with a nonzero count
+        cand = np.union1d(self._successors(int(history[-1]))[0], history)  # every item with a nonzero count
         above = int((self._scores(history, cand) > ts).sum())
         if np.isin(target, cand):
             return above  # the rest score popularity only, below any counted item
@@ -120,12 +112,22 @@ class SuccessorCounts:
         return above + int(pr[target]) - int((pr[cand] < pr[target]).sum())
 
 
+def _counts_of(keys: np.ndarray, counts: np.ndarray, items: np.ndarray) -> np.ndarray:
+    """``counts`` of ``items`` in the ascending ``keys`` (0 where absent)."""
+    out = np.zeros(len(items), dtype=np.int64)
+    if len(keys):
+        pos = np.minimum(np.searchsorted(keys, items), len(keys) - 1)
+        hit = keys[pos] == items
+        out[hit] = counts[pos[hit]]
+    return out
+
+
 def fit_next_item(records: Iterable[Dict], vocab: int):
     """(MostPopular, SuccessorCounts) fitted on ``records`` (the training split)."""
     pop = MostPopular(vocab)
     succ = SuccessorCounts(vocab, pop)
     for rec in records:
-        w = _item_windows(rec, vocab)
+        w = item_windows(rec, vocab)
         pop.add(w)
         succ.add(w)
     pop.finish()
@@ -133,6 +135,12 @@ def fit_next_item(records: Iterable[Dict], vocab: int):
 
 
 # -- CTR -----------------------------------------------------------------------------------------------------------
+def logloss(y: np.ndarray, p: np.ndarray) -> float:
+    """Mean binary cross-entropy of probabilities ``p`` (clipped to [1e-7, 1 - 1e-7]) against labels ``y``."""
+    p = np.clip(p, 1e-7, 1 - 1e-7)
+    return float(-(y * np.log(p) + (1 - y) * np.log(1 - p)).mean())
+
+
 def dense_transform(x: np.ndarray) -> np.ndarray:
     """The DLRM's dense-feature transform, ``sign(x) log1p(|x|)``."""
     x = np.asarray(x, dtype=np.float64)
@@ -184,7 +192,7 @@ class LogisticBaseline:
         return sp, dense
 
     def fit(self, records: Iterable[Dict]) -> "LogisticBaseline":
-        from scipy.sparse import csr_matrix, hstack, vstack
+        from scipy.sparse import vstack
 
         sps, dens, ys, n = [], [], [], 0
         for rec in records:
@@ -197,15 +205,14 @@ class LogisticBaseline:
                 break
         d = np.concatenate(dens)[: self.cfg.max_train_samples]
         self.mean, self.std = d.mean(0), d.std(0) + 1e-6
-        x = hstack([vstack(sps)[: self.cfg.max_train_samples], csr_matrix((d - self.mean) / self.std)]).tocsr()
+        x = self._matrix(vstack(sps)[: self.cfg.max_train_samples], d)
         y = np.concatenate(ys)[: self.cfg.max_train_samples]
         t0 = time.perf_counter()
         cut = int(len(y) * (1 - self.cfg.validation_share))
         validation = {}
         for C in self.cfg.grid:
             m, _ = self._fit(x[:cut], y[:cut], C)
-            p = np.clip(m.predict_proba(x[cut:])[:, 1], 1e-7, 1 - 1e-7)
-            validation[C] = float(-(y[cut:] * np.log(p) + (1 - y[cut:]) * np.log(1 - p)).mean())
+            validation[C] = logloss(y[cut:], m.predict_proba(x[cut:])[:, 1])
         best = min(self.cfg.grid, key=lambda c: (validation[c], c))
         self.model, converged = self._fit(x, y, best)
         self.fit_info = {**dataclasses.asdict(self.cfg), "C": best,
@@ -226,9 +233,11 @@ class LogisticBaseline:
             m = LogisticRegression(C=C, solver=self.cfg.solver, max_iter=self.cfg.max_iter, tol=self.cfg.tol).fit(x, y)
         return m, not any(issubclass(w.category, ConvergenceWarning) for w in caught)
 
-    def predict(self, rec: Dict) -> np.ndarray:
+    def _matrix(self, sparse, dense: np.ndarray):
+        """The model matrix: sparse rows beside the dense features standardised with the training moments."""
         from scipy.sparse import csr_matrix, hstack
 
-        sp, d = self.features(rec)
-        x = hstack([sp, csr_matrix((d - self.mean) / self.std)]).tocsr()
-        return self.model.predict_proba(x)[:, 1]
+        return hstack([sparse, csr_matrix((dense - self.mean) / self.std)]).tocsr()
+
+    def predict(self, rec: Dict) -> np.ndarray:
+        return self.model.predict_proba(self._matrix(*self.features(rec)))[:, 1]

@@ -3,8 +3,9 @@ split and scored on exactly the model's protocol (:mod:`nestpipe.trainer.baselin
 
 Runs in one process from the run's latest complete checkpoint, assembled into full tables (as ``export`` does).
 
-Next item (gr: hstu, sasrec; chronological leave-one-out): the last token of every eval sample is the held-out target; the model
-reads the tokens before it and scores the last position against the item catalog by cosine similarity. Full-catalog
+Next item (gr: hstu, sasrec; chronological leave-one-out): the last token of every eval sample is the held-out
+target; the model reads the tokens before it and scores the last position against the item catalog by cosine
+similarity. Full-catalog
 ranking when the catalog has at most ``full_catalog_max`` items; above that a sampled protocol: the target against
 ``sampled_negatives`` uniform random items (drawn from a generator keyed by the seed; the baselines rank against the
 same items), stated in the output. The rank is the number of items scoring strictly higher than the target.
@@ -69,7 +70,7 @@ def next_item_examples(shards: str, vocab: int, max_batches: Optional[int], nega
     g = torch.Generator().manual_seed(seed + 99)
     for rec in _records(shards, split, max_batches):
         keep = np.diff(table_offsets(rec, "item")) >= 2
-        windows = [w for w, k in zip(baselines._item_windows(rec, vocab), keep) if k]
+        windows = [w for w, k in zip(baselines.item_windows(rec, vocab), keep) if k]
         targets = np.array([w[-1] for w in windows], dtype=np.int64)
         negs = torch.randint(0, vocab, (len(targets), negatives), generator=g).numpy() if negatives else None
         yield rec, keep, [w[:-1] for w in windows], targets, negs
@@ -147,11 +148,6 @@ def _auc(y: np.ndarray, p: np.ndarray) -> float:
     return float(roc_auc_score(y, p)) if 0 < y.sum() < len(y) else float("nan")
 
 
-def _logloss(y: np.ndarray, p: np.ndarray) -> float:
-    p = np.clip(p, 1e-7, 1 - 1e-7)
-    return float(-(y * np.log(p) + (1 - y) * np.log(1 - p)).mean())
-
-
 @torch.no_grad()
 def evaluate_ctr(cfg, man, full, model, max_batches, split="eval",
                   logistic: Optional[baselines.LogisticConfig] = None):
@@ -181,9 +177,10 @@ def evaluate_ctr(cfg, man, full, model, max_batches, split="eval",
     const = np.full_like(y, rate)
     p_lr = np.concatenate(lrs)
     return {"target": cfg.dlrm.target, "samples": int(len(y)),
-            "model": {"AUC": _auc(y, p), "logloss": _logloss(y, p)},
-            "baseline_constant": {"AUC": 0.5, "logloss": _logloss(y, const), "rate": rate},
-            "baseline_logistic_regression": {"AUC": _auc(y, p_lr), "logloss": _logloss(y, p_lr), "fit": lr.fit_info},
+            "model": {"AUC": _auc(y, p), "logloss": baselines.logloss(y, p)},
+            "baseline_constant": {"AUC": 0.5, "logloss": baselines.logloss(y, const), "rate": rate},
+            "baseline_logistic_regression": {"AUC": _auc(y, p_lr), "logloss": baselines.logloss(y, p_lr),
+                                             "fit": lr.fit_info},
             "strongest_baseline": "logistic_regression", **_bayes_ceiling(cfg, man, split, len(y))}
 
 

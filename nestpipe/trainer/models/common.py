@@ -68,21 +68,28 @@ class SequentialModel(nn.Module):
                               self.cfg.history_negatives, w)
 
 
+def jagged_positions(lengths: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Of every token of a jagged micro-batch (samples of ``lengths`` in order): ``(sample, position in it, index
+    in the padded [b, n] layout, n)``, ``n`` the longest sample."""
+    b = len(lengths)
+    n = int(lengths.max()) if b else 0
+    sample = torch.repeat_interleave(torch.arange(b, device=lengths.device), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    pos = torch.arange(len(sample), device=lengths.device) - starts[sample]
+    return sample, pos, sample * n + pos, n
+
+
 def padded_tokens(emb: Dict[str, torch.Tensor], tables: List[str], pos_table: torch.Tensor, lengths: torch.Tensor,
                   max_len: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Jagged token embeddings (sum over ``tables`` + the learned position of each token in its sample) ->
     ``(padded [b, n, D], flat index of every token in padded.view(b * n, D), valid [b, n])``, ``n`` the longest
     sample of the micro-batch."""
     b = len(lengths)
-    n = int(lengths.max()) if b else 0
-    sample = torch.repeat_interleave(torch.arange(b, device=lengths.device), lengths)
-    starts = torch.cumsum(lengths, 0) - lengths
-    pos = torch.arange(len(sample), device=lengths.device) - starts[sample]
+    _, pos, flat, n = jagged_positions(lengths)
     x = emb[tables[0]]
     for t in tables[1:]:
         x = x + emb[t]
     x = x + pos_table.index_select(0, pos.clamp(max=max_len - 1))
-    flat = sample * n + pos
     padded = x.new_zeros(b * n, x.shape[1]).index_copy(0, flat, x).view(b, n, x.shape[1])
     valid = torch.arange(n, device=lengths.device)[None, :] < lengths[:, None]
     return padded, flat, valid
@@ -117,7 +124,7 @@ def next_item_loss(hidden: torch.Tensor, emb: Dict[str, torch.Tensor], feats: Di
     neg_logit = neg_logit.masked_fill(same, -1e9)
     logits = [pos_logit, neg_logit]
     if history_negatives:
-        logits.append(_history_logits(query, emb["item"], feats["item_ids"], lengths, sample, q_idx, temperature))
+        logits.append(_history_logits(query, emb["item"], feats["item_ids"], lengths, q_idx, temperature))
     logits = torch.cat(logits, dim=1)
     token_loss = torch.logsumexp(logits, dim=1) - logits[:, 0]
     q_sample = sample.index_select(0, q_idx)
@@ -128,13 +135,11 @@ def next_item_loss(hidden: torch.Tensor, emb: Dict[str, torch.Tensor], feats: Di
 
 
 def _history_logits(query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor, lengths: torch.Tensor,
-                    sample: torch.Tensor, q_idx: torch.Tensor, temperature: float) -> torch.Tensor:
+                    q_idx: torch.Tensor, temperature: float) -> torch.Tensor:
     """``[Q, n]`` logits of every query against its sample's items at positions up to its own, masked (-1e9) where
     the item is the query's target or repeats an earlier position of the sample."""
-    b, n = len(lengths), int(lengths.max())
-    starts = torch.cumsum(lengths, 0) - lengths
-    pos = torch.arange(len(sample), device=lengths.device) - starts[sample]
-    flat = sample * n + pos
+    b = len(lengths)
+    sample, pos, flat, n = jagged_positions(lengths)
     d = items.shape[1]
     items_pad = items.new_zeros(b * n, d).index_copy(0, flat, F.normalize(items, dim=-1)).view(b, n, d)
     q_pad = query.new_zeros(b * n, d).index_copy(0, flat.index_select(0, q_idx), query).view(b, n, d)

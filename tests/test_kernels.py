@@ -677,14 +677,20 @@ def _bags(seed, rows=300, dim=16, n_bags=60, max_len=12):
     return weight, state, indices, offsets, grad
 
 
-@pytest.mark.skipif(kernels.select_path("adagrad_bags", "cpu") != "fbgemm", reason="needs fbgemm_gpu's CPU TBE op")
+def _bag_paths():
+    paths = ["numba"] if kernels.select.has_numba() else []
+    return paths + (["fbgemm"] if kernels.select.has_fbgemm_tbe_cpu() else [])
+
+
+@pytest.mark.parametrize("path", _bag_paths())
 @pytest.mark.parametrize("seed", [0, 1])
-def test_adagrad_bags_fbgemm_matches_float64_formula(seed, monkeypatch):
-    """adagrad_bags (fbgemm's TBE backward): each row's gradient is the sum of its bags' gradients (multiplicity
-    counted) and it is updated once; close to the float64 formula, deterministic, and invariant bitwise under a
-    monotone renumbering of the rows (store rows -> buffer positions). The reference path agrees within float32
-    rounding. Negative controls: dropping one occurrence of a row, or the plain formula with a row updated once
-    per occurrence, is far from the result."""
+def test_adagrad_bags_matches_float64_formula(seed, path, monkeypatch):
+    """adagrad_bags (the numba kernel and fbgemm's TBE backward): each row's gradient is the sum of its bags'
+    gradients (multiplicity counted) and it is updated once; close to the float64 formula, deterministic, and
+    invariant bitwise under a monotone renumbering of the rows (store rows -> buffer positions). The reference path
+    agrees within float32 rounding. Negative controls: dropping one occurrence of a row, or the plain formula with a
+    row updated once per occurrence, is far from the result."""
+    monkeypatch.setenv("NESTPIPE_KERNELS", f"adagrad_bags:{path}")
     weight, state, indices, offsets, grad = _bags(seed)
     w, s = weight.clone(), state.clone()
     kernels.adagrad_bags(w, s, indices, offsets, grad, 0.05, 1e-8)
@@ -729,6 +735,46 @@ def test_adagrad_bags_fbgemm_matches_float64_formula(seed, monkeypatch):
         st[r] += grad.double()[bag_of[j]].square().mean()
         per_use[r] -= 0.05 / (st[r].sqrt() + 1e-8) * grad.double()[bag_of[j]]
     assert not torch.allclose(per_use, w64, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not (kernels.select.has_numba() and kernels.select.has_fbgemm_tbe_cpu()),
+                    reason="needs numba and fbgemm_gpu's CPU TBE op")
+@pytest.mark.parametrize("rows", [300, 200_000])  # the counting-sort and the merge-sort grouping
+def test_adagrad_bags_numba_equals_fbgemm_bitwise(rows):
+    """The numba kernel reproduces fbgemm's TBE backward arithmetic bitwise (same grouping order, same 8-lane sum
+    of squares), on bags with repeated rows, repeats inside one bag, empty bags and both of its grouping paths.
+    Negative control: the same bags summed in the opposite order (bags reversed) is not bitwise equal, so the
+    comparison sees a summation-order change."""
+    g = torch.Generator().manual_seed(rows)
+    n_bags, dim = 600, 24
+    lens = torch.randint(0, 12, (n_bags,), generator=g)
+    lens[::7] = 0
+    offsets = torch.zeros(n_bags + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lens, 0)
+    hot = torch.randint(0, rows, (40,), generator=g)  # a few rows repeated across (and within) bags
+    indices = hot[torch.randint(0, 40, (int(offsets[-1]),), generator=g)]
+    indices[::3] = torch.randint(0, rows, (len(indices[::3]),), generator=g)
+    weight = torch.randn(rows, dim, generator=g)
+    state = torch.rand(rows, generator=g)
+    grad = torch.randn(n_bags, dim, generator=g)
+
+    def run(path, idx, off, gr):
+        w, s = weight.clone(), state.clone()
+        with kernels.forced({"adagrad_bags": path}):
+            kernels.adagrad_bags(w, s, idx, off, gr, 0.05, 1e-8)
+        return w, s
+
+    wn, sn = run("numba", indices, offsets, grad)
+    wf, sf = run("fbgemm", indices, offsets, grad)
+    assert torch.equal(wn, wf) and torch.equal(sn, sf)
+    assert not torch.equal(wn, weight)
+    # negative control: reversed bag order (the same sums, added in the opposite order)
+    bags = [indices[offsets[b]:offsets[b + 1]] for b in range(n_bags)][::-1]
+    rev_off = torch.zeros(n_bags + 1, dtype=torch.int64)
+    rev_off[1:] = torch.cumsum(torch.tensor([len(b) for b in bags]), 0)
+    wr, sr = run("numba", torch.cat(bags), rev_off, grad.flip(0))
+    torch.testing.assert_close(wr, wn, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(wr, wn)
 
 
 def test_adagrad_bags_rejects_bad_input():

@@ -213,7 +213,11 @@ def adagrad_bags(
         raise IndexError(f"adagrad_bags: an index is outside [0, {weights.shape[0]})")
     if len(indices) == 0:  # no row touched (fbgemm refuses a table of zero rows)
         return
-    if note("adagrad_bags", select_path("adagrad_bags", weights.device)) == "fbgemm":
+    path = note("adagrad_bags", select_path("adagrad_bags", weights.device))
+    if path == "numba" and weights.device.type == "cpu":
+        backend(path).adagrad_bags(weights, state, indices, offsets, grad_output, lr, eps)
+        return
+    if path == "fbgemm":
         from . import tbe  # optional: fbgemm_gpu
 
         tbe.adagrad_bags(weights, state, indices.to(torch.int64).contiguous(), offsets.to(torch.int64).contiguous(),

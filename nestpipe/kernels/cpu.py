@@ -249,6 +249,108 @@ def _adagrad_pairs(weights, state, rows, src, order, offsets, entry_offsets, pai
 
 
 @numba.jit(**_JIT)
+def _bag_rows_sorted(indices, offsets, num_rows):
+    """The occurrences of ``indices`` grouped by row, stably (a row's occurrences in ascending position): ``uniq``
+    (distinct rows ascending), ``starts`` [len(uniq) + 1] and ``src`` (the bag of each occurrence in that order).
+    A counting sort when ``num_rows`` is within a small multiple of the occurrences, else a stable merge sort (a
+    32M-row store must not cost a 32M-entry count per call)."""
+    n = indices.shape[0]
+    n_bags = offsets.shape[0] - 1
+    bag_of = np.empty(n, dtype=np.int64)
+    for b in range(n_bags):
+        for j in range(offsets[b], offsets[b + 1]):
+            bag_of[j] = b
+    if num_rows <= 8 * n + 65536:
+        counts = np.zeros(num_rows + 1, dtype=np.int64)
+        for j in range(n):
+            counts[indices[j] + 1] += 1
+        u = 0
+        for r in range(num_rows):
+            if counts[r + 1] > 0:
+                u += 1
+            counts[r + 1] += counts[r]
+        uniq = np.empty(u, dtype=np.int64)
+        starts = np.empty(u + 1, dtype=np.int64)
+        k = 0
+        for r in range(num_rows):
+            if counts[r + 1] > counts[r]:
+                uniq[k] = r
+                starts[k] = counts[r]
+                k += 1
+        starts[u] = n
+        src = np.empty(n, dtype=np.int64)
+        for j in range(n):
+            r = indices[j]
+            src[counts[r]] = bag_of[j]
+            counts[r] += 1
+        return uniq, starts, src
+    order = np.argsort(indices, kind="mergesort")
+    u = 0
+    for i in range(n):
+        if i == 0 or indices[order[i]] != indices[order[i - 1]]:
+            u += 1
+    uniq = np.empty(u, dtype=np.int64)
+    starts = np.empty(u + 1, dtype=np.int64)
+    src = np.empty(n, dtype=np.int64)
+    k = 0
+    for i in range(n):
+        j = order[i]
+        if i == 0 or indices[j] != indices[order[i - 1]]:
+            uniq[k] = indices[j]
+            starts[k] = i
+            k += 1
+        src[i] = bag_of[j]
+    starts[u] = n
+    return uniq, starts, src
+
+
+@numba.jit(**_JIT)
+def _adagrad_bags_serial(weights, state, indices, offsets, grad_output, lr, eps, distance):
+    """Row-wise AdaGrad from bag gradients (see :func:`adagrad_bags`), one intra-op thread."""
+    uniq, starts, src = _bag_rows_sorted(indices, offsets, weights.shape[0])
+    n = uniq.shape[0]
+    dim = weights.shape[1]
+    inv_dim = np.float32(dim)
+    one = np.float32(1.0)
+    flat = weights.reshape(-1)
+    g = np.empty(dim, dtype=np.float32)
+    for i in range(n):
+        _prefetch_ahead(state, flat, uniq, i, n, distance, dim)
+        g[:] = 0.0
+        _add_entries(g, grad_output, src, starts[i], starts[i + 1], dim)
+        _apply_row(weights, state, uniq[i], g, dim, inv_dim, lr, eps, one, False)
+    return n
+
+
+@numba.jit(parallel=True, **_JIT)
+def _adagrad_bags(weights, state, indices, offsets, grad_output, lr, eps, distance):
+    """Parallel twin of :func:`_adagrad_bags_serial` (one row per iteration: bitwise the same results)."""
+    uniq, starts, src = _bag_rows_sorted(indices, offsets, weights.shape[0])
+    n = uniq.shape[0]
+    dim = weights.shape[1]
+    inv_dim = np.float32(dim)
+    one = np.float32(1.0)
+    flat = weights.reshape(-1)
+    for i in numba.prange(n):
+        _prefetch_ahead(state, flat, uniq, i, n, distance, dim)
+        g = np.zeros(dim, dtype=np.float32)
+        _add_entries(g, grad_output, src, starts[i], starts[i + 1], dim)
+        _apply_row(weights, state, uniq[i], g, dim, inv_dim, lr, eps, one, False)
+    return n
+
+
+def adagrad_bags(weights, state, indices, offsets, grad_output, lr: float, eps: float) -> None:
+    """Row-wise AdaGrad from bag gradients, in place: the arithmetic of fbgemm's TBE CPU backward
+    (``EXACT_ROWWISE_ADAGRAD``) step for step, so the two agree bitwise (tested): each touched row's occurrences are
+    taken in ascending position (fbgemm's stable radix sort), their bags' gradients added from zero in that order,
+    then :func:`_apply_row` (the 8-lane sum of squares of fbgemm's JIT kernel, ``v += sum / D``,
+    ``w -= lr / (sqrt(v) + eps) * g``)."""
+    fn = _adagrad_bags_serial if torch.get_num_threads() == 1 else _adagrad_bags
+    fn(_np(weights), _np(state), _rows64(indices), _rows64(offsets), _np(grad_output.contiguous()),
+       np.float32(lr), np.float32(eps), PREFETCH_DISTANCE)
+
+
+@numba.jit(**_JIT)
 def _pool_segments_serial(src, index, offsets, out, out_offsets, distance):
     """``out[out_offsets[s]:out_offsets[s] + D] = sum of src[index[j]]`` for ``offsets[s] <= j < offsets[s + 1]``,
     ascending ``j`` from zero (``out`` flat). Source rows ``distance`` pairs ahead are prefetched (store rows of

@@ -5,7 +5,7 @@ run's metadata.
 
 | device | ``route_keys``                                | ``adagrad_bags``                          | every other op                          |
 |--------|-----------------------------------------------|-------------------------------------------|-----------------------------------------|
-| cpu    | ``fbgemm`` if fbgemm_gpu imports, else torch   | ``fbgemm`` if its CPU TBE op exists, else torch | ``numba`` if numba imports, else torch  |
+| cpu    | ``fbgemm`` if fbgemm_gpu imports, else torch   | ``numba``, else ``fbgemm`` (its CPU TBE op), else torch | ``numba`` if numba imports, else torch  |
 | cuda   | ``fbgemm`` if its op has a CUDA kernel, else torch | torch                                 | ``triton`` if triton imports, else torch |
 | npu    | ``npu`` (torch_npu required)                   | torch                                     | ``npu``                                 |
 | other  | ``reference``                                  | ``reference``                             | ``reference``                           |
@@ -88,7 +88,9 @@ def select_path(op: str, device: Union[str, torch.device]) -> str:
         return override
     kind = torch.device(device).type
     if op == "adagrad_bags":
-        return "fbgemm" if kind == "cpu" and has_fbgemm_tbe_cpu() else "reference"
+        if kind != "cpu":
+            return "reference"
+        return "numba" if has_numba() else "fbgemm" if has_fbgemm_tbe_cpu() else "reference"
     if kind == "cpu":
         if op == "route_keys":
             return "fbgemm" if has_fbgemm() else "reference"

@@ -408,10 +408,11 @@ class ShardedEmbeddingCollection:
         return send_splits, recv_splits, block_off, grad_mb_off
 
     def bag_update(self) -> bool:
-        """Whether the owners update with :func:`nestpipe.kernels.adagrad_bags` (fbgemm's TBE backward) instead of
-        :func:`nestpipe.kernels.adagrad_update` over entries: a fixed rule (its path is fbgemm; float32; plain
-        row-wise AdaGrad, i.e. no 2D-SP momentum scale), the same on every rank and for every schedule."""
-        return (kernels.select_path("adagrad_bags", self.device) == "fbgemm" and self.dtype == torch.float32
+        """Whether the owners update with :func:`nestpipe.kernels.adagrad_bags` (the TBE backward's arithmetic) instead
+        of :func:`nestpipe.kernels.adagrad_update` over entries: a fixed rule (its path is a compiled one, numba or
+        fbgemm; float32; plain row-wise AdaGrad, i.e. no 2D-SP momentum scale), the same on every rank and for
+        every schedule."""
+        return (kernels.select_path("adagrad_bags", self.device) in ("numba", "fbgemm") and self.dtype == torch.float32
                 and self.sparse_momentum_scale == 1 and self.replica_sync is None)
 
     def _owner_plan(self, st: str, entries: List[np.ndarray], base: Dict[Tuple[int, str], int],

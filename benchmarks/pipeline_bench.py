@@ -167,7 +167,7 @@ def run_network(args, shards, tag, prefix=None):
         common = {"warmup": 3, "steps": args.steps, "timeout": 1500}
         gr = dict(common, workload="gr", data=shards["gr_data"], dim=64, item_rows=args.vocab,
                   max_seq_len=args.seq_len, negatives=sum(NEGATIVES),
-                  hstu={"num_layers": 1, "num_heads": 2, "linear_dim": 32, "max_seq_len": args.seq_len})
+                  hstu=sets(args)["hstu"])  # the very HSTU options NestPipe's runs use
         workloads = {"gr": gr, **({"pooled": dict(common, workload="pooled", **POOLED)} if shards.get("pooled") else {})}
         try:
             for w, params in workloads.items():

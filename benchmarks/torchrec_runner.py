@@ -143,8 +143,7 @@ def _worker(rank, world, a, port, q):
         tables, sharders, B = names, [RowWiseEBCSharder()], a["batch"]
     else:
         sys.path.insert(0, ROOT)
-        from nestpipe.trainer.config import HSTUConfig
-        from nestpipe.trainer.models.hstu import HSTU
+        from nestpipe.trainer.models.hstu import HSTU, HSTUConfig
 
         data = np.load(a["data"])
         nb = int(data["batches"])
@@ -153,7 +152,9 @@ def _worker(rank, world, a, port, q):
         class Head(nn.Module):  # everything after the lookup: one leaf module for the pipeline's FX tracing
             def __init__(self):
                 super().__init__()
-                self.hstu = HSTU(hcfg, a["dim"], ["item", "action"], a["max_seq_len"])
+                # NestPipe's module with NestPipe's defaults for every option the benchmark does not set (history
+                # negatives, the logQ correction over the item catalog)
+                self.hstu = HSTU(hcfg, a["dim"], ["item", "action"], a["max_seq_len"], a["item_rows"])
 
             def forward(self, jt, f):
                 emb = {"item": jt["item"].values(), "action": jt["action"].values(), "item#neg": jt["item_neg"].values()}

@@ -17,6 +17,7 @@ Method (every ratio printed is measured in this one run):
     python benchmarks/kernels_bench.py            # 32M rows (needs about 9.5 GB free), a few minutes
     python benchmarks/kernels_bench.py --quick    # 4M-row store, fewer reps: under a minute
     python benchmarks/kernels_bench.py --default-pages   # the store on 4 KiB pages (torch.empty), for comparison
+    python benchmarks/kernels_bench.py --bags     # the pooled owner update: Numba kernel vs fbgemm's TBE backward
 """
 
 from __future__ import annotations
@@ -98,8 +99,50 @@ def anon_huge_bytes() -> int:
     return 0
 
 
+def bags_bench(reps: int, rows: int, dim: int, bags: int) -> None:
+    """``adagrad_bags``, the owner update of pooled tables: the Numba kernel against fbgemm's TBE CPU backward (the
+    op under TorchRec's fused row-wise AdaGrad) on one table of the trainer benchmark's pooled workload (``bags``
+    bags of 15-25 uniform ids), a fresh batch per call, interleaved, thread CPU time; checks bitwise equality."""
+    import fbgemm_gpu  # noqa: F401  (required here: the comparison is the point)
+
+    from nestpipe.kernels import tbe
+
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(reps + 2):
+        lens = rng.integers(15, 26, size=bags)
+        idx = torch.from_numpy(rng.integers(0, rows, size=int(lens.sum())))
+        off = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]))
+        batches.append((idx, off, torch.from_numpy(rng.standard_normal((bags, dim), dtype=np.float32))))
+    weights = {k: torch.from_numpy(rng.standard_normal((rows, dim), dtype=np.float32) * 0.01) for k in ("a", "b")}
+    weights["b"].copy_(weights["a"])
+    state = {k: torch.full((rows,), 0.1) for k in ("a", "b")}
+    times = {"numba": [], "fbgemm": []}
+    for i in range(reps + 2):
+        idx, off, g = batches[i]
+        order = ("numba", "fbgemm") if i % 2 == 0 else ("fbgemm", "numba")
+        for name in order:
+            w, s = (weights["a"], state["a"]) if name == "numba" else (weights["b"], state["b"])
+            t0 = time.thread_time()
+            if name == "numba":
+                with K.forced({"adagrad_bags": "numba"}):
+                    K.adagrad_bags(w, s, idx, off, g, 0.01)
+            else:
+                tbe.adagrad_bags(w, s, idx, off, g, 0.01, 1e-8)
+            if i >= 2:
+                times[name].append(time.thread_time() - t0)
+    same = torch.equal(weights["a"], weights["b"]) and torch.equal(state["a"], state["b"])
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    print(f"adagrad_bags, {rows:,} x {dim} table, {bags} bags of 15-25 ids, {reps} reps (thread CPU ms, median): "
+          f"numba {med['numba']:.2f}, fbgemm TBE backward {med['fbgemm']:.2f}; fbgemm / numba "
+          f"{med['fbgemm'] / med['numba']:.2f}; tables bitwise equal after {reps + 2} updates: {same}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bags", action="store_true",
+                    help="only the pooled owner update: adagrad_bags' Numba kernel vs fbgemm's TBE CPU backward on "
+                    "one table of the trainer benchmark (100k x 64, 2,048 bags), bitwise equality checked")
     ap.add_argument("--store-rows", type=int, default=None, help="default 32M (4M with --quick)")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--batch", type=int, default=512)
@@ -123,6 +166,9 @@ def main():
     store_rows = args.store_rows or (4_000_000 if args.quick else 32_000_000)
     reps = args.reps or (7 if args.quick else 15)
     torch.set_num_threads(args.threads)
+    if args.bags:
+        bags_bench(reps, 100_000, args.dim, 2048)
+        return
     import numba
 
     from nestpipe.kernels import cpu

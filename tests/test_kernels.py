@@ -11,6 +11,7 @@ import torch
 
 from nestpipe import kernels
 from nestpipe.kernels import reference, routing, row_placement
+from nestpipe.utils import hashing
 
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 EXTREMES = [I64_MIN, I64_MIN + 1, -1, 0, 1, 2**31 - 1, 2**31, 2**62, I64_MAX - 1, I64_MAX]
@@ -39,7 +40,7 @@ def _placement_int(table_id, x, vocab, world):
 def test_splitmix64_matches_python_ints_at_extremes():
     ids = EXTREMES + [random.Random(0).randrange(I64_MIN, I64_MAX) for _ in range(200)]
     got = row_placement.splitmix64(torch.tensor(ids, dtype=torch.int64)).tolist()
-    assert got == [row_placement._signed64(row_placement.splitmix64_int(x)) for x in ids]
+    assert got == [hashing.signed64(hashing.splitmix64_int(x)) for x in ids]
 
 
 @pytest.mark.parametrize("vocab", [1, 2, 7, 1000, 32_000_000, 2**40 + 15, 2**52])

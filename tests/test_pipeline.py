@@ -418,9 +418,9 @@ def test_runs_use_their_saved_sharding_plan(runs):
     assert any(len(pm["owners"]) == 1 for pm in meta["placement"].values()), meta["placement"]
 
 
-# the kernel ops the trainer runs (nestpipe.kernels' public ops; routing and gathers are its own code today)
-TRAINER_KERNEL_OPS = {"adagrad_update", "adagrad_bags", "pool_segments", "dual_buffer_sync_rows", "dedup_rows",
-                      "csr_by_segment", "lookup"}
+# the kernel ops the trainer runs (nestpipe.kernels' public ops: routing, grouping, gathers, pooling, updates, sync)
+TRAINER_KERNEL_OPS = {"place_keys", "gather_rows", "adagrad_update", "adagrad_bags", "pool_segments",
+                      "dual_buffer_sync_rows", "dedup_rows", "csr_by_segment", "lookup"}
 
 
 def _paths_problem(recorded, rule):
@@ -441,7 +441,8 @@ def test_kernel_paths_record_what_ran(runs, model, name):
     m = json.load(open(os.path.join(runs[(2, model, name)], "metrics.json")))
     assert _paths_problem(m["kernel_paths"], m["kernel_rule"]) is None, m["kernel_paths"]
     assert all(r["kernel_paths"] for r in m["per_rank"])  # every rank noted its calls, with counts
-    assert set(m["kernel_paths"]) >= {"adagrad_bags", "pool_segments"}, m["kernel_paths"]  # the owner update, the exchange
+    # the routing, the owner update and the exchange all went through the dispatch
+    assert set(m["kernel_paths"]) >= {"place_keys", "adagrad_bags", "pool_segments"}, m["kernel_paths"]
     # negative control: the rule's table (what metrics.json held before) lists paths this run never took
     assert _paths_problem({op: [p] for op, p in m["kernel_rule"].items()}, m["kernel_rule"]) is not None
 

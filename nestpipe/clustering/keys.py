@@ -1,7 +1,8 @@
 """Combine the keys of several tables into one 64-bit id space.
 
 ``combine_keys(table_id, keys)`` = ``mix64(keys XOR salt(table_id))`` where ``salt(t) = mix64(t + GOLDEN)`` and
-``mix64`` is the SplitMix64 finaliser (xor-shift / multiply by odd constants, all modulo 2**64). Every step is an
+``mix64`` is the SplitMix64 finaliser of :mod:`nestpipe.utils.hashing` (xor-shift / multiply by odd constants, all
+modulo 2**64). Every step is an
 invertible map of 64-bit words, so for a fixed table id the map key -> combined id is a bijection: two different
 keys of one table never collide. All arithmetic runs on ``uint64`` arrays, which wrap modulo 2**64 by definition,
 so no input (int64 extremes included) overflows or warns; the result is reinterpreted as int64.
@@ -17,22 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+from nestpipe.utils.hashing import GAMMA, mix64
 
-
-def mix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser of a uint64 array: a bijection on 64-bit words with good avalanche. Returns uint64."""
-    z = np.array(x, dtype=np.uint64, copy=True)
-    with np.errstate(over="ignore"):
-        z ^= z >> _S30
-        z *= _M1
-        z ^= z >> _S27
-        z *= _M2
-        z ^= z >> _S31
-    return z
+_GOLDEN = np.uint64(GAMMA)
 
 
 def table_salt(table_id: int) -> np.uint64:

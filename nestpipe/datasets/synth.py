@@ -71,6 +71,7 @@ import polars as pl
 from tqdm.auto import tqdm
 
 from nestpipe.datasets import kuairand
+from nestpipe.utils.hashing import splitmix64
 from nestpipe.utils.jsonio import write_json_atomic
 
 SCALES: Dict[str, Dict[str, int]] = {
@@ -189,12 +190,9 @@ def _rng(cfg: SynthConfig, *words: int) -> np.random.Generator:
 
 
 def _hash_u64(x: np.ndarray, salt: int) -> np.ndarray:
-    """splitmix64 of ``x + salt``: per-id pseudo-random attributes that do not depend on chunking."""
-    with np.errstate(over="ignore"):
-        z = x.astype(np.uint64) + np.uint64((0x9E3779B97F4A7C15 * (salt + 1)) & 0xFFFFFFFFFFFFFFFF)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
+    """``splitmix64(x, salt + 1)`` (:mod:`nestpipe.utils.hashing`): per-id pseudo-random attributes that do not
+    depend on chunking."""
+    return splitmix64(x, salt + 1)
 
 
 def _hash_unit(x: np.ndarray, salt: int) -> np.ndarray:

@@ -39,7 +39,7 @@ from .routing import RoutedKeys, route
 from .select import OPS, forced, kernel_paths, note, reset_taken, select_path, taken_paths
 
 __all__ = [
-    "MAX_VOCAB", "OPS", "RoutedKeys", "adagrad_bags", "adagrad_update", "affine_params", "block_size", "dual_buffer_sync",
+    "MAX_VOCAB", "OPS", "RoutedKeys", "place_keys", "adagrad_bags", "adagrad_update", "affine_params", "block_size", "dual_buffer_sync",
     "dual_buffer_sync_rows", "gather_rows", "gather_to_device", "kernel_paths", "map_into_vocab", "owner_num_rows", "placement",
     "placement_hash", "pool_segments", "pooled_lookup", "route_keys", "select_path", "sequence_lookup", "splitmix64",
     "dedup_rows", "csr_by_segment", "taken_paths", "reset_taken", "forced",
@@ -76,6 +76,20 @@ def route_keys(
     the placement hash (default ``0..T-1``)."""
     path = note("route_keys", select_path("route_keys", ids.device))
     return route(ids, table_lengths, vocabs, world, table_ids, use_fbgemm=path == "fbgemm")
+
+
+def place_keys(ids: np.ndarray, a: int, b: int, vocab: int, rows_per_shard: int,
+               owners: Sequence[int] = ()) -> Tuple[np.ndarray, np.ndarray]:
+    """The trainer's key routing arithmetic (:mod:`nestpipe.kernels.row_placement`, steps 2 and 3): for in-vocabulary
+    int64 ``ids`` (``0 <= id < vocab <= 2**31``, so ``a * id`` fits int64), ``p = (a id + b) mod vocab``, shard
+    ``p // rows_per_shard`` (mapped through ``owners`` when given) and local row ``p % rows_per_shard``. Returns
+    ``(owner rank, local row)`` as int64 NumPy arrays."""
+    owners_arr = np.asarray(owners, dtype=np.int64)
+    if note("place_keys", select_path("place_keys", "cpu")) == "numba":
+        return backend("numba").place_keys(ids, a, b, vocab, rows_per_shard, owners_arr)
+    p = (np.asarray(ids, dtype=np.int64) * np.int64(a) + np.int64(b)) % np.int64(vocab)
+    shard = p // np.int64(rows_per_shard)
+    return (owners_arr[shard] if len(owners_arr) else shard), p % np.int64(rows_per_shard)
 
 
 def gather_rows(weights: torch.Tensor, rows: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -278,7 +292,7 @@ def dedup_rows(rows: np.ndarray, num_rows: int):
     :func:`nestpipe.kernels.reference.dedup_rows`). CPU rule: Numba's counting sort when Numba imports and the rows
     are few against the entries (``num_rows <= 8 len(rows)``: linear), else numpy's stable argsort; the same
     arrays either way (tested)."""
-    if select_path("adagrad_update", "cpu") == "numba" and num_rows <= 8 * len(rows):
+    if select_path("dedup_rows", "cpu") == "numba" and num_rows <= 8 * len(rows):
         note("dedup_rows", "numba")
         return backend("numba").dedup_rows(rows, num_rows)
     note("dedup_rows", "reference")
@@ -288,7 +302,7 @@ def dedup_rows(rows: np.ndarray, num_rows: int):
 def csr_by_segment(segment_of: torch.Tensor, num_segments: int):
     """``(order, offsets)`` int64 tensors: positions grouped by segment, ascending inside one (a stable counting
     sort with Numba on CPU, else a stable sort)."""
-    if segment_of.device.type == "cpu" and select_path("adagrad_update", "cpu") == "numba":
+    if segment_of.device.type == "cpu" and select_path("csr_by_segment", "cpu") == "numba":
         note("csr_by_segment", "numba")
         return backend("numba").csr_by_segment(segment_of, num_segments)
     note("csr_by_segment", "reference")

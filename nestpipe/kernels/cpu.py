@@ -249,6 +249,24 @@ def _adagrad_pairs(weights, state, rows, src, order, offsets, entry_offsets, pai
 
 
 @numba.jit(**_JIT)
+def _place_keys(ids, a, b, vocab, rows_per_shard, owners, dest, local):
+    for i in range(ids.shape[0]):
+        p = (ids[i] * a + b) % vocab
+        s = p // rows_per_shard
+        dest[i] = owners[s] if owners.shape[0] else s
+        local[i] = p % rows_per_shard
+
+
+def place_keys(ids: np.ndarray, a: int, b: int, vocab: int, rows_per_shard: int, owners: np.ndarray):
+    """One pass of the placement arithmetic (see :func:`nestpipe.kernels.place_keys`)."""
+    dest = np.empty(len(ids), dtype=np.int64)
+    local = np.empty(len(ids), dtype=np.int64)
+    _place_keys(np.ascontiguousarray(ids, dtype=np.int64), np.int64(a), np.int64(b), np.int64(vocab),
+                np.int64(rows_per_shard), owners, dest, local)
+    return dest, local
+
+
+@numba.jit(**_JIT)
 def _bag_rows_sorted(indices, offsets, num_rows):
     """The occurrences of ``indices`` grouped by row, stably (a row's occurrences in ascending position): ``uniq``
     (distinct rows ascending), ``starts`` [len(uniq) + 1] and ``src`` (the bag of each occurrence in that order).

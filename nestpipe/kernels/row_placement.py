@@ -1,4 +1,5 @@
-"""Row placement shared by the trainer and the kernels.
+"""Row placement shared by the trainer and the kernels: the one rule (``nestpipe.trainer.embedding.placement`` builds
+its per-table placements from :func:`affine_params` and hashes with the same :mod:`nestpipe.utils.hashing`).
 
 For table ``t`` with vocabulary ``V`` on ``W`` ranks an id goes through three steps:
 
@@ -22,41 +23,11 @@ from typing import Tuple
 
 import torch
 
+from nestpipe.utils.hashing import signed64 as _signed64  # noqa: F401  (re-exported for tests)
+from nestpipe.utils.hashing import splitmix64_int
+from nestpipe.utils.hashing import splitmix64_torch as splitmix64
+
 MAX_VOCAB = 1 << 52
-_MASK64 = (1 << 64) - 1
-_GAMMA = 0x9E3779B97F4A7C15
-_MIX1 = 0xBF58476D1CE4E5B9
-_MIX2 = 0x94D049BB133111EB
-
-
-def _signed64(value: int) -> int:
-    """The int64 with the same two's-complement bit pattern as the unsigned 64-bit ``value``."""
-    value &= _MASK64
-    return value - (1 << 64) if value >= (1 << 63) else value
-
-
-def splitmix64_int(value: int) -> int:
-    """SplitMix64 of a Python int (taken mod 2**64); returns an unsigned 64-bit int. Reference for the tensor form."""
-    z = (value + _GAMMA) & _MASK64
-    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
-    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
-    return z ^ (z >> 31)
-
-
-def _logical_shift_right(x: torch.Tensor, shift: int) -> torch.Tensor:
-    """``x >> shift`` on the unsigned 64-bit pattern of an int64 tensor (torch's ``>>`` is arithmetic)."""
-    return (x >> shift) & ((1 << (64 - shift)) - 1)
-
-
-def splitmix64(ids: torch.Tensor) -> torch.Tensor:
-    """SplitMix64 of every element (int64 in, int64 bit pattern of the unsigned result out).
-
-    int64 addition and multiplication wrap modulo 2**64 in torch, which is exactly the unsigned arithmetic needed.
-    """
-    z = ids.to(torch.int64) + _signed64(_GAMMA)
-    z = (z ^ _logical_shift_right(z, 30)) * _signed64(_MIX1)
-    z = (z ^ _logical_shift_right(z, 27)) * _signed64(_MIX2)
-    return z ^ _logical_shift_right(z, 31)
 
 
 def _unsigned_mod(z: torch.Tensor, modulus: int) -> torch.Tensor:
@@ -79,16 +50,20 @@ def map_into_vocab(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.where(inside, ids, _unsigned_mod(splitmix64(ids), vocab))
 
 
-def affine_params(table_id: int, vocab: int) -> Tuple[int, int]:
-    """``(a_t, b_t)`` of table ``table_id``: ``a_t`` in ``[1, vocab)`` coprime with ``vocab`` (1 when vocab <= 2),
-    ``b_t`` in ``[0, vocab)``. Pure functions of ``(table_id, vocab)``: identical on every rank."""
+def affine_params(table_id: int, vocab: int, salt: int = 0) -> Tuple[int, int]:
+    """``(a_t, b_t)`` of table ``table_id``: with ``h = splitmix64(2 t + 1 + salt * 2**20)``, ``a_t = 1 + h mod
+    (vocab - 1)`` moved up to the next value coprime with ``vocab`` (1 when vocab = 1), ``b_t =
+    splitmix64(h xor 0x5DEECE66D) mod vocab`` (0 when vocab = 1). Pure functions of ``(table_id, vocab, salt)``:
+    identical on every rank, and the trainer's placement (``nestpipe.trainer.embedding.placement``) is built from
+    them (``salt`` != 0 gives another valid permutation, for tests)."""
     _check_vocab(vocab)
-    if vocab <= 2:
-        return 1, splitmix64_int(2 * table_id + 1) % vocab
-    a = 1 + splitmix64_int(2 * table_id) % (vocab - 1)
+    if vocab == 1:
+        return 1, 0
+    h = splitmix64_int(table_id * 2 + 1 + (salt << 20))
+    a = 1 + h % (vocab - 1)
     while math.gcd(a, vocab) != 1:
         a = a + 1 if a + 1 < vocab else 1
-    return a, splitmix64_int(2 * table_id + 1) % vocab
+    return a, splitmix64_int(h ^ 0x5DEECE66D) % vocab
 
 
 def mulmod(x: torch.Tensor, a: int, modulus: int) -> torch.Tensor:

@@ -10,6 +10,9 @@ run's metadata.
 | npu    | ``npu`` (torch_npu required)                   | torch                                     | ``npu``                                 |
 | other  | ``reference``                                  | ``reference``                             | ``reference``                           |
 
+The host ops (``place_keys``, ``dedup_rows``, ``csr_by_segment``: the step's keys and rows as NumPy arrays on the
+host, whatever the device) take ``numba`` if numba imports, else the NumPy/torch reference.
+
 Overrides, for tests and debugging (set them on every rank alike): ``NESTPIPE_KERNELS=reference`` forces the
 plain-torch references everywhere; ``NESTPIPE_KERNELS=op:path,...`` forces the named ops only (for example
 ``adagrad_update:reference,dual_buffer_sync:triton``); :func:`forced` does the same inside a ``with`` block of the
@@ -27,8 +30,11 @@ from typing import Dict, Iterator, Union
 
 import torch
 
-OPS = ("route_keys", "gather_rows", "lookup", "adagrad_update", "adagrad_bags", "dual_buffer_sync")
+OPS = ("route_keys", "place_keys", "dedup_rows", "csr_by_segment", "gather_rows", "lookup", "adagrad_update",
+       "adagrad_bags", "dual_buffer_sync")
 PATHS = ("reference", "fbgemm", "numba", "triton", "npu")
+# ops on the host's NumPy arrays of keys and rows (routing, grouping): their path does not depend on the device
+HOST_OPS = ("place_keys", "dedup_rows", "csr_by_segment")
 FORCE_ENV = "NESTPIPE_KERNELS"
 
 
@@ -91,6 +97,8 @@ def select_path(op: str, device: Union[str, torch.device]) -> str:
         if kind != "cpu":
             return "reference"
         return "numba" if has_numba() else "fbgemm" if has_fbgemm_tbe_cpu() else "reference"
+    if op in HOST_OPS:  # host-side bookkeeping of the step's keys (NumPy arrays), whatever the device
+        return "numba" if has_numba() else "reference"
     if kind == "cpu":
         if op == "route_keys":
             return "fbgemm" if has_fbgemm() else "reference"

@@ -23,7 +23,8 @@ import torch
 from nestpipe.datasets.shards import (Manifest, ShardError, decode_sample, load_manifest, table_offsets,
                                       verify_shard)
 from nestpipe.trainer.embedding.batch import MicroBatchData, PreparedBatch
-from nestpipe.trainer.embedding.placement import mix64, to_vocab
+from nestpipe.trainer.embedding.placement import to_vocab
+from nestpipe.utils.hashing import splitmix64
 
 
 
@@ -32,7 +33,7 @@ def keyed_generator(seed: int, step: int, micro_batch: int, rank: int) -> torch.
     key = np.array([seed, step, micro_batch, rank], dtype=np.int64).view(np.uint64)
     h = np.uint64(0)
     for k in key:
-        h = mix64(np.array([h ^ k], dtype=np.uint64))[0]
+        h = splitmix64(np.array([h ^ k], dtype=np.uint64))[0]
     g = torch.Generator()
     g.manual_seed(int(h) & ((1 << 63) - 1))
     return g
@@ -157,6 +158,21 @@ def iter_shard(path: str) -> Iterator[Dict]:
         raise ShardError(f"{path}: cannot read shard: {e}") from e
 
 
+def world_problem(manifest: Manifest, split: str, world: int, shards_dir: str) -> str:
+    """Why the ``split`` shards of ``manifest`` cannot feed ``world`` ranks (shards are split by rank, so every rank
+    needs one), with the ingest options that fix it; "" when they can."""
+    entries = manifest.sets.get(split) or []
+    if len(entries) >= world:
+        return ""
+    batches = sum(e.batches for e in entries)
+    fix = (f"re-run `nestpipe ingest` with --batches-per-shard {max(1, batches // world)} (or fewer) so that "
+           f"the {batches} batch(es) make at least {world} shards" if batches >= world else
+           f"only {batches} {split} batch(es) in all: re-run `nestpipe ingest` with a smaller --batch-size "
+           f"(now {manifest.batch_size}) and --batches-per-shard 1")
+    return (f"{shards_dir}: {len(entries)} {split} shard(s) cannot feed world size {world} (shards are split by "
+            f"rank, one at least per rank); {fix}")
+
+
 class ShardStream:
     """The train (or eval) records of one rank, equalised across ranks (see the module docstring)."""
 
@@ -166,11 +182,9 @@ class ShardStream:
         if split not in self.manifest.sets or not self.manifest.sets[split]:
             raise ShardError(f"{shards_dir}: manifest has no {split!r} shards")
         entries = self.manifest.sets[split]
-        if len(entries) < world:
-            raise ShardError(
-                f"{shards_dir}: {len(entries)} {split} shard(s) cannot feed world size {world} (shards are split by "
-                f"rank; need at least {world}; re-run ingest with more, smaller shards)"
-            )
+        problem = world_problem(self.manifest, split, world, shards_dir)
+        if problem:
+            raise ShardError(problem)
         self.entries = entries[rank::world]
         per_rank = [sum(e.batches for e in entries[r::world]) for r in range(world)]
         self.batches_per_rank = min(per_rank)

@@ -76,7 +76,9 @@ class RowStore:
         with self.lock:
             if self.num_materialized < self.num_rows:
                 self.materialize(rows)
-            return self.weight.index_select(0, rows), self.state.index_select(0, rows) if with_state else None
+            # the row gather through the kernels' dispatch (its path is recorded); the state is one float per row
+            return (kernels.gather_rows(self.weight, rows),
+                    self.state.index_select(0, rows) if with_state else None)
 
     def write_back(self, rows: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> None:
         with self.lock:

@@ -565,3 +565,34 @@ def test_task_registry_matches_the_command_line():
         name = "partial"
 
     assert [n for n in interface if n != "column_spec" and getattr(Partial, n) is getattr(IngestTask, n)]
+
+
+def test_every_option_is_checked_before_work_starts(tmp_path):
+    """An unknown --clustering is refused by the command line at once, naming the methods (before: at stage 4/4,
+    after parsing and spilling); the names the ingest accepts are the clustering package's."""
+    from nestpipe.clustering import method_names
+    from nestpipe.ingest.config import CLUSTERING_METHODS
+
+    assert list(CLUSTERING_METHODS) == method_names()
+    with pytest.raises(ValueError, match="--clustering must be one of default, random, minhash, kmeans"):
+        IngestConfig(raw=str(tmp_path), out=str(tmp_path / "o"), clustering="bogus").validate()
+    p = subprocess.run([sys.executable, "-m", "nestpipe", "ingest", "--raw", str(tmp_path / "missing"), "--out",
+                        str(tmp_path / "o"), "--clustering", "bogus"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "invalid choice: 'bogus'" in p.stderr and "minhash" in p.stderr, p.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_defaults_on_tiny_data_name_the_numbers_that_fit(raw, tmp_path):
+    """synth --scale tiny, then ingest with the default --batch-size 512: the error names a batch size that fits
+    the data (and --force, since the failed run left its work behind); rerunning without --force says what the
+    directory holds; the suggested command works. Before: "lower --batch-size", then "not empty ... --force"."""
+    import re
+
+    out = str(tmp_path / "o")
+    with pytest.raises(IngestError, match=r"from the \d+ training samples; rerun with --batch-size \d+ .*--force") as e:
+        ingest(IngestConfig(raw=raw, out=out, task="gr", progress=False, workers=1))
+    fit = int(re.search(r"--batch-size (\d+)", str(e.value)).group(1))
+    with pytest.raises(FileExistsError, match="holds an unfinished ingest of other inputs or options"):
+        ingest(IngestConfig(raw=raw, out=out, task="gr", batch_size=fit, progress=False, workers=1))
+    m = ingest(IngestConfig(raw=raw, out=out, task="gr", batch_size=fit, progress=False, workers=1, force=True))
+    assert m.totals()["train"]["batches"] >= 8

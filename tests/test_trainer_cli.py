@@ -195,6 +195,12 @@ def test_sigkill_mid_checkpoint_and_mid_step_then_resume_is_bitwise(gr, tmp_path
     assert "already finished" in p.stdout, p.stdout[-2000:]
     assert open(os.path.join(out, "metrics.json")).read() == metrics_before
     assert "NaN" not in open(os.path.join(out, "scalars.jsonl")).read()[len(scalars_before):]
+    # --resume alone takes the world size from the checkpoint and honours --steps and --set (before: "written with
+    # world size 2, this run has 1", and --set was ignored)
+    p = run("train", "--resume", out, "--steps", "10", "--set", "pipeline=\"off\"", "--no-progress")
+    assert p.returncode == 0, p.stderr[-3000:]
+    m = json.load(open(os.path.join(out, "metrics.json")))
+    assert m["world"] == 2 and m["resumed_from_step"] == 9 and m["pipeline"] == "off", m
     # and the comparison is sensitive: a shorter run differs
     short = str(tmp_path / "short")
     short_args = [("8" if a == "9" and args[i - 1] == "--steps" else a) for i, a in enumerate(args)]
@@ -214,7 +220,9 @@ def test_config_validation_names_the_key_and_checks_types():
                          ({"progress": 1}, "progress = 1: expected bool"),
                          ({"dlrm": {"top_mlp": [64, "x"]}}, "dlrm.top_mlp"),
                          ({"embedding": {"kinds": {"item": "hashed"}}}, "embedding.kinds.item = 'hashed'"),
-                         ({"embedding": {"huge_pages": "sometimes"}}, "embedding.huge_pages")):
+                         ({"embedding": {"huge_pages": "sometimes"}}, "embedding.huge_pages"),
+                         ({"steps": 0}, "steps = 0: must be >= 1"),  # a run of no steps "trained" to loss nan
+                         ({"embedding": {"lr": "abc"}}, "embedding.lr = 'abc': expected float")):
         with pytest.raises(ValueError, match=re.escape(message)):
             TrainConfig.from_dict(bad, where="cfg")
     # integers are accepted for float keys, lists for tuples
@@ -252,3 +260,27 @@ def test_testing_hooks_refuse_unknown_names_and_wrong_types():
     with testing_hooks.override(fail_step=3):
         assert testing_hooks.active().changed() == {"fail_step": 3}
     assert testing_hooks.active().changed() == {}
+
+
+def test_too_few_shards_refused_before_launch_with_the_ingest_fix(tmp_path, capsys):
+    """One train shard and --nproc-per-node 2: the parent refuses before any rank starts (no config written, no
+    torchrun), naming the --batches-per-shard that would make enough shards; too few batches names --batch-size.
+    Negative control: two shards launch-check clean (the same check finds no problem)."""
+    from nestpipe.cli import main
+    from nestpipe.datasets.shards import load_manifest
+    from nestpipe.trainer.data import world_problem
+
+    one = str(tmp_path / "one")
+    make_shards(one, "gr", batch_size=12, micro_batches=3, shards=(4,), eval_shards=(1,), vocab=300, seq_len=8, seed=3)
+    out = tmp_path / "run"
+    t0 = time.perf_counter()
+    rc = main(["train", "--shards", one, "--out", str(out), "--model", "hstu", "--nproc-per-node", "2", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert rc != 0 and re.search(r"1 train shard\(s\) cannot feed world size 2.*--batches-per-shard 2", err), err
+    assert len(err.strip().splitlines()) == 1  # one line, no traceback
+    assert time.perf_counter() - t0 < 20 and not (out / "config.json").exists()
+    assert "--batch-size" in world_problem(load_manifest(one), "train", 5, one)  # 4 batches for 5 ranks
+    two = str(tmp_path / "two")
+    make_shards(two, "gr", batch_size=12, micro_batches=3, shards=(2, 2), eval_shards=(1,), vocab=300, seq_len=8,
+                seed=3)
+    assert world_problem(load_manifest(two), "train", 2, two) == ""

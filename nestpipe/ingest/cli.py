@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from nestpipe.ingest.config import TASKS, IngestConfig
+from nestpipe.ingest.config import CLUSTERING_METHODS, TASKS, IngestConfig
 from nestpipe.ingest.executor import Executor, usable_cores  # standard library only: the pool starts before Polars
 
 
@@ -45,7 +45,10 @@ def add_parser(sub) -> None:
                    help="hash partitions of the spill (default: one per 128 MB of input, at least 4)")
     p.add_argument("--chunk-mb", type=float, default=64, help="parse chunk size in MB (bounds memory)")
     p.add_argument("--batches-per-shard", type=int, default=None, help="default: about 128 MB per shard")
-    p.add_argument("--clustering", default="default", help="clustering method (see `nestpipe cluster-report`)")
+    p.add_argument("--clustering", default="default", choices=CLUSTERING_METHODS,
+                   help="micro-batch clustering: default (= minhash: rarity-weighted MinHash order, a few ms per "
+                   "batch), random (no clustering), kmeans (spherical k-means + refinement, tens of ms per batch, "
+                   "a little better); compare them with `nestpipe cluster-report`")
     p.add_argument("--dim", type=int, default=64, help="default embedding dim recorded in the manifest")
     p.add_argument("--ctr-eval-days", type=int, default=3, help="ctr: the last D dates form the eval set")
     p.add_argument("--validation", action="store_true",

@@ -8,6 +8,9 @@ from typing import Any, Dict, Optional, Tuple
 # The ``--task`` names (the task objects are ``nestpipe.ingest.stages.TASKS``; named here so the command line
 # lists them without importing Polars).
 TASKS = ("gr", "ctr")
+# The ``--clustering`` names (``nestpipe.clustering.method_names()``, named here for the same reason; a test keeps
+# the two equal): checked before any work starts.
+CLUSTERING_METHODS = ("default", "random", "minhash", "kmeans")
 
 # Options that do not change the output bytes (excluded from the run's fingerprint).
 NON_SEMANTIC = ("raw", "out", "workers", "force", "progress", "keep_work")
@@ -57,6 +60,8 @@ class IngestConfig:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.partitions is not None and self.partitions < 1:
             raise ValueError(f"--partitions must be >= 1, got {self.partitions}")
+        if self.clustering not in CLUSTERING_METHODS:
+            raise ValueError(f"--clustering must be one of {', '.join(CLUSTERING_METHODS)}, got {self.clustering!r}")
         if self.batches_per_shard is not None and self.batches_per_shard < 1:
             raise ValueError(f"--batches-per-shard must be >= 1, got {self.batches_per_shard}")
 

@@ -222,9 +222,12 @@ def _prepare_out(cfg: IngestConfig, fingerprint: Dict[str, Any]) -> str:
                         os.remove(os.path.join(out, entry))
             return "complete" if complete else "resume"
         if not cfg.force:
+            held = ("an unfinished ingest of other inputs or options" if os.path.exists(state_path) else
+                    "the output of an ingest with other inputs or options" if os.path.exists(manifest_path) else
+                    "files of something else")
             raise FileExistsError(
-                f"{out}: output directory is not empty and is not a partial run of these inputs and options; "
-                "choose another --out or pass --force to replace its contents"
+                f"{out}: output directory holds {held}; choose another --out or pass --force to replace its "
+                "contents"
             )
         for entry in os.listdir(out):
             p = os.path.join(out, entry)
@@ -350,9 +353,13 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
     for split in cfg.splits():
         sets.setdefault(split, [])
     if not sets["train"]:
+        n = dropped["train"]
+        fit = 1 << max(0, (n // 8).bit_length() - 1)  # a power of two that gives at least 8 batches
+        hint = (f"rerun with --batch-size {fit}" + (f" --micro-batches {fit}" if fit < cfg.micro_batches else "")
+                + " --force (8 or more batches)"
+                if n >= 8 else "provide more data")
         raise IngestError(
-            f"no complete training batch of {B} samples could be formed ({dropped['train']} samples); "
-            "lower --batch-size or provide more data"
+            f"no complete training batch of {B} samples could be formed from the {n} training samples; {hint}"
         )
 
     stats = {

@@ -24,7 +24,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--shards", help="shard directory (with manifest.json); required unless --resume or --help-config")
     p.add_argument("--out", help="run directory")
     p.add_argument("--model", choices=MODELS)
-    p.add_argument("--nproc-per-node", type=int, default=1)
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="ranks on this machine (default 1; with --resume, the world size the run's checkpoint was "
+                   "written with)")
     p.add_argument("--pipeline", choices=SCHEDULES, default=None,
                    help="auto (default): chosen once at start -- nested where its threads get cores of their own "
                         "or the link is slow, else off -- printed and recorded in metrics.json; nested: DBP between "
@@ -104,11 +106,9 @@ def _train(args) -> int:
     from nestpipe.trainer.launch import launch_training  # start-up time: torch only once a command needs it
 
     if args.resume:
-        cfg = load_run_config(args.resume)
-        if args.steps is not None:
-            cfg.steps = args.steps
-            save_config(cfg, os.path.join(cfg.out, "config.json"))
-        return launch_training(cfg.out, args.nproc_per_node, True, args.torchrun_args)
+        return _resume(args)
+    if args.nproc_per_node is None:
+        args.nproc_per_node = 1
     d = TrainConfig().to_dict()
     if args.config:
         d = merge(d, load_config_file(args.config))
@@ -136,6 +136,12 @@ def _train(args) -> int:
         right = [m for m, t in MODEL_TASK.items() if t == man.task]
         raise ValueError(f"--model {cfg.model} trains on {MODEL_TASK[cfg.model]!r} shards, {cfg.shards} holds "
                          f"{man.task!r} shards (use --model {' or '.join(right) or '?'})")
+    if not any(a.startswith("--nnodes") or a.startswith("--rdzv") for a in args.torchrun_args):
+        from nestpipe.trainer.data import world_problem  # one node: refuse here, not in every rank
+
+        problem = world_problem(man, "train", args.nproc_per_node, cfg.shards)
+        if problem:
+            raise ValueError(problem)
     cfg.shards = os.path.abspath(cfg.shards)
     cfg.out = os.path.abspath(cfg.out)
     os.makedirs(cfg.out, exist_ok=True)
@@ -143,6 +149,43 @@ def _train(args) -> int:
         raise FileExistsError(f"{cfg.out}: holds checkpoints already; use --resume {cfg.out} or a new --out")
     save_config(cfg, os.path.join(cfg.out, "config.json"))
     rc = launch_training(cfg.out, args.nproc_per_node, False, args.torchrun_args)
+    _print_metrics(cfg.out)
+    return rc
+
+
+def _resume(args) -> int:
+    """``--resume RUN``: the run's own config, with what the command line changes (--steps/--epochs, --set,
+    --no-progress, --pipeline, --checkpoint-every, --timeout) validated as a whole; the world size of the run's
+    latest checkpoint unless --nproc-per-node says otherwise (then the checkpoint's check names both)."""
+    from nestpipe.trainer import checkpoint
+    from nestpipe.trainer.launch import launch_training
+
+    cfg = load_run_config(args.resume)
+    if args.shards or args.config or args.model or args.seed is not None or args.sparse_groups is not None:
+        raise ValueError("--resume continues RUN as it was configured: --shards, --config, --model, --seed and "
+                         "--sparse-groups cannot change (start a new --out instead)")
+    d = cfg.to_dict()
+    flags = {"pipeline": args.pipeline, "checkpoint_every": args.checkpoint_every, "timeout_s": args.timeout,
+             "device": args.device}
+    if args.steps is not None or args.epochs is not None:  # one of them replaces the other
+        flags.update(steps=args.steps, epochs=args.epochs)
+        d["steps"], d["epochs"] = args.steps, args.epochs
+    d = merge(d, {k: v for k, v in flags.items() if v is not None})
+    d = merge(d, _parse_set(args.set))
+    if args.no_progress:
+        d["progress"] = False
+    cfg = TrainConfig.from_dict(d, where=f"{args.resume}/config.json + command line")
+    ckpt = checkpoint.latest(cfg.out)
+    if ckpt is None:
+        raise FileNotFoundError(f"{cfg.out}: no complete checkpoint to resume from (start the run again without "
+                                "--resume, or with a new --out)")
+    multi_node = any(a.startswith("--nnodes") or a.startswith("--rdzv") for a in args.torchrun_args)
+    if args.nproc_per_node is None and multi_node:
+        raise ValueError("--resume over several nodes: give --nproc-per-node (the checkpoint knows the world size, "
+                         f"{checkpoint.read_meta(ckpt)['world']}, not how it is split into nodes)")
+    nproc = args.nproc_per_node or int(checkpoint.read_meta(ckpt)["world"])
+    save_config(cfg, os.path.join(cfg.out, "config.json"))
+    rc = launch_training(cfg.out, nproc, True, args.torchrun_args)
     _print_metrics(cfg.out)
     return rc
 

@@ -80,7 +80,7 @@ class _TrainConfigBase:
     pipeline: str = opt("auto", help="schedule: auto (chosen once at start from the cores per rank and a probe of "
                         "the link, see docs/pipeline.md) | off (the synchronous step) | dbp | fwp | nested; all give "
                         "bitwise-identical results", choices=SCHEDULES)
-    steps: Optional[int] = opt(None, help="steps to train (null: epochs x batches per rank)", minimum=0)
+    steps: Optional[int] = opt(None, help="steps to train (null: epochs x batches per rank)", minimum=1)
     epochs: Optional[int] = opt(None, help="epochs to train when steps is null (null: 1)", minimum=1)
     seed: int = opt(0, help="seed of initialisation, negatives and random micro-batching", minimum=0)
     device: str = opt("auto", help="auto | cpu | cuda | npu", choices=("auto", "cpu", "cuda", "npu"))

@@ -88,3 +88,19 @@ def test_cli_clear_errors(tmp_path, capsys):
     assert "no 'eval' set" in capsys.readouterr().err
     assert main(["cluster-report", directory, "--max-batches", "0"]) == 1
     assert "--max-batches must be >= 1" in capsys.readouterr().err
+
+
+def test_truncated_shard_is_one_line_naming_it(tmp_path, capsys):
+    """A truncated shard: one error line naming the shard and pointing at shard-report (before: a raw
+    tarfile.ReadError traceback). Negative control: the intact shard reports fine."""
+    directory = _write(str(tmp_path), batches=3)
+    path = os.path.join(directory, "train-000000.tar")
+    assert main(["cluster-report", directory]) == 0
+    capsys.readouterr()
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2 + 100])
+    assert main(["cluster-report", directory]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "train-000000.tar: cannot read the shard" in err, err
+    assert "shard-report" in err and "Traceback" not in err

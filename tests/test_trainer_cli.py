@@ -109,6 +109,9 @@ def test_corrupt_shard_is_named(gr, tmp_path):
     p = run("train", "--shards", bad, "--out", str(tmp_path / "r"), "--model", "hstu", "--nproc-per-node", "2",
             "--steps", "2", "--no-progress", *SETS)
     assert p.returncode != 0 and "train-000001.tar" in p.stderr and "corrupt" in p.stderr
+    # checked in the parent before launching: one line per problem, no rank's traceback, nothing written
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 3, p.stderr
+    assert "nothing launched" in p.stderr and not (tmp_path / "r" / "config.json").exists()
 
 
 def test_failing_rank_ends_all_ranks_quickly(gr, tmp_path):

@@ -326,8 +326,16 @@ def iter_shard(path: str) -> Iterator[Batch]:
     if not os.path.exists(path):
         raise ShardError(f"{path}: shard missing")
     ds = wds.WebDataset(path, shardshuffle=False, empty_check=False).decode()
-    for sample in ds:
-        yield decode_sample(sample)
+    count = 0
+    try:
+        for sample in ds:
+            yield decode_sample(sample)
+            count += 1
+    except (OSError, ValueError, tarfile.TarError) as e:  # a truncated or corrupt tar: one line naming the shard
+        if isinstance(e, ShardError):
+            raise
+        raise ShardError(f"{path}: cannot read the shard after {count} batch(es) ({type(e).__name__}: {e}); "
+                         "`nestpipe shard-report` verifies every shard's checksum") from e
 
 
 @dataclasses.dataclass

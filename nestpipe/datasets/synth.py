@@ -68,11 +68,11 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import polars as pl
-from tqdm.auto import tqdm
 
 from nestpipe.datasets import kuairand
 from nestpipe.utils.hashing import splitmix64
 from nestpipe.utils.jsonio import write_json_atomic
+from nestpipe.utils.progress import progress
 
 SCALES: Dict[str, Dict[str, int]] = {
     "tiny": dict(num_users=300, num_videos=5_000, interactions=30_000, num_communities=8, head_size=200),
@@ -693,7 +693,7 @@ def check_output_dir(out_dir: str, force: bool = False) -> None:
 
 
 def _progress_bar(total: int, enabled: bool):
-    return tqdm(total=total, unit="row", unit_scale=True, disable=not enabled, desc="synth", dynamic_ncols=True)
+    return progress(total, "synth", "row", enabled=enabled, unit_scale=True)
 
 
 @contextlib.contextmanager

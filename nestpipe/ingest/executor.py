@@ -29,10 +29,9 @@ def usable_cores() -> int:
 
 
 def _progress(total: int, desc: str, enabled: bool, unit: str = "unit"):
-    from tqdm import tqdm  # start-up time: this module imports the standard library only (see above)
+    from nestpipe.utils.progress import progress  # start-up time: this module imports the standard library only
 
-    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, file=sys.stderr, dynamic_ncols=True,
-                mininterval=0.5)
+    return progress(total, desc, unit, enabled=enabled, file=sys.stderr)
 
 
 def _preload(polars_threads: int, modules: Tuple[str, ...]) -> None:

@@ -142,6 +142,7 @@ def _train(args) -> int:
         problem = world_problem(man, "train", args.nproc_per_node, cfg.shards)
         if problem:
             raise ValueError(problem)
+    _verify_shards(cfg.shards, man)
     cfg.shards = os.path.abspath(cfg.shards)
     cfg.out = os.path.abspath(cfg.out)
     os.makedirs(cfg.out, exist_ok=True)
@@ -151,6 +152,24 @@ def _train(args) -> int:
     rc = launch_training(cfg.out, args.nproc_per_node, False, args.torchrun_args)
     _print_metrics(cfg.out)
     return rc
+
+
+def _verify_shards(shards: str, manifest) -> None:
+    """Every shard of the run present and matching the manifest's sha256, checked here before any rank starts: one
+    line per problem (the ranks check their own shards again, which on several nodes is the only check)."""
+    from nestpipe.datasets.shards import ShardError, verify_shard
+
+    problems = []
+    for split, entries in sorted(manifest.sets.items()):
+        for e in entries:
+            try:
+                verify_shard(shards, e)
+            except ShardError as err:
+                problems.append(str(err))
+    if problems:
+        raise ValueError(f"{len(problems)} shard problem(s), nothing launched:\n  " + "\n  ".join(problems)
+                         + "\n  re-run `nestpipe ingest` into a new --out (or restore the shards); "
+                         "`nestpipe shard-report` lists every shard")
 
 
 def _resume(args) -> int:

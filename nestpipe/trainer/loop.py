@@ -81,9 +81,9 @@ class Progress:
         cfg, rank = run.cfg, run.rank
         self.bar = None
         if rank == 0 and cfg.progress:
-            from tqdm import tqdm  # start-up time: only a rank that shows the bar
+            from nestpipe.utils.progress import progress
 
-            self.bar = tqdm(total=run.steps, initial=start, unit="step", dynamic_ncols=True)
+            self.bar = progress(run.steps, "train", "step", initial=start)
         self.done, self.loss = 0, float("nan")
         self.warm = 2 if run.steps - start > 4 else 0
         self.t_start = time.perf_counter()

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from nestpipe.datasets.synth import generate
+from nestpipe.utils.options import DefaultsHelpFormatter
 from nestpipe.ingest import IngestConfig, ingest
 from nestpipe.ingest.report import format_report, shard_report
 from nestpipe.trainer.evaluate import evaluate_run
@@ -28,15 +29,15 @@ def add_parser(sub) -> None:
         description="Generate synthetic KuaiRand-27K-format logs, ingest them into clustered WebDataset shards for "
         "both tasks, verify and summarise the shards, train hstu and dlrm on 2 processes with the nested "
         "pipeline, evaluate them beside strong simple baselines (successor counting, logistic regression) and print the metrics.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument("--out", default="runs/demo", help="working directory of the demo")
     p.add_argument("--scale", default="small", choices=["tiny", "small", "medium"], help="synthetic data scale")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data and of the training runs")
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="ingest worker processes")
     p.add_argument("--nproc-per-node", type=int, default=2, help="training processes")
-    p.add_argument("--hstu-epochs", type=int, default=3)
-    p.add_argument("--dlrm-epochs", type=int, default=1)
+    p.add_argument("--hstu-epochs", type=int, default=3, help="epochs of the HSTU run")
+    p.add_argument("--dlrm-epochs", type=int, default=1, help="epochs of the DLRM run")
     p.add_argument("--skip-training", action="store_true", help="stop after the shard reports")
     p.set_defaults(func=run)
 

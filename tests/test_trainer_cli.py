@@ -287,3 +287,16 @@ def test_too_few_shards_refused_before_launch_with_the_ingest_fix(tmp_path, caps
     make_shards(two, "gr", batch_size=12, micro_batches=3, shards=(2, 2), eval_shards=(1,), vocab=300, seq_len=8,
                 seed=3)
     assert world_problem(load_manifest(two), "train", 2, two) == ""
+
+
+def test_model_defaults_from_the_shards_task(tmp_path):
+    """No --model: ctr shards train dlrm (before: the config's hstu default, refused as the wrong task); an explicit
+    --model still wins, so a wrong one is still refused (negative control)."""
+    ctr = str(tmp_path / "ctr")
+    make_shards(ctr, "ctr", batch_size=12, micro_batches=3, shards=(2,), eval_shards=(1,), vocab=300, seed=3)
+    out = str(tmp_path / "run")
+    p = run("train", "--shards", ctr, "--out", out, "--steps", "1", "--no-progress")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.load(open(os.path.join(out, "config.json")))["model"] == "dlrm"
+    p = run("train", "--shards", ctr, "--out", str(tmp_path / "r2"), "--model", "hstu", "--steps", "1")
+    assert p.returncode != 0 and "use --model dlrm" in p.stderr

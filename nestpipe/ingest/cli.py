@@ -7,7 +7,8 @@ import json
 import sys
 
 from nestpipe.ingest.config import CLUSTERING_METHODS, TASKS, IngestConfig
-from nestpipe.ingest.executor import Executor, usable_cores  # standard library only: the pool starts before Polars
+from nestpipe.ingest.executor import Executor, usable_cores
+from nestpipe.utils.options import DefaultsHelpFormatter  # standard library only: the pool starts before Polars
 
 
 def add_parser(sub) -> None:
@@ -23,7 +24,7 @@ def add_parser(sub) -> None:
             "Malformed rows go to OUT/rejects.csv with file, line, reason and raw text. An interrupted run "
             "resumes: rerun the same command."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument("--raw", required=True, help="directory holding the KuaiRand CSV files")
     p.add_argument("--out", required=True, help="output directory for shards, manifest.json and rejects.csv")

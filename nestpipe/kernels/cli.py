@@ -9,7 +9,12 @@ from nestpipe.kernels.select import FORCE_ENV, kernel_paths
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("kernels-info", help="print the kernel path selected for each op on a device")
+    p = subparsers.add_parser(
+        "kernels-info", help="print the kernel path selected for each op on a device",
+        description="Print the path (numba, fbgemm, triton, npu or the torch reference) that nestpipe.kernels' fixed "
+        "rule selects for each op on a device kind, from the installed packages only (never timings), and the "
+        f"{FORCE_ENV} override in effect. A run records what it actually executed in RUN/metrics.json "
+        "(kernel_paths).")
     p.add_argument("--device", default="cpu", help="device kind: cpu, cuda or npu (default: cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run)

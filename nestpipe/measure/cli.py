@@ -10,9 +10,9 @@ import os
 from nestpipe.planning import calibration, simulate
 from nestpipe.planning._io import parse_overrides
 from nestpipe.planning.cost_model import MODES, Scales, Scenario
-from nestpipe.planning.hardware import load_hardware
+from nestpipe.planning.hardware import HARDWARE_PRESETS, load_hardware
 from nestpipe.planning.timeline import write_gantt
-from nestpipe.planning.workload import load_workload
+from nestpipe.planning.workload import WORKLOAD_PRESETS, load_workload
 from nestpipe.utils.jsonio import write_json_atomic
 
 
@@ -21,10 +21,16 @@ def add_parser(sub) -> None:
                        description="Event-based step timeline of off (TorchRec-like), 2D-SP, DBP, FWP, nested and "
                                    "nested + 2D-SP; calibrated on a measured off-mode breakdown (default: the "
                                    "paper's TorchRec breakdown at 1,536 workers). Model: docs/planning.md.")
-    s.add_argument("--workload", default="paper-hstu", help="preset name or JSON/TOML file")
-    s.add_argument("--hardware", default="ascend-910b", help="preset name or JSON/TOML file")
-    s.add_argument("--set-workload", nargs="*", default=[], metavar="KEY=VALUE")
-    s.add_argument("--set-hardware", nargs="*", default=[], metavar="KEY=VALUE")
+    s.add_argument("--workload", default="paper-hstu",
+                   help=f"preset ({', '.join(WORKLOAD_PRESETS)}) or a JSON/TOML file of WorkloadConfig fields "
+                   "(default: paper-hstu)")
+    s.add_argument("--hardware", default="ascend-910b",
+                   help=f"preset ({', '.join(HARDWARE_PRESETS)}) or a JSON/TOML file of HardwareConfig fields "
+                   "(default: ascend-910b)")
+    s.add_argument("--set-workload", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="override WorkloadConfig fields, e.g. micro_batches=16 (docs/planning.md lists them)")
+    s.add_argument("--set-hardware", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="override HardwareConfig fields, e.g. net_bw=5e10 all2all=hierarchical")
     cal = s.add_mutually_exclusive_group()
     cal.add_argument("--breakdown", help="JSON {workers, step_ms, lookup_ms, comm_ms} of a measured off-mode step")
     cal.add_argument("--calibrate", metavar="RUN",
@@ -37,7 +43,7 @@ def add_parser(sub) -> None:
     s.add_argument("--no-clustering", action="store_true", help="random micro-batch partition")
     s.add_argument("--gantt-workers", type=int, default=None, help="worker count of the Gantt charts")
     s.add_argument("--out", help="directory for results.json, scaling.png and gantt-MODE.png")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the results as JSON")
     s.add_argument("--predict-shards", metavar="DIR",
                    help="with --calibrate: predict training on these shards (e.g. another micro-batch count; default "
                         "the run's)")

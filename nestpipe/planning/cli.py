@@ -8,7 +8,7 @@ import json
 from nestpipe.datasets.shards import load_manifest
 from nestpipe.planning import planner
 from nestpipe.planning._io import read_mapping
-from nestpipe.planning.hardware import load_hardware
+from nestpipe.planning.hardware import HARDWARE_PRESETS, load_hardware
 
 
 def add_parser(sub) -> None:
@@ -20,10 +20,12 @@ def add_parser(sub) -> None:
     src.add_argument("--shards", help="a `nestpipe ingest` output directory (its manifest.json)")
     src.add_argument("--tables", help="JSON or TOML file: {\"tables\": [{name, vocab, dim, kind, hotness, "
                                       "unique_ratio}, ...]}")
-    p.add_argument("--workers", type=int, required=True)
+    p.add_argument("--workers", type=int, required=True, help="number of workers (ranks) to plan for")
     p.add_argument("--batch", type=int, default=None, help="samples per worker (default: the manifest's, else 512)")
     p.add_argument("--group-size", type=int, default=None, help="2D-SP group size (default: chosen)")
-    p.add_argument("--hardware", default="ascend-910b", help="preset name or JSON/TOML file")
+    p.add_argument("--hardware", default="ascend-910b",
+                   help=f"preset ({', '.join(HARDWARE_PRESETS)}) or a JSON/TOML file of HardwareConfig fields "
+                   "(default: ascend-910b)")
     p.add_argument("--hbm-cap", type=float, default=16e9, help="device bytes per worker for replicated tables")
     p.add_argument("--dram-cap", type=float, default=256e9, help="host bytes per worker for shards")
     p.add_argument("--unique-ratio", type=float, default=1.0,

@@ -22,8 +22,9 @@ def add_parser(subparsers) -> None:
                     "table over all ranks, --set embedding.placement=FILE takes a `nestpipe plan "
                     "--no-column-split` plan.")
     p.add_argument("--shards", help="shard directory (with manifest.json); required unless --resume or --help-config")
-    p.add_argument("--out", help="run directory")
-    p.add_argument("--model", choices=MODELS)
+    p.add_argument("--out", help="run directory (config, checkpoints, metrics, trace); required unless --resume")
+    p.add_argument("--model", choices=MODELS,
+                   help="the model (default: from the shards' task: hstu for gr shards, dlrm for ctr shards)")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="ranks on this machine (default 1; with --resume, the world size the run's checkpoint was "
                    "written with)")
@@ -44,37 +45,43 @@ def add_parser(subparsers) -> None:
                         "--set embedding.optimizer=rowwise_adagrad_2dsp selects the momentum-scaled row-wise "
                         "AdaGrad (accumulator divided by W/M)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--steps", type=int)
-    g.add_argument("--epochs", type=int)
+    g.add_argument("--steps", type=int, help="steps (batches per rank) to train")
+    g.add_argument("--epochs", type=int, help="passes over the training shards (default 1 when --steps is not given)")
     p.add_argument("--checkpoint-every", type=int, default=None, help="checkpoint every K steps (0: only at the end)")
     p.add_argument("--config", help="JSON or TOML file with the nested TrainConfig keys")
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                    help="override one config key, e.g. --set embedding.lr=0.1 (repeatable)")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"])
+    p.add_argument("--seed", type=int, help="seed of the initial rows, the dense model and the negatives (default 0)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"],
+                   help="auto (default): cuda or npu where present, else cpu")
     p.add_argument("--timeout", type=float, help="process-group timeout in seconds (default 60)")
     p.add_argument("--resume", metavar="RUN", help="continue RUN from its latest complete checkpoint")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     p.add_argument("--help-config", action="store_true",
                    help="list every config key (for --config and --set) with its type, default and meaning, and exit")
     p.add_argument("torchrun_args", nargs="*", help="passed to torch.distributed.run (after --)")
     p.set_defaults(func=_train)
 
     e = subparsers.add_parser(
-        "eval", help="evaluate a trained run beside baselines (HR/NDCG for hstu, AUC/logloss for dlrm)",
+        "eval", help="evaluate a trained run beside baselines (HR/NDCG for hstu, sasrec; AUC/logloss for dlrm)",
         description="Score the run's latest checkpoint on the eval split and, on exactly the same protocol, the "
         "baselines fitted on the train split: most popular and successor counting (next item), the constant rate "
         "and a logistic regression over the model's features (CTR; its fit takes up to a minute on large data). "
         "Writes RUN/eval.json and prints it.")
-    e.add_argument("--run", required=True, help="run directory of nestpipe train")
+    e.add_argument("--run", required=True, help="run directory of `nestpipe train` (its --out)")
     e.add_argument("--max-batches", type=int, default=None, help="score only the first N eval batches")
     e.add_argument("--split", default="eval", choices=["eval", "valid"],
                    help="valid: the split carved from the training data by `nestpipe ingest --validation` (for "
                    "choosing settings; writes RUN/eval-valid.json)")
     e.set_defaults(func=_eval)
 
-    x = subparsers.add_parser("export", help="export a run as one dict of full tensors (torch.load weights_only)")
-    x.add_argument("--run", required=True)
+    x = subparsers.add_parser(
+        "export", help="export a run as one dict of full tensors (torch.load weights_only)",
+        description="Gather the run's latest checkpoint (every rank's rows of every table, the dense model) into one "
+        "dict of full tensors saved with torch.save, readable with torch.load(..., weights_only=True); tables above "
+        "--max-rows-in-memory are streamed to files of their own. Refuses a checkpoint whose data-parallel replicas "
+        "differ across ranks.")
+    x.add_argument("--run", required=True, help="run directory of `nestpipe train` (its --out)")
     x.add_argument("--out", required=True, help="output FILE.pt")
     x.add_argument("--max-rows-in-memory", type=int, default=50_000_000,
                    help="tables above this are streamed as FILE.<table>.<block>.pt")
@@ -110,14 +117,20 @@ def _train(args) -> int:
     if args.nproc_per_node is None:
         args.nproc_per_node = 1
     d = TrainConfig().to_dict()
-    if args.config:
-        d = merge(d, load_config_file(args.config))
+    from_file = load_config_file(args.config) if args.config else {}
+    sets = _parse_set(args.set)
+    if args.model is None and "model" not in from_file and "model" not in sets and args.shards:
+        # the model follows the shards' task unless one was asked for (gr -> hstu, ctr -> dlrm)
+        from nestpipe.trainer.models import DEFAULT_MODEL  # start-up time: imports torch
+
+        d["model"] = DEFAULT_MODEL[load_manifest(args.shards).task]
+    d = merge(d, from_file)
     flags = {"shards": args.shards, "out": args.out, "model": args.model, "pipeline": args.pipeline,
              "steps": args.steps, "epochs": args.epochs, "checkpoint_every": args.checkpoint_every,
              "seed": args.seed, "device": args.device, "timeout_s": args.timeout,
              "sparse_groups": args.sparse_groups}
     d = merge(d, {k: v for k, v in flags.items() if v is not None})
-    d = merge(d, _parse_set(args.set))
+    d = merge(d, sets)
     if args.no_progress:
         d["progress"] = False
     cfg = TrainConfig.from_dict(d, where=args.config or "command line")

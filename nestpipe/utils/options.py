@@ -7,6 +7,7 @@ its field's annotation.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import typing
 from typing import Any, Optional, Tuple
@@ -58,3 +59,12 @@ def annotation_name(kind: Any) -> str:
     if origin is dict:
         return "table of " + " -> ".join(annotation_name(a) for a in typing.get_args(kind))
     return getattr(kind, "__name__", str(kind))
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows an option's default, except where there is none to show (required options, None)."""
+
+    def _get_help_string(self, action):
+        if action.required or action.default is None or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)

@@ -13,6 +13,7 @@ from nestpipe.trainer.models.spec import ModelSpec
 
 MODEL_SPECS: Dict[str, ModelSpec] = {spec.name: spec for spec in (hstu.SPEC, sasrec.SPEC, dlrm.SPEC)}
 MODEL_TASK = {name: spec.task for name, spec in MODEL_SPECS.items()}
+DEFAULT_MODEL = {"gr": "hstu", "ctr": "dlrm"}  # what `nestpipe train` trains on a task's shards unless told
 
 
 def model_spec(name: str) -> ModelSpec:

@@ -86,6 +86,28 @@ def test_train_eval_export_and_errors(gr, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     d = torch.load(str(tmp_path / "m.pt"), weights_only=True)
     assert d["embedding.item.weight"].shape == (300, 16) and "optim.dense.pos.exp_avg" in d
+    # the run stands on its own: with its shards gone (moved), export still works from the manifest the run
+    # kept; eval asks for --shards and checks that they are the run's (before: "no manifest" for both)
+    import shutil
+
+    moved = str(tmp_path / "moved-run")
+    shutil.copytree(out, moved)
+    cfg = json.load(open(os.path.join(moved, "config.json")))
+    cfg["shards"] = str(tmp_path / "gone")
+    json.dump(cfg, open(os.path.join(moved, "config.json"), "w"))
+    p = run("export", "--run", moved, "--out", str(tmp_path / "m2.pt"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert torch.equal(torch.load(str(tmp_path / "m2.pt"), weights_only=True)["embedding.item.weight"],
+                       d["embedding.item.weight"])
+    p = run("eval", "--run", moved)
+    assert p.returncode != 0 and "pass --shards" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    p = run("eval", "--run", moved, "--shards", gr, "--max-batches", "1")
+    assert p.returncode == 0, p.stderr[-3000:]
+    other = str(tmp_path / "other")
+    make_shards(other, "gr", batch_size=12, micro_batches=3, shards=(2, 2), eval_shards=(1,), vocab=300, seq_len=8,
+                seed=4)
+    p = run("eval", "--run", moved, "--shards", other)
+    assert p.returncode != 0 and "not the shards run" in p.stderr, p.stderr[-2000:]
     # wrong model for the task
     p = run("train", "--shards", gr, "--out", str(tmp_path / "x"), "--model", "dlrm", "--steps", "1")
     assert p.returncode != 0 and "'gr'" in p.stderr and "hstu" in p.stderr

@@ -70,6 +70,8 @@ def add_parser(subparsers) -> None:
         "Writes RUN/eval.json and prints it.")
     e.add_argument("--run", required=True, help="run directory of `nestpipe train` (its --out)")
     e.add_argument("--max-batches", type=int, default=None, help="score only the first N eval batches")
+    e.add_argument("--shards", default=None,
+                   help="where the run's shards are now, when they moved (checked against the manifest the run kept)")
     e.add_argument("--split", default="eval", choices=["eval", "valid"],
                    help="valid: the split carved from the training data by `nestpipe ingest --validation` (for "
                    "choosing settings; writes RUN/eval-valid.json)")
@@ -162,6 +164,9 @@ def _train(args) -> int:
     if os.path.exists(os.path.join(cfg.out, "checkpoints")) and os.listdir(os.path.join(cfg.out, "checkpoints")):
         raise FileExistsError(f"{cfg.out}: holds checkpoints already; use --resume {cfg.out} or a new --out")
     save_config(cfg, os.path.join(cfg.out, "config.json"))
+    from nestpipe.trainer.run_files import keep_manifest
+
+    keep_manifest(cfg.out, cfg.shards)  # the run stands on its own (export needs no shards; eval takes --shards)
     rc = launch_training(cfg.out, args.nproc_per_node, False, args.torchrun_args)
     _print_metrics(cfg.out)
     return rc
@@ -234,7 +239,7 @@ def _print_metrics(run: str) -> None:
 def _eval(args) -> int:
     from nestpipe.trainer.evaluate import evaluate_run  # start-up time: torch only for this command
 
-    res = evaluate_run(args.run, max_batches=args.max_batches, split=args.split)
+    res = evaluate_run(args.run, max_batches=args.max_batches, split=args.split, shards=args.shards)
     print(json.dumps(res, indent=1, sort_keys=True))
     return 0
 

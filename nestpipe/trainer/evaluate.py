@@ -27,7 +27,7 @@ from typing import Dict, Optional
 import numpy as np
 import torch
 
-from nestpipe.datasets.shards import load_manifest, table_offsets
+from nestpipe.datasets.shards import table_offsets
 from nestpipe.datasets.synth import TRUTH_FILE
 from nestpipe.trainer import baselines
 from nestpipe.trainer.config import load_run_config
@@ -203,12 +203,16 @@ def _bayes_ceiling(cfg, man, split: str, samples: int) -> Dict:
 PROTOCOLS = {"gr": evaluate_next_item, "ctr": evaluate_ctr}
 
 
-def evaluate_run(run: str, max_batches: Optional[int] = None, split: str = "eval") -> Dict:
+def evaluate_run(run: str, max_batches: Optional[int] = None, split: str = "eval",
+                 shards: Optional[str] = None) -> Dict:
     """Evaluate ``run`` on ``split`` (``eval``, or ``valid`` for shards ingested with ``--validation``); writes
-    ``RUN/eval.json`` (``RUN/eval-valid.json`` for the valid split)."""
+    ``RUN/eval.json`` (``RUN/eval-valid.json`` for the valid split). ``shards``: where the run's shards are now,
+    when they moved."""
+    from nestpipe.trainer.run_files import run_manifest
+
     cfg = load_run_config(run)
     torch.set_num_threads(max(1, cfg.threads))
-    man = load_manifest(cfg.shards)
+    man, cfg.shards = run_manifest(run, cfg, shards, need_data=True)
     if split not in man.sets:
         raise ValueError(f"{cfg.shards}: no {split!r} split (splits: {sorted(man.sets)})"
                          + ("; ingest with --validation to carve one from the training data" if split == "valid"

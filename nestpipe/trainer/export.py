@@ -110,9 +110,9 @@ def _assemble(run, ckpt, stream_prefix, max_rows_in_memory):
     for k in names:
         out[f"dense.{k}"] = r0["dense"][k]
     # AdamW state: optimizer params are in model.parameters() order
-    from nestpipe.datasets.shards import load_manifest
+    from nestpipe.trainer.run_files import run_manifest
 
-    manifest = load_manifest(cfg.shards)
+    manifest, _ = run_manifest(run, cfg)
     model = build_model(cfg, manifest, table_dims(manifest, cfg.embedding))
     pnames = [n for n, _ in model.named_parameters()]
     for idx, st in r0["optimizer"]["state"].items():

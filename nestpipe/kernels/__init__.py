@@ -171,7 +171,11 @@ def adagrad_update(
             backend(path).adagrad_update_pairs(weights, state, rows, grads.contiguous(), order, offsets,
                                                entry_offsets, pair_src, lr, eps, momentum_scale)
             return
-        grads = entry_grads_from_pairs(grads.cpu(), entry_offsets, pair_src, D)
+        if path in ("triton", "npu"):  # ordered per entry on the device (no atomic accumulation)
+            windows = grads.contiguous().as_strided((grads.numel() - D + 1, D), (1, 1))
+            grads = backend(path).segment_sum_rows(windows, pair_src.to(grads.device), entry_offsets.to(grads.device))
+        else:
+            grads = entry_grads_from_pairs(grads.cpu(), entry_offsets, pair_src, D)
     if grad_segments is not None:
         order, offsets = (x.to(torch.int64).cpu() for x in grad_segments)
         m = grads.shape[0] if grads.dim() == 2 else -1
@@ -184,10 +188,13 @@ def adagrad_update(
             backend(path).adagrad_update(weights, state, rows.to(weights.device), grads.to(weights.device), lr, eps,
                                          momentum_scale, order=order, offsets=offsets)
             return
-        segment = torch.repeat_interleave(torch.arange(rows.numel()), offsets.diff())
-        row_grads = torch.zeros(rows.numel(), grads.shape[1], dtype=grads.dtype)
-        row_grads.index_add_(0, segment, grads.cpu().index_select(0, order))
-        grads = row_grads
+        if path in ("triton", "npu"):  # ordered per row on the device, as the CPU paths add
+            grads = backend(path).segment_sum_rows(grads, order.to(grads.device), offsets.to(grads.device))
+        else:
+            segment = torch.repeat_interleave(torch.arange(rows.numel()), offsets.diff())
+            row_grads = torch.zeros(rows.numel(), grads.shape[1], dtype=grads.dtype)
+            row_grads.index_add_(0, segment, grads.cpu().index_select(0, order))  # on the host: ordered
+            grads = row_grads
     if grads.dim() != 2 or grads.shape != (rows.numel(), weights.shape[1]):
         raise ValueError(f"grads must be [{rows.numel()}, {weights.shape[1]}], got {tuple(grads.shape)}")
     grads = grads.to(weights.device)
@@ -264,14 +271,25 @@ def pool_segments(src: torch.Tensor, index: torch.Tensor, offsets: Optional[torc
     bitwise) written into ``out`` one run of consecutive segments at a time; the CPU float32 row copy is one Numba
     pass; others use ``index_add_`` / ``index_select``."""
     D = src.shape[1]
+    path = select_path("lookup", src.device)
+    if path in ("triton", "npu") and src.dtype == torch.float32 and out.dtype == torch.float32:
+        # the device paths: every segment's rows added in ascending order (Triton: one program per segment; npu:
+        # rounds of index_add_ whose targets are distinct), no atomic accumulation; a copy is a segment of one row
+        note("pool_segments", path)
+        if offsets is None:
+            offsets = torch.arange(len(index) + 1, dtype=torch.int64)
+        rows = backend(path).segment_sum_rows(src.detach(), index.to(src.device), offsets.to(src.device))
+        if len(out_offsets):
+            _write_runs(out, out_offsets, rows.to(out.device))
+        return
     if (offsets is not None and src.device.type == "cpu" and out.device.type == "cpu" and src.dtype == torch.float32
-            and out.dtype == torch.float32 and len(out_offsets) and select_path("lookup", src.device) != "reference"):
+            and out.dtype == torch.float32 and len(out_offsets) and path not in ("reference", "triton", "npu")):
         note("pool_segments", "aten")  # ATen's embedding_bag (fbgemm's EmbeddingSpMDM on x86)
         pooled = torch.nn.functional.embedding_bag(index, src.detach(), offsets, mode="sum", include_last_offset=True)
         _write_runs(out, out_offsets, pooled)
         return
     if (src.device.type == "cpu" and out.device.type == "cpu" and src.dtype == torch.float32
-            and out.dtype == torch.float32 and select_path("lookup", src.device) == "numba"):
+            and out.dtype == torch.float32 and path == "numba"):
         note("pool_segments", "numba")
         backend("numba").pool_segments(src.detach(), index, offsets, out, out_offsets)
         return

@@ -18,7 +18,11 @@ except Exception as e:  # pragma: no cover - depends on the host
 
 from . import reference
 
-gather_rows = reference.gather_rows
+def gather_rows(weights: torch.Tensor, rows: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
+    rows_ = reference.gather_rows(weights, rows)
+    return out.copy_(rows_) if out is not None else rows_
+
+
 csr_by_segment = reference.csr_by_segment
 adagrad_update = reference.adagrad_update
 

@@ -10,7 +10,9 @@ IEEE-rounded ``sqrt_rn``/``div_rn`` keep AdaGrad within rounding of the torch re
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 import torch
 import triton
@@ -20,6 +22,10 @@ from .reference import csr_by_segment  # noqa: F401  (part of this path's op set
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _BLOCK_R = 16
+# Triton's interpreter swaps module-level state of triton.language while a kernel runs, so two threads interpreting
+# kernels at once corrupt each other (the pipeline's stage threads do call kernels concurrently); interpreted
+# launches are serialised. Compiled launches on a GPU need no lock.
+_INTERPRETER_LOCK = threading.Lock() if INTERPRETED else contextlib.nullcontext()
 
 
 def _block_d(dim: int) -> int:
@@ -107,10 +113,11 @@ def gather_rows(weights: torch.Tensor, rows: torch.Tensor, out: torch.Tensor = N
     if out is None:
         out = torch.empty(rows.numel(), weights.shape[1], dtype=weights.dtype, device=weights.device)
     if rows.numel():
-        _gather_kernel[_grid(rows.numel())](
-            weights, rows, out, rows.numel(), weights.shape[1], weights.stride(0), out.stride(0),
-            BLOCK_R=_BLOCK_R, BLOCK_D=_block_d(weights.shape[1]),
-        )
+        with _INTERPRETER_LOCK:
+            _gather_kernel[_grid(rows.numel())](
+                weights, rows, out, rows.numel(), weights.shape[1], weights.stride(0), out.stride(0),
+                BLOCK_R=_BLOCK_R, BLOCK_D=_block_d(weights.shape[1]),
+            )
     return out
 
 
@@ -118,11 +125,12 @@ def adagrad_update(weights, state, rows, grads, lr: float, eps: float, momentum_
     rows = rows.to(torch.int64).contiguous()
     grads = grads.to(torch.float32).contiguous()
     if rows.numel():
-        _adagrad_kernel[_grid(rows.numel())](
-            weights, state, rows, grads, rows.numel(), grads.shape[1], weights.stride(0), grads.stride(0),
-            float(lr), float(eps), float(momentum_scale), SCALE_STATE=momentum_scale != 1.0,
-            BLOCK_R=_BLOCK_R, BLOCK_D=_block_d(grads.shape[1]),
-        )
+        with _INTERPRETER_LOCK:
+            _adagrad_kernel[_grid(rows.numel())](
+                weights, state, rows, grads, rows.numel(), grads.shape[1], weights.stride(0), grads.stride(0),
+                float(lr), float(eps), float(momentum_scale), SCALE_STATE=momentum_scale != 1.0,
+                BLOCK_R=_BLOCK_R, BLOCK_D=_block_d(grads.shape[1]),
+            )
 
 
 def dual_buffer_sync(active_keys, active_rows, prefetch_keys, prefetch_rows) -> None:
@@ -130,22 +138,27 @@ def dual_buffer_sync(active_keys, active_rows, prefetch_keys, prefetch_rows) -> 
     n_a, n_p = active_keys.numel(), prefetch_keys.numel()
     if n_a == 0 or n_p == 0:
         return None
-    _sync_kernel[_grid(n_p)](
-        active_keys.contiguous(), n_a, active_rows, prefetch_keys.contiguous(), n_p, prefetch_rows,
-        active_rows.shape[1], active_rows.stride(0), prefetch_rows.stride(0), n_a.bit_length() + 1,
-        BLOCK_R=_BLOCK_R, BLOCK_D=_block_d(active_rows.shape[1]),
-    )
+    with _INTERPRETER_LOCK:
+        _sync_kernel[_grid(n_p)](
+            active_keys.contiguous(), n_a, active_rows, prefetch_keys.contiguous(), n_p, prefetch_rows,
+            active_rows.shape[1], active_rows.stride(0), prefetch_rows.stride(0), n_a.bit_length() + 1,
+            BLOCK_R=_BLOCK_R, BLOCK_D=_block_d(active_rows.shape[1]),
+        )
     return None
 
 
 def segment_sum_rows(src: torch.Tensor, src_index: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    src = src.contiguous()
+    """``out[s] = sum(src[src_index[i]] for offsets[s] <= i < offsets[s + 1])``, ascending ``i`` from zero. ``src``
+    may be any view whose rows are unit-stride (e.g. the overlapping windows of a flat payload)."""
+    if src.stride(1) != 1:
+        src = src.contiguous()
     out = torch.empty(offsets.numel() - 1, src.shape[1], dtype=src.dtype, device=src.device)
     if out.shape[0]:
-        _segment_sum_kernel[(out.shape[0],)](
-            src, src_index.to(torch.int64).contiguous(), offsets.to(torch.int64).contiguous(), out,
-            src.shape[1], src.stride(0), out.stride(0), BLOCK_D=_block_d(src.shape[1]),
-        )
+        with _INTERPRETER_LOCK:
+            _segment_sum_kernel[(out.shape[0],)](
+                src, src_index.to(torch.int64).contiguous(), offsets.to(torch.int64).contiguous(), out,
+                src.shape[1], src.stride(0), out.stride(0), BLOCK_D=_block_d(src.shape[1]),
+            )
     return out
 
 

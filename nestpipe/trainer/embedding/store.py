@@ -133,9 +133,10 @@ def apply_adagrad(weight: torch.Tensor, state: torch.Tensor, rows: torch.Tensor,
     zero; ``segments`` = (order, offsets) lists them grouped by row. With ``pairs = (entry_offsets, pair_src)``,
     ``grad_entries`` is a flat source and entry ``e``'s gradient is the sum of its pairs' rows
     (``grad_entries[pair_src[p]:pair_src[p] + D]``, ascending ``p`` from zero; see
-    ``nestpipe.kernels.adagrad_update``). float32 on CPU: the fused ``nestpipe.kernels.adagrad_update`` (one pass,
-    no temporaries); otherwise (the float64 test runs) ``index_add_`` and the same formula in plain torch."""
-    if weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous():
+    ``nestpipe.kernels.adagrad_update``). float32: ``nestpipe.kernels.adagrad_update`` on every device (its
+    dispatch: the fused Numba pass on CPU, ordered Triton segment sums + the Triton update on CUDA); otherwise (the
+    float64 test runs) ``index_add_`` on the host (ordered) and the same formula in plain torch."""
+    if weight.dtype == torch.float32 and weight.is_contiguous():
         kernels.adagrad_update(weight, state, rows, grad_entries.to(torch.float32), lr, eps, float(groups),
                          grad_segments=segments, grad_pairs=pairs)
         return

@@ -8,7 +8,7 @@ __all__ = ["__version__", "train", "evaluate", "export"]
 def __getattr__(name):
     # the Python API (nestpipe.api), imported on first use: ``nestpipe ingest`` never pays for torch
     if name in ("train", "evaluate", "export"):
-        from nestpipe import api
+        from nestpipe import api  # start-up time: `nestpipe ingest` never imports the API's torch
 
         return getattr(api, name)
     raise AttributeError(f"module 'nestpipe' has no attribute {name!r}")

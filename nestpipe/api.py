@@ -38,7 +38,7 @@ def train(shards: str, out: str, *, model: Optional[str] = None, nproc_per_node:
     ``--set`` takes them (``{"embedding": {"lr": 0.05}}``; ``nestpipe train --help-config`` lists them all);
     ``resume``: continue ``out`` from its latest checkpoint (``steps`` / ``epochs`` / ``config`` may change what
     is left to train)."""
-    from nestpipe.cli import build_parser
+    from nestpipe.cli import build_parser  # start-up time: `import nestpipe` stays light (the API loads on use)
 
     argv = ["train"]
     if resume:
@@ -73,13 +73,13 @@ def evaluate(run: str, *, split: str = "eval", shards: Optional[str] = None,
              max_batches: Optional[int] = None) -> Dict[str, Any]:
     """Score ``run``'s latest checkpoint on ``split`` beside the baselines (what ``nestpipe eval`` prints);
     ``shards``: where the run's shards are now, when they moved."""
-    from nestpipe.trainer.evaluate import evaluate_run
+    from nestpipe.trainer.evaluate import evaluate_run  # start-up time: torch only once it is called
 
     return evaluate_run(run, max_batches=max_batches, split=split, shards=shards)
 
 
 def export(run: str, out_file: str, *, max_rows_in_memory: int = 50_000_000) -> Dict[str, Any]:
     """Write ``run``'s latest checkpoint as one dict of full tensors (``torch.load(out_file, weights_only=True)``)."""
-    from nestpipe.trainer.export import export_run
+    from nestpipe.trainer.export import export_run  # start-up time: torch only once it is called
 
     return export_run(run, out_file, max_rows_in_memory)

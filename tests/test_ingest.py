@@ -284,7 +284,7 @@ def test_clear_errors_missing_file_wrong_header_foreign_output(raw, tmp_path):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="not empty.*--force"):
+    with pytest.raises(FileExistsError, match="holds files of something else.*--force"):
         ingest(_cfg(raw, str(foreign)))
     assert (foreign / "notes.txt").read_text() == "mine"
     ingest(_cfg(raw, str(foreign), force=True))

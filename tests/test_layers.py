@@ -22,6 +22,7 @@ LAYERS = [
     ["trainer"],
     ["measure"],
     ["demo", "cli"],
+    ["api"],
     ["__main__"],
 ]
 # (importer prefix, forbidden target prefixes): parts that take narrow configs

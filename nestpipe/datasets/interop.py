@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from nestpipe.datasets.shards import Batch, Manifest
+from nestpipe.utils.hashing import to_vocab
 
 
 def _tables(batch: Batch, tables: Optional[Sequence[str]]) -> List[str]:
@@ -37,8 +38,6 @@ def to_jagged(batch: Batch, manifest: Optional[Manifest] = None, tables: Optiona
     for t in keys:
         v = np.asarray(batch[f"{t}.values"], dtype=np.int64)
         if manifest is not None:
-            from nestpipe.trainer.embedding.placement import to_vocab
-
             if t not in manifest.tables:
                 raise KeyError(f"table {t!r} is not in the manifest (tables: {sorted(manifest.tables)})")
             v = to_vocab(v, manifest.tables[t].vocab)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 
-from nestpipe.datasets.shards import load_manifest
+from nestpipe.datasets.shards import ShardError, load_manifest, verify_shard
+from nestpipe.trainer.run_files import keep_manifest
 from nestpipe.utils.jsonio import read_json
 from nestpipe.trainer.config import (MODELS, SCHEDULES, TrainConfig, describe, load_config_file, load_run_config,
                                      merge, save_config)
@@ -164,8 +165,6 @@ def _train(args) -> int:
     if os.path.exists(os.path.join(cfg.out, "checkpoints")) and os.listdir(os.path.join(cfg.out, "checkpoints")):
         raise FileExistsError(f"{cfg.out}: holds checkpoints already; use --resume {cfg.out} or a new --out")
     save_config(cfg, os.path.join(cfg.out, "config.json"))
-    from nestpipe.trainer.run_files import keep_manifest
-
     keep_manifest(cfg.out, cfg.shards)  # the run stands on its own (export needs no shards; eval takes --shards)
     rc = launch_training(cfg.out, args.nproc_per_node, False, args.torchrun_args)
     _print_metrics(cfg.out)
@@ -175,8 +174,6 @@ def _train(args) -> int:
 def _verify_shards(shards: str, manifest) -> None:
     """Every shard of the run present and matching the manifest's sha256, checked here before any rank starts: one
     line per problem (the ranks check their own shards again, which on several nodes is the only check)."""
-    from nestpipe.datasets.shards import ShardError, verify_shard
-
     problems = []
     for split, entries in sorted(manifest.sets.items()):
         for e in entries:
@@ -194,6 +191,7 @@ def _resume(args) -> int:
     """``--resume RUN``: the run's own config, with what the command line changes (--steps/--epochs, --set,
     --no-progress, --pipeline, --checkpoint-every, --timeout) validated as a whole; the world size of the run's
     latest checkpoint unless --nproc-per-node says otherwise (then the checkpoint's check names both)."""
+    # start-up time: torch only once a command needs it
     from nestpipe.trainer import checkpoint
     from nestpipe.trainer.launch import launch_training
 

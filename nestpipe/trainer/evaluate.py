@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from nestpipe.datasets.shards import table_offsets
+from nestpipe.trainer.run_files import run_manifest
 from nestpipe.datasets.synth import TRUTH_FILE
 from nestpipe.trainer import baselines
 from nestpipe.trainer.config import load_run_config
@@ -208,8 +209,6 @@ def evaluate_run(run: str, max_batches: Optional[int] = None, split: str = "eval
     """Evaluate ``run`` on ``split`` (``eval``, or ``valid`` for shards ingested with ``--validation``); writes
     ``RUN/eval.json`` (``RUN/eval-valid.json`` for the valid split). ``shards``: where the run's shards are now,
     when they moved."""
-    from nestpipe.trainer.run_files import run_manifest
-
     cfg = load_run_config(run)
     torch.set_num_threads(max(1, cfg.threads))
     man, cfg.shards = run_manifest(run, cfg, shards, need_data=True)

@@ -110,7 +110,7 @@ def _assemble(run, ckpt, stream_prefix, max_rows_in_memory):
     for k in names:
         out[f"dense.{k}"] = r0["dense"][k]
     # AdamW state: optimizer params are in model.parameters() order
-    from nestpipe.trainer.run_files import run_manifest
+    from nestpipe.trainer.run_files import run_manifest  # what export needs of the shards: the run's manifest copy
 
     manifest, _ = run_manifest(run, cfg)
     model = build_model(cfg, manifest, table_dims(manifest, cfg.embedding))

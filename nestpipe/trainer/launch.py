@@ -22,8 +22,6 @@ from nestpipe.trainer.loop import train_worker
 
 
 def launch_training(run: str, nproc_per_node: int, resume: bool, torchrun_args: Optional[List[str]] = None) -> int:
-    from torch.distributed import run as trun
-
     torchrun_args = list(torchrun_args or [])
     args = []
     if not any(a.startswith("--rdzv") or a.startswith("--master") or a.startswith("--nnodes") for a in torchrun_args):
@@ -32,11 +30,27 @@ def launch_training(run: str, nproc_per_node: int, resume: bool, torchrun_args: 
              "-m", "nestpipe.trainer.launch", "--worker-run", run]
     if resume:
         args.append("--worker-resume")
+    # The ranks inherit this process's environment; it is set for the launch only and restored after, so a Python
+    # session that calls nestpipe.train keeps its own (Numba refuses a thread count changed after it started).
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "TORCHELASTIC_ERROR_FILE")}
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Numba's parallel kernels default to an all-core OpenMP pool: with several ranks per machine that
     # oversubscribes the cores (2 ranks x 1 thread ran 7x slower); each rank gets the intra-op thread count.
     os.environ.setdefault("NUMBA_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
     os.environ.setdefault("TORCHELASTIC_ERROR_FILE", os.path.join(run, "error.json"))
+    try:
+        return _launch(args, run)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _launch(args: List[str], run: str) -> int:
+    from torch.distributed import run as trun  # start-up time: torchrun's machinery only once a run launches
+
     try:
         trun.main(args)
     except SystemExit as e:  # torchrun exits on argument errors

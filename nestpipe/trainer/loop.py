@@ -81,7 +81,7 @@ class Progress:
         cfg, rank = run.cfg, run.rank
         self.bar = None
         if rank == 0 and cfg.progress:
-            from nestpipe.utils.progress import progress
+            from nestpipe.utils.progress import progress  # start-up time: tqdm only on the rank that shows it
 
             self.bar = progress(run.steps, "train", "step", initial=start)
         self.done, self.loss = 0, float("nan")

@@ -79,3 +79,14 @@ def splitmix64_torch(ids: torch.Tensor, k: int = 1) -> torch.Tensor:
     z = (z ^ _logical_shift_right(z, 30)) * signed64(MIX1)
     z = (z ^ _logical_shift_right(z, 27)) * signed64(MIX2)
     return z ^ _logical_shift_right(z, 31)
+
+
+def to_vocab(ids, vocab: int) -> np.ndarray:
+    """Raw int64 ids into ``[0, vocab)`` as the trainer maps them: in-range ids unchanged, every other id
+    ``splitmix64(id) mod vocab`` (step 1 of the row placement, ``nestpipe.kernels.row_placement``)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    out = ids.copy()
+    bad = (ids < 0) | (ids >= vocab)
+    if bad.any():
+        out[bad] = (splitmix64(ids[bad]) % np.uint64(vocab)).astype(np.int64)
+    return out

@@ -29,20 +29,10 @@ import numpy as np
 
 from nestpipe import kernels
 from nestpipe.kernels.row_placement import affine_params
-from nestpipe.utils.hashing import GAMMA, splitmix64
+from nestpipe.utils.hashing import GAMMA, splitmix64, to_vocab  # noqa: F401  (to_vocab: the trainer's name)
 
 _GOLDEN = np.uint64(GAMMA)
 MAX_VOCAB = 1 << 31  # a_t * id must fit in int64
-
-
-def to_vocab(ids: np.ndarray, vocab: int) -> np.ndarray:
-    """Map raw int64 ids into ``[0, vocab)``: in-range ids unchanged, others ``splitmix64(id) mod vocab``."""
-    ids = np.asarray(ids, dtype=np.int64)
-    out = ids.copy()
-    bad = (ids < 0) | (ids >= vocab)
-    if bad.any():
-        out[bad] = (splitmix64(ids[bad]) % np.uint64(vocab)).astype(np.int64)
-    return out
 
 
 @dataclasses.dataclass(frozen=True)

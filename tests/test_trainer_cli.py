@@ -67,6 +67,7 @@ def test_placement_every_key_one_owner_and_init_independent_of_world():
     assert len(set(bad.tolist())) < len(ids_300)
 
 
+@pytest.mark.slow
 def test_train_eval_export_and_errors(gr, tmp_path):
     out = str(tmp_path / "run")
     p = run("train", "--shards", gr, "--out", out, "--model", "hstu", "--nproc-per-node", "2", "--epochs", "1",

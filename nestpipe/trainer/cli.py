@@ -140,7 +140,7 @@ def _train(args) -> int:
     for k in ("shards", "out"):
         if not getattr(cfg, k):
             raise ValueError(f"--{k} is required (or set it in --config)")
-    if not any(a.startswith("--nnodes") or a.startswith("--rdzv") for a in args.torchrun_args):
+    if not _multi_node(args):
         from nestpipe.trainer.distributed import sparse_groups  # one node: the world size is known now, fail before launching
 
         layout = sparse_groups.resolve(cfg.sparse_groups, args.nproc_per_node)
@@ -152,7 +152,7 @@ def _train(args) -> int:
         right = [m for m, t in MODEL_TASK.items() if t == man.task]
         raise ValueError(f"--model {cfg.model} trains on {MODEL_TASK[cfg.model]!r} shards, {cfg.shards} holds "
                          f"{man.task!r} shards (use --model {' or '.join(right) or '?'})")
-    if not any(a.startswith("--nnodes") or a.startswith("--rdzv") for a in args.torchrun_args):
+    if not _multi_node(args):
         from nestpipe.trainer.data import world_problem  # one node: refuse here, not in every rank
 
         problem = world_problem(man, "train", args.nproc_per_node, cfg.shards)
@@ -169,6 +169,11 @@ def _train(args) -> int:
     rc = launch_training(cfg.out, args.nproc_per_node, False, args.torchrun_args)
     _print_metrics(cfg.out)
     return rc
+
+
+def _multi_node(args) -> bool:
+    """Whether torchrun spans several nodes (then the world size is not known before launching)."""
+    return any(a.startswith("--nnodes") or a.startswith("--rdzv") for a in args.torchrun_args)
 
 
 def _verify_shards(shards: str, manifest) -> None:
@@ -214,8 +219,7 @@ def _resume(args) -> int:
     if ckpt is None:
         raise FileNotFoundError(f"{cfg.out}: no complete checkpoint to resume from (start the run again without "
                                 "--resume, or with a new --out)")
-    multi_node = any(a.startswith("--nnodes") or a.startswith("--rdzv") for a in args.torchrun_args)
-    if args.nproc_per_node is None and multi_node:
+    if args.nproc_per_node is None and _multi_node(args):
         raise ValueError("--resume over several nodes: give --nproc-per-node (the checkpoint knows the world size, "
                          f"{checkpoint.read_meta(ckpt)['world']}, not how it is split into nodes)")
     nproc = args.nproc_per_node or int(checkpoint.read_meta(ckpt)["world"])

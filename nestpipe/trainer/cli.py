@@ -158,7 +158,8 @@ def _train(args) -> int:
         problem = world_problem(man, "train", args.nproc_per_node, cfg.shards)
         if problem:
             raise ValueError(problem)
-    _verify_shards(cfg.shards, man)
+    if cfg.verify_shards:
+        _verify_shards(cfg.shards, man)
     cfg.shards = os.path.abspath(cfg.shards)
     cfg.out = os.path.abspath(cfg.out)
     os.makedirs(cfg.out, exist_ok=True)

@@ -104,7 +104,8 @@ def test_batch_fields_partition_and_unique_keys(raw, tmp_path):
 def test_ctr_records_keys_partition_and_history(raw, tmp_path):
     """CTR records (keyed a whole shard at once): per batch, the unique keys equal unique_keys_packed of the
     decoded values, the partition equals clustering.assign on the batch alone, and each sample's history is the
-    user's previous ids in chronological order."""
+    user's previous ids in chronological order, its ``last_video`` the previous id + 1 (0 at the user's first
+    interaction) and its ``log1p_gap_s`` the seconds since that interaction."""
     from nestpipe import clustering
     from nestpipe.ingest import ctr
     from nestpipe.ingest.common import batch_seed as _batch_seed
@@ -117,6 +118,8 @@ def test_ctr_records_keys_partition_and_history(raw, tmp_path):
                       for i, p in enumerate(sorted(glob.glob(os.path.join(raw, "log_*.csv"))))])
     logs = logs.sort(["user_id", "time_ms", "video_id", "src", "line"])
     seqs = {int(u): g["video_id"].to_list() for (u,), g in logs.group_by(["user_id"], maintain_order=True)}
+    times = {int(u): g["time_ms"].to_list() for (u,), g in logs.group_by(["user_id"], maintain_order=True)}
+    gap_col = ctr.DENSE_FEATURES.index("log1p_gap_s")
     tables = list(m.tables)
     seen = 0
     for split in ("train", "eval"):
@@ -138,8 +141,16 @@ def test_ctr_records_keys_partition_and_history(raw, tmp_path):
                 for s_ in range(m.batch_size):
                     u, v = int(b["user_id.values"][s_]), int(b["video_id.values"][s_])
                     hist = b["history.values"][hoff[s_]:hoff[s_ + 1]].tolist()
-                    seq = seqs[u]
-                    assert any(seq[p] == v and seq[max(0, p - H):p] == hist for p in range(len(seq))), (u, v, hist)
+                    seq, ts = seqs[u], times[u]
+                    last, gap = int(b["last_video.values"][s_]), float(b["dense"][s_, gap_col])
+
+                    def context_at(p):
+                        want_last = seq[p - 1] + 1 if p else 0
+                        want_gap = np.log1p((ts[p] - ts[p - 1]) / 1000.0 if p else ctr.FIRST_GAP_S)
+                        return last == want_last and np.isclose(gap, want_gap, rtol=1e-6)
+
+                    assert any(seq[p] == v and seq[max(0, p - H):p] == hist and context_at(p)
+                               for p in range(len(seq))), (u, v, hist, last, gap)
                 assert b["labels"].dtype == np.float32 and set(np.unique(b["labels"])) <= {0.0, 1.0}
                 seen += 1
     assert seen == sum(t["batches"] for t in m.totals().values()) > 4  # more than one shard's worth

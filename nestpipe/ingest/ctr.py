@@ -9,6 +9,11 @@ order (time, video, source, line), never including the sample's own interaction.
 Sparse tables: single-id features (kind ``single``) and two multi-hot bags (kind ``pooled``): ``tag`` (the
 video's tags) and ``history``. Categorical strings map to small ids (0 = missing or unknown); one-hot features
 are shifted by one so 0 means missing.
+
+Sequence context besides the pooled history: ``last_video`` (single) is the user's previous video id plus one (0 for
+the user's first interaction), a table of its own so that a model can learn which item follows which (a pooled
+bag loses the position); the dense ``log1p_gap_s`` is the seconds since the user's previous interaction (the first
+interaction counts as a 30-day gap), which separates a session's first item from its continuation.
 """
 
 from __future__ import annotations
@@ -38,14 +43,14 @@ USER_LOG_FEATURES = ["follow_user_num", "fans_user_num", "friend_user_num", "reg
 USER_FLAG_FEATURES = ["is_lowactive_period", "is_live_streamer", "is_video_author"]
 DENSE_FEATURES = (
     [f"log1p_{c}" for c in USER_LOG_FEATURES] + USER_FLAG_FEATURES + ["log1p_video_duration_s"]
-    + [f"log1p_{c}" for c in STAT_FEATURES[:-1]] + ["play_progress"]
+    + [f"log1p_{c}" for c in STAT_FEATURES[:-1]] + ["play_progress", "log1p_gap_s"]
 )
+FIRST_GAP_S = 30 * 86400.0  # the gap feature of a user's first interaction
 LABELS = ["is_click", "long_view", "is_like", "is_follow", "is_comment", "is_forward", "is_hate", "is_profile_enter"]
 ACTIVE_DEGREES = {"UNKNOWN": 0, "high_active": 1, "full_active": 2, "middle_active": 3}
 VIDEO_TYPES = {"NORMAL": 1, "AD": 2}
-SINGLE_TABLES = ["user_id", "video_id", "author_id", "music_id", "user_active_degree", "video_type", "tab", "hour"] + [
-    f"onehot_feat{i}" for i in range(18)
-]
+SINGLE_TABLES = ["user_id", "video_id", "author_id", "music_id", "user_active_degree", "video_type", "tab", "hour",
+                 "last_video"] + [f"onehot_feat{i}" for i in range(18)]
 POOLED_TABLES = ["tag", "history"]
 # Clustering serves the unique-based tables; pooled bags (tag, history) travel as pooled sums, where the partition
 # does not change the volume, so they are left out of the clustering keys.
@@ -59,7 +64,7 @@ def tables(cfg, maxima: Dict[str, int]) -> Dict[str, shards.TableSpec]:
     vocab = {
         "user_id": maxima.get("user_id", 0) + 1, "video_id": videos, "author_id": maxima.get("author_id", 0) + 1,
         "music_id": maxima.get("music_id", 0) + 1, "user_active_degree": 5, "video_type": 3, "tab": 16,
-        "hour": 24,
+        "hour": 24, "last_video": videos + 1,
     }
     for i, card in enumerate(kuairand.USER_ONEHOT_CARDINALITY):
         vocab[f"onehot_feat{i}"] = card + 1
@@ -130,6 +135,17 @@ def build_partition(rows: pl.DataFrame, users: pl.DataFrame,
         ustart = np.maximum.accumulate(np.where(is_start, np.arange(len(user)), 0))
     else:
         ustart = np.zeros(0, np.int64)
+    # The previous interaction of the same user in the total order: its video (+1) and the time since it.
+    video = df["video_id"].to_numpy().astype(np.int64)
+    time_ms = df["time_ms"].to_numpy().astype(np.int64)
+    first = is_start if len(user) else np.zeros(0, bool)
+    last_video = np.zeros(len(user), np.int64)
+    gap_s = np.full(len(user), FIRST_GAP_S)
+    if len(user) > 1:
+        last_video[1:] = np.where(first[1:], 0, video[:-1] + 1)
+        gap_s[1:] = np.where(first[1:], FIRST_GAP_S, np.maximum(time_ms[1:] - time_ms[:-1], 0) / 1000.0)
+    cat = cat.with_columns(pl.Series("last_video", last_video))
+    dense = dense.with_columns(pl.Series("log1p_gap_s", np.log1p(gap_s).astype(np.float32)))
     date = df["date"].fill_null(0).to_numpy()
     is_eval = date >= cutoff
     is_valid = np.zeros(len(df), bool)

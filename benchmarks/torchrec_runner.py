@@ -143,11 +143,13 @@ def _worker(rank, world, a, port, q):
         tables, sharders, B = names, [RowWiseEBCSharder()], a["batch"]
     else:
         sys.path.insert(0, ROOT)
+        from nestpipe.trainer.models.common import sequential_table_widths
         from nestpipe.trainer.models.hstu import HSTU, HSTUConfig
 
         data = np.load(a["data"])
         nb = int(data["batches"])
         hcfg = HSTUConfig(**a["hstu"])
+        item_dim = a["dim"] * sequential_table_widths(hcfg).get("item", 1)  # NestPipe's item rows, as wide
 
         class Head(nn.Module):  # everything after the lookup: one leaf module for the pipeline's FX tracing
             def __init__(self):
@@ -165,7 +167,7 @@ def _worker(rank, world, a, port, q):
             def __init__(self):
                 super().__init__()
                 self.ec = EmbeddingCollection(tables=[
-                    EmbeddingConfig(name="item", embedding_dim=a["dim"], num_embeddings=a["item_rows"],
+                    EmbeddingConfig(name="item", embedding_dim=item_dim, num_embeddings=a["item_rows"],
                                     feature_names=["item", "item_neg"]),
                     EmbeddingConfig(name="action", embedding_dim=a["dim"], num_embeddings=256,
                                     feature_names=["action"])], device=torch.device("meta"))

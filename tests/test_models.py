@@ -102,3 +102,38 @@ def test_history_negatives_push_the_read_items_down(name):
         after = torch.nn.functional.normalize(after_items, dim=-1) @ torch.nn.functional.normalize(hidden, dim=-1)
         drops.append(float((before - after).sum()))
     assert drops[1] > drops[0], drops
+
+
+@pytest.mark.parametrize("name", ["hstu", "sasrec"])
+def test_untied_item_rows_are_input_then_output_halves(name):
+    """``output_embedding="untied"``: an item row is ``[input | output]``; the tokens read only the input half, the
+    objective's candidates (target, shared negatives, history negatives) only the output half. Negative control:
+    the tied model on the same rows' first half sees a change to the input half in its candidates."""
+    lengths = torch.tensor([5, 4])
+    g = torch.Generator().manual_seed(7)
+    n = int(lengths.sum())
+    feats = {"lengths": lengths, "item_ids": torch.arange(20, 20 + n), "neg_ids": torch.arange(100, 108)}
+
+    def rows(k):
+        return torch.randn(k, 2 * D, generator=g, dtype=torch.float64)
+
+    emb = {"item": rows(n), "action": torch.randn(n, D, generator=g, dtype=torch.float64), "item#neg": rows(8)}
+    m = _model(name)
+    assert m.untied and m.cfg.output_embedding == "untied"
+    loss = m(emb, feats)
+    # the hidden states are those of the input halves alone
+    torch.testing.assert_close(m.encode(m.token_inputs(emb), lengths),
+                               m.encode({"item": emb["item"][:, :D], "action": emb["action"]}, lengths))
+    # a changed output half of the negatives changes the loss; a changed input half of the negatives does not
+    out_changed = {**emb, "item#neg": emb["item#neg"].clone()}
+    out_changed["item#neg"][:, D:] += 1.0
+    assert not torch.allclose(m(out_changed, feats), loss)
+    in_changed = {**emb, "item#neg": emb["item#neg"].clone()}
+    in_changed["item#neg"][:, :D] += 1.0
+    torch.testing.assert_close(m(in_changed, feats), loss, rtol=0, atol=0)
+    # negative control: tied, the negatives' (only) half is what the candidates read
+    tied = _model(name)
+    tied.untied = False
+    half = {k: (v[:, :D] if k != "action" else v) for k, v in emb.items()}
+    half_changed = {k: (v[:, :D] if k != "action" else v) for k, v in in_changed.items()}
+    assert not torch.allclose(tied(half_changed, feats), tied(half, feats))

@@ -27,8 +27,7 @@ from nestpipe.clustering.balance import capacities
 from nestpipe.trainer.config import TrainConfig
 from nestpipe.trainer.data import ShardStream
 from nestpipe.trainer.models import model_spec
-from nestpipe.trainer.embedding.collection import table_dims
-from nestpipe.trainer.models import build_model
+from nestpipe.trainer.models import build_model, model_table_dims
 from nestpipe.trainer.models.hstu import NEG
 
 
@@ -95,7 +94,7 @@ def probe_call_seconds(cfg_dict: Dict, manifest, record: Dict, micro_batches: in
     old = torch.get_num_threads()
     torch.set_num_threads(max(1, int(threads)))
     try:
-        dims = table_dims(manifest, cfg.embedding)
+        dims = model_table_dims(cfg, manifest)
         model = build_model(cfg, manifest, dims)
         rng = torch.Generator().manual_seed(0)
         inputs = {n: _micro_batch_inputs(cfg, manifest, record, model, dims, n, rng) for n in counts}

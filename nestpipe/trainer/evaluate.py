@@ -33,10 +33,9 @@ from nestpipe.datasets.synth import TRUTH_FILE
 from nestpipe.trainer import baselines
 from nestpipe.trainer.config import load_run_config
 from nestpipe.trainer.data import ShardStream, iter_shard
-from nestpipe.trainer.embedding.collection import table_dims
 from nestpipe.trainer.embedding.placement import to_vocab
 from nestpipe.trainer.export import assemble
-from nestpipe.trainer.models import build_model, model_spec
+from nestpipe.trainer.models import build_model, model_spec, model_table_dims
 from nestpipe.utils.jsonio import read_json, write_json_atomic
 
 KS = (10, 50)
@@ -104,7 +103,7 @@ def evaluate_next_item(cfg, man, full, model, max_batches, split="eval", full_ca
                   sampled_negatives=1000):
     vocab = man.tables["item"].vocab
     seq = sorted(t for t, s in man.tables.items() if s.kind == "sequence")
-    items = torch.nn.functional.normalize(full["embedding.item.weight"].float(), dim=-1)
+    items = torch.nn.functional.normalize(model.candidates(full["embedding.item.weight"].float()), dim=-1)
     fitted = fit_next_item_baselines(cfg.shards, vocab)
     sampled = vocab > full_catalog_max
     ranks, base = [], {n: [] for n in fitted}
@@ -118,7 +117,7 @@ def evaluate_next_item(cfg, man, full, model, max_batches, split="eval", full_ca
             ids = to_vocab(rec[f"{t}.values"][idx], man.tables[t].vocab)
             emb[t] = full[f"embedding.{t}.weight"].float().index_select(0, torch.from_numpy(ids))
         in_len = torch.from_numpy((lengths[keep] - 1).astype(np.int64))
-        hidden = model.encode(emb, in_len)
+        hidden = model.encode(model.token_inputs(emb), in_len)
         last = torch.cumsum(in_len, 0) - 1
         q = torch.nn.functional.normalize(hidden.index_select(0, last), dim=-1)
         tgt = torch.from_numpy(target)
@@ -217,7 +216,7 @@ def evaluate_run(run: str, max_batches: Optional[int] = None, split: str = "eval
                          + ("; ingest with --validation to carve one from the training data" if split == "valid"
                             else ""))
     full = assemble(run)
-    model = build_model(cfg, man, table_dims(man, cfg.embedding))
+    model = build_model(cfg, man, model_table_dims(cfg, man))
     model.load_state_dict({k[len("dense."):]: v.float() for k, v in full.items() if k.startswith("dense.")})
     model.eval()
     res = PROTOCOLS[model_spec(cfg.model).task](cfg, man, full, model, max_batches, split)

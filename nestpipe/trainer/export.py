@@ -21,8 +21,7 @@ import torch
 from nestpipe.trainer import checkpoint
 from nestpipe.trainer.config import load_run_config
 from nestpipe.trainer.embedding.placement import TablePlacement, init_rows
-from nestpipe.trainer.models import build_model
-from nestpipe.trainer.embedding.collection import table_dims
+from nestpipe.trainer.models import build_model, model_table_dims
 
 
 def _table_blocks(ckpt: str, name: str, pmeta: Dict, seed: int, rank_files: Dict[int, Dict],
@@ -113,7 +112,7 @@ def _assemble(run, ckpt, stream_prefix, max_rows_in_memory):
     from nestpipe.trainer.run_files import run_manifest  # what export needs of the shards: the run's manifest copy
 
     manifest, _ = run_manifest(run, cfg)
-    model = build_model(cfg, manifest, table_dims(manifest, cfg.embedding))
+    model = build_model(cfg, manifest, model_table_dims(cfg, manifest))
     pnames = [n for n, _ in model.named_parameters()]
     for idx, st in r0["optimizer"]["state"].items():
         for k, v in st.items():

@@ -77,8 +77,11 @@ def _split(x: torch.Tensor, sizes: List[int]) -> List[torch.Tensor]:
     return list(torch.split(x, sizes))
 
 
-def table_dims(manifest: Manifest, cfg: EmbeddingConfig) -> Dict[str, int]:
-    return {t: int(cfg.dim or spec.dim) for t, spec in manifest.tables.items()}
+def table_dims(manifest: Manifest, cfg: EmbeddingConfig, widths: Optional[Dict[str, int]] = None) -> Dict[str, int]:
+    """Row width of every table: the embedding dim (``cfg.dim`` or the manifest's) times the table's number of
+    blocks in ``widths`` (the model's :attr:`ModelSpec.table_widths`; 1 where absent)."""
+    widths = widths or {}
+    return {t: int(cfg.dim or spec.dim) * int(widths.get(t, 1)) for t, spec in manifest.tables.items()}
 
 
 @dataclasses.dataclass
@@ -199,14 +202,14 @@ class Routing:
 class ShardedEmbeddingCollection:
     def __init__(self, manifest: Manifest, cfg: EmbeddingConfig, seed: int, rank: int, world: int,
                  device: torch.device, negatives: bool = False, group=None, timer: Optional[StageTimer] = None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, widths: Optional[Dict[str, int]] = None):
         self.cfg, self.rank, self.world, self.device, self.group = cfg, rank, world, device, group
         self.dtype = dtype
         self.timer = timer or StageTimer()
         names = sorted(manifest.tables)
         self.table_ids = {t: i for i, t in enumerate(names)}
         self.table_kind = {t: manifest.tables[t].kind for t in names}
-        self.dims = table_dims(manifest, cfg)
+        self.dims = table_dims(manifest, cfg, widths)
         self.kinds = {t: choose_kind(t, manifest.tables[t].vocab, self.table_kind[t], cfg) for t in names}
         self.plan = resolve_plan(manifest, cfg.placement, self.kinds, self.table_kind, self.dims, world, device.type)
         self.stores: Dict[str, RowStore] = {}

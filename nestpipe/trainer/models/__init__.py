@@ -22,6 +22,13 @@ def model_spec(name: str) -> ModelSpec:
     return MODEL_SPECS[name]
 
 
+def model_table_dims(cfg, manifest: Manifest) -> Dict[str, int]:
+    """Row width of every embedding table for ``cfg.model`` (the trainer, export and eval use this one rule)."""
+    from nestpipe.trainer.embedding.collection import table_dims
+
+    return table_dims(manifest, cfg.embedding, model_spec(cfg.model).table_widths(cfg))
+
+
 def build_model(cfg, manifest: Manifest, dims: Dict[str, int]) -> torch.nn.Module:
     """The dense model for ``cfg.model``, initialised from a generator keyed by ``cfg.seed`` (identical on all ranks)."""
     spec = model_spec(cfg.model)

@@ -40,10 +40,39 @@ def mlp(sizes, final_activation: bool = True) -> nn.Sequential:
 
 
 # -- sequential next-item models (hstu, sasrec): shared inputs and objective -------------------------------------
+OUTPUT_EMBEDDINGS = ("untied", "tied")
+OUTPUT_EMBEDDING_HELP = (
+    "untied: every item row holds an input embedding (its token) and an output embedding (the candidate scored "
+    "against the query), so an item need not resemble the items it follows; tied: one embedding for both "
+    "(the item table is half as wide)")
+
+
+def sequential_table_widths(section) -> Dict[str, int]:
+    """Item rows of ``untied`` models are two embedding dims wide: ``[input | output]``."""
+    return {"item": 2} if section.output_embedding == "untied" else {}
+
+
+def sequential_token_dim(name: str, section, sequence_tables: List[str], dims: Dict[str, int]) -> int:
+    """The token dim D of a sequential model: every sequence table's rows are D wide, the item table's
+    ``blocks x D``."""
+    blocks = sequential_table_widths(section)
+    dset = {dims[t] // blocks.get(t, 1) for t in sequence_tables}
+    if len(dset) != 1 or any(dims[t] % blocks.get(t, 1) for t in sequence_tables):
+        raise ValueError(f"{name} needs one embedding dim for all sequence tables (the item table {blocks.get('item', 1)}"
+                         f" times as wide with output_embedding={section.output_embedding!r}), got {dims}")
+    return dset.pop()
+
+
 class SequentialModel(nn.Module):
     """What hstu and sasrec share: token inputs (``tables`` summed + a learned position ``pos``), a final LayerNorm
     and the next-item objective; a subclass adds its layers and ``encode``. ``cfg`` holds ``num_random_negatives``,
-    ``temperature``, ``history_negatives`` and ``logq_correction``; ``num_items`` is the catalog size V."""
+    ``temperature``, ``history_negatives``, ``logq_correction`` and ``output_embedding``; ``num_items`` is the
+    catalog size V.
+
+    With ``output_embedding == "untied"`` an item's row is ``[input | output]`` (``2 D`` wide): the token uses the
+    input half, the candidate side of the objective (the target, the shared negatives, the history negatives) and
+    of evaluation the output half. Both halves share the row's optimizer state (one row, one row-wise AdaGrad
+    accumulator)."""
 
     def __init__(self, name: str, cfg, dim: int, sequence_tables: List[str], max_seq_len: int, num_items: int = 0):
         super().__init__()
@@ -57,15 +86,29 @@ class SequentialModel(nn.Module):
         self.pos = nn.Parameter(torch.zeros(max_seq_len, dim))
         self.norm_out = nn.LayerNorm(dim)
 
+        self.untied = cfg.output_embedding == "untied"
+
     def encode(self, emb: Dict[str, torch.Tensor], lengths: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (``token_inputs``) -> hidden states."""
         raise NotImplementedError
+
+    def token_inputs(self, emb: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The sequence tables' rows as token inputs (the input half of untied item rows)."""
+        if not self.untied:
+            return emb
+        return {t: (e[:, :self.dim] if t == "item" else e) for t, e in emb.items() if t != NEG}
+
+    def candidates(self, item_rows: torch.Tensor) -> torch.Tensor:
+        """Item rows as candidates of the objective and of evaluation (the output half of untied rows)."""
+        return item_rows[:, self.dim:] if self.untied else item_rows
 
     def forward(self, emb: Dict[str, torch.Tensor], feats: Dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-sample loss ``[b]``: mean next-item sampled-softmax loss over the sample's positions."""
         k = self.cfg.num_random_negatives
         w = math.log(self.num_items / k) if self.cfg.logq_correction and k and self.num_items > k else 0.0
-        return next_item_loss(self.encode(emb, feats["lengths"]), emb, feats, self.cfg.temperature,
-                              self.cfg.history_negatives, w)
+        hidden = self.encode(self.token_inputs(emb), feats["lengths"])
+        out = {"item": self.candidates(emb["item"]), NEG: self.candidates(emb[NEG])}
+        return next_item_loss(hidden, out, feats, self.cfg.temperature, self.cfg.history_negatives, w)
 
 
 def jagged_positions(lengths: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -99,8 +142,9 @@ def next_item_loss(hidden: torch.Tensor, emb: Dict[str, torch.Tensor], feats: Di
                    temperature: float, history_negatives: bool = False,
                    sampled_log_weight: float = 0.0) -> torch.Tensor:
     """Per-sample loss ``[b]``: the mean over the sample's positions of the next-item sampled softmax (cosine
-    similarity / ``temperature``; the target against the batch's shared negatives, negatives equal to the target
-    masked). A per-sample mean, so the loss does not depend on how the batch is partitioned into micro-batches.
+    similarity of the query and the candidate embeddings ``emb["item"]`` / ``emb[NEG]`` / ``temperature``; the
+    target against the batch's shared negatives, negatives equal to the target masked). A per-sample mean, so the
+    loss does not depend on how the batch is partitioned into micro-batches.
 
     ``history_negatives``: each position's own prefix (the distinct items the sample read up to and including the
     position, other than the target) joins its negatives. Uniform negatives almost never contain a user's own

@@ -22,7 +22,8 @@ from torch import nn
 
 from nestpipe.datasets.shards import Manifest
 from nestpipe.trainer.embedding.batch import NEG_SLOT, PreparedBatch
-from nestpipe.trainer.models.common import SequentialModel, padded_tokens
+from nestpipe.trainer.models.common import (OUTPUT_EMBEDDING_HELP, OUTPUT_EMBEDDINGS, SequentialModel,
+                                             padded_tokens, sequential_table_widths, sequential_token_dim)
 from nestpipe.trainer.models.spec import ModelSpec
 from nestpipe.utils.options import opt
 
@@ -48,6 +49,7 @@ class HSTUConfig:
         True, help="each position's own prefix items (other than its target) join its negatives (docs/trainer.md)")
     logq_correction: bool = opt(
         True, help="weigh each uniform negative as V / K catalog items (log(V / K) added to its logit)")
+    output_embedding: str = opt("untied", help=OUTPUT_EMBEDDING_HELP, choices=OUTPUT_EMBEDDINGS)
 
 
 class HSTULayer(nn.Module):
@@ -92,10 +94,8 @@ class HSTU(SequentialModel):
 
 def build(cfg, manifest: Manifest, dims: Dict[str, int]) -> HSTU:
     seq = [t for t, s in manifest.tables.items() if s.kind == "sequence"]
-    dset = {dims[t] for t in seq}
-    if len(dset) != 1:
-        raise ValueError(f"hstu needs one embedding dim for all sequence tables, got {dims}")
-    return HSTU(cfg.hstu, dset.pop(), seq, int(manifest.max_seq_len or cfg.hstu.max_seq_len),
+    dim = sequential_token_dim("hstu", cfg.hstu, seq, dims)
+    return HSTU(cfg.hstu, dim, seq, int(manifest.max_seq_len or cfg.hstu.max_seq_len),
                  int(manifest.tables["item"].vocab))
 
 
@@ -115,4 +115,5 @@ def negatives(cfg) -> Tuple[int, int]:
 
 
 SPEC = ModelSpec(name="hstu", task="gr", build=build, dense_inputs=dense_inputs, negatives=negatives,
-                 shared_negatives=True, config=HSTUConfig, help="the HSTU model")
+                 shared_negatives=True, table_widths=lambda cfg: sequential_table_widths(cfg.hstu),
+                 config=HSTUConfig, help="the HSTU model")

@@ -20,7 +20,8 @@ from torch import nn
 
 from nestpipe.datasets.shards import Manifest
 from nestpipe.trainer.models import hstu
-from nestpipe.trainer.models.common import SequentialModel, padded_tokens
+from nestpipe.trainer.models.common import (OUTPUT_EMBEDDING_HELP, OUTPUT_EMBEDDINGS, SequentialModel,
+                                             padded_tokens, sequential_table_widths, sequential_token_dim)
 from nestpipe.trainer.models.spec import ModelSpec
 from nestpipe.utils.options import opt
 
@@ -41,6 +42,7 @@ class SASRecConfig:
         True, help="each position's own prefix items (other than its target) join its negatives (docs/trainer.md)")
     logq_correction: bool = opt(
         True, help="weigh each uniform negative as V / K catalog items (log(V / K) added to its logit)")
+    output_embedding: str = opt("untied", help=OUTPUT_EMBEDDING_HELP, choices=OUTPUT_EMBEDDINGS)
 
 
 class SASRecBlock(nn.Module):
@@ -84,10 +86,8 @@ class SASRec(SequentialModel):
 
 def build(cfg, manifest: Manifest, dims: Dict[str, int]) -> SASRec:
     seq = [t for t, s in manifest.tables.items() if s.kind == "sequence"]
-    dset = {dims[t] for t in seq}
-    if len(dset) != 1:
-        raise ValueError(f"sasrec needs one embedding dim for all sequence tables, got {dims}")
-    return SASRec(cfg.sasrec, dset.pop(), seq, int(manifest.max_seq_len or cfg.sasrec.max_seq_len),
+    dim = sequential_token_dim("sasrec", cfg.sasrec, seq, dims)
+    return SASRec(cfg.sasrec, dim, seq, int(manifest.max_seq_len or cfg.sasrec.max_seq_len),
                  int(manifest.tables["item"].vocab))
 
 
@@ -96,4 +96,5 @@ def negatives(cfg):
 
 
 SPEC = ModelSpec(name="sasrec", task="gr", build=build, dense_inputs=hstu.dense_inputs, negatives=negatives,
-                 shared_negatives=True, config=SASRecConfig, help="the SASRec model (causal softmax attention)")
+                 shared_negatives=True, table_widths=lambda cfg: sequential_table_widths(cfg.sasrec),
+                 config=SASRecConfig, help="the SASRec model (causal softmax attention)")

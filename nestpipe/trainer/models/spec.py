@@ -16,7 +16,9 @@ class ModelSpec:
     device, dtype)``: micro-batch ``i``'s non-embedding inputs. ``negatives(cfg)``: (random, popular) negatives per
     batch. ``shared_negatives``: the batch carries one key list of negatives served by the ``item`` store.
     ``config``: the dataclass of its ``nestpipe train`` config section (named like the model); ``help``: that
-    section's one-line description."""
+    section's one-line description. ``table_widths(cfg)``: tables whose rows the model reads as several
+    embedding-dim blocks, ``{table: blocks}`` (e.g. the item table holding an input and an output embedding);
+    every other table is one block wide."""
 
     name: str
     task: str
@@ -26,3 +28,4 @@ class ModelSpec:
     shared_negatives: bool
     config: type
     help: str
+    table_widths: Callable[..., Dict[str, int]] = lambda cfg: {}

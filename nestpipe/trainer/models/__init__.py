@@ -7,6 +7,7 @@ from typing import Dict
 import torch
 
 from nestpipe.datasets.shards import Manifest
+from nestpipe.trainer.embedding.collection import table_dims
 from nestpipe.trainer.models import dlrm, hstu, sasrec
 from nestpipe.trainer.models.common import init_parameters
 from nestpipe.trainer.models.spec import ModelSpec
@@ -24,8 +25,6 @@ def model_spec(name: str) -> ModelSpec:
 
 def model_table_dims(cfg, manifest: Manifest) -> Dict[str, int]:
     """Row width of every embedding table for ``cfg.model`` (the trainer, export and eval use this one rule)."""
-    from nestpipe.trainer.embedding.collection import table_dims
-
     return table_dims(manifest, cfg.embedding, model_spec(cfg.model).table_widths(cfg))
 
 

@@ -29,7 +29,7 @@ from nestpipe.trainer.config import load_run_config
 from nestpipe.trainer.data import ShardStream, prepare_batch
 from nestpipe.trainer.embedding.collection import choose_kind, table_dims
 from nestpipe.trainer.export import assemble
-from nestpipe.trainer.models import build_model
+from nestpipe.trainer.models import build_model, model_table_dims
 from nestpipe.measure.launcher import run_plan, write_run
 from nestpipe.trainer.embedding.placement import init_rows
 from nestpipe.trainer.checkpoint import replica_mismatches
@@ -58,7 +58,7 @@ def reference(run: str, group_size: int, sharded_scale: float):
     is plain training."""
     cfg = load_run_config(run)
     man = load_manifest(cfg.shards)
-    dims = table_dims(man, cfg.embedding)
+    dims = model_table_dims(cfg, man)
     names = sorted(man.tables)
     ec = cfg.embedding
     G = WORLD // group_size
@@ -166,7 +166,7 @@ def test_2dsp_matches_float64_reference(runs, model):
     # parameters moved far more than the tolerance
     cfg = load_run_config(run)
     man = load_manifest(cfg.shards)
-    dims = table_dims(man, cfg.embedding)
+    dims = model_table_dims(cfg, man)
     for tid, t in enumerate(sorted(man.tables)):
         start = torch.from_numpy(init_rows(cfg.seed, tid, np.arange(man.tables[t].vocab), dims[t],
                                            cfg.embedding.init_scale)).double()

@@ -22,7 +22,7 @@ from nestpipe.datasets.shards import load_manifest
 from nestpipe.trainer.config import load_run_config
 from nestpipe.trainer.data import ShardStream, prepare_batch
 from nestpipe.trainer.embedding.collection import choose_kind, table_dims
-from nestpipe.trainer.models import build_model
+from nestpipe.trainer.models import build_model, model_table_dims
 from nestpipe.trainer.embedding.placement import init_rows
 from nestpipe.trainer.step import model_feats, num_negatives
 from reference_training import adamw_step_, compare, micro_batch_embeddings
@@ -59,7 +59,7 @@ def reference(run: str):
     """Float64 single-process training on the batches every rank would see."""
     cfg = load_run_config(run)
     man = load_manifest(cfg.shards)
-    dims = table_dims(man, cfg.embedding)
+    dims = model_table_dims(cfg, man)
     names = sorted(man.tables)
     ec = cfg.embedding
     tables, states = {}, {}
@@ -102,7 +102,7 @@ def reference(run: str):
 def initial(run: str):
     cfg = load_run_config(run)
     man = load_manifest(cfg.shards)
-    dims = table_dims(man, cfg.embedding)
+    dims = model_table_dims(cfg, man)
     return {f"embedding.{t}.weight": torch.from_numpy(
         init_rows(cfg.seed, tid, np.arange(man.tables[t].vocab), dims[t], cfg.embedding.init_scale)).double()
         for tid, t in enumerate(sorted(man.tables))}

@@ -27,7 +27,7 @@ from nestpipe.datasets.shards import load_manifest
 from nestpipe.trainer import checkpoint
 from nestpipe.trainer.config import load_run_config
 from nestpipe.trainer.data import ShardStream, prepare_batch
-from nestpipe.trainer.embedding.collection import choose_kind, table_dims
+from nestpipe.trainer.embedding.collection import choose_kind
 from nestpipe.trainer.export import assemble
 from nestpipe.trainer.models import build_model, model_table_dims
 from nestpipe.measure.launcher import run_plan, write_run

@@ -21,7 +21,7 @@ from nestpipe.trainer import testing_hooks
 from nestpipe.datasets.shards import load_manifest
 from nestpipe.trainer.config import load_run_config
 from nestpipe.trainer.data import ShardStream, prepare_batch
-from nestpipe.trainer.embedding.collection import choose_kind, table_dims
+from nestpipe.trainer.embedding.collection import choose_kind
 from nestpipe.trainer.models import build_model, model_table_dims
 from nestpipe.trainer.embedding.placement import init_rows
 from nestpipe.trainer.step import model_feats, num_negatives

@@ -130,20 +130,14 @@ def build_partition(rows: pl.DataFrame, users: pl.DataFrame,
     tag_off = np.zeros(len(tag_counts) + 1, np.int64)
     np.cumsum(tag_counts, out=tag_off[1:])
     user = df["user_id"].to_numpy().astype(np.int64)
-    if len(user):
-        is_start = np.concatenate([[True], user[1:] != user[:-1]])
-        ustart = np.maximum.accumulate(np.where(is_start, np.arange(len(user)), 0))
-    else:
-        ustart = np.zeros(0, np.int64)
+    is_start = np.concatenate([[True], user[1:] != user[:-1]])[:len(user)]  # a user's first interaction
+    ustart = np.maximum.accumulate(np.where(is_start, np.arange(len(user)), 0))
     # The previous interaction of the same user in the total order: its video (+1) and the time since it.
     video = df["video_id"].to_numpy().astype(np.int64)
     time_ms = df["time_ms"].to_numpy().astype(np.int64)
-    first = is_start if len(user) else np.zeros(0, bool)
-    last_video = np.zeros(len(user), np.int64)
-    gap_s = np.full(len(user), FIRST_GAP_S)
-    if len(user) > 1:
-        last_video[1:] = np.where(first[1:], 0, video[:-1] + 1)
-        gap_s[1:] = np.where(first[1:], FIRST_GAP_S, np.maximum(time_ms[1:] - time_ms[:-1], 0) / 1000.0)
+    last_video = np.where(is_start, 0, np.concatenate([[0], video[:-1] + 1])[:len(user)])
+    gap_s = np.where(is_start, FIRST_GAP_S,
+                     np.maximum(time_ms - np.concatenate([[0], time_ms[:-1]])[:len(user)], 0) / 1000.0)
     cat = cat.with_columns(pl.Series("last_video", last_video))
     dense = dense.with_columns(pl.Series("log1p_gap_s", np.log1p(gap_s).astype(np.float32)))
     date = df["date"].fill_null(0).to_numpy()
@@ -159,7 +153,7 @@ def build_partition(rows: pl.DataFrame, users: pl.DataFrame,
     if single.dtype != np.int64:  # a null survived the fill_null above: never expected, never silently cast
         raise ValueError(f"CTR single-id features hold nulls ({single.dtype}); columns {SINGLE_TABLES}")
     arrays = {"single": shards.narrow_int(single.reshape(len(df), len(SINGLE_TABLES))),
-              "video_id": cat["video_id"].to_numpy().astype(np.int64)}
+              "video_id": video}
     dense_rows = np.ascontiguousarray(dense.to_numpy(order="c"), dtype=np.float32)
     arrays.update({
         "dense": dense_rows.reshape(len(df), len(DENSE_FEATURES)),

@@ -38,7 +38,6 @@ def _micro_batch_inputs(cfg, manifest, record: Dict, model, dims: Dict[str, int]
     starts = np.concatenate([[0], np.cumsum(caps)]).astype(np.int64)
     out = []
     if model_spec(cfg.model).task == "gr":
-        dim = model.dim
         lengths = np.asarray(record["item.lengths"], dtype=np.int64)
         k = sum(model_spec(cfg.model).negatives(cfg))
         neg_ids = torch.randint(0, 1 << 30, (k,), generator=rng)
@@ -47,8 +46,10 @@ def _micro_batch_inputs(cfg, manifest, record: Dict, model, dims: Dict[str, int]
             nnz = int(ln.sum())
             sizes = {t: nnz for t in model.tables}
             sizes[NEG] = k
+            widths = {t: dims[t] for t in model.tables}
+            widths[NEG] = dims["item"]  # negatives are rows of the item table
             feats = {"lengths": ln, "item_ids": torch.randint(0, 1 << 30, (nnz,), generator=rng), "neg_ids": neg_ids}
-            out.append((_unpack_like(sizes, dim, rng), feats))  # one received buffer, rows picked by index
+            out.append((_unpack_like(sizes, widths, rng), feats))  # received buffers, rows picked by index
     else:
         nd = len(manifest.dense_features)
         for g in range(n):
@@ -60,20 +61,24 @@ def _micro_batch_inputs(cfg, manifest, record: Dict, model, dims: Dict[str, int]
     return out
 
 
-def _unpack_like(sizes: Dict[str, int], dim: int, rng: torch.Generator):
-    """Per-table inputs built like the trainer's: one received buffer (the autograd leaf), each table's rows picked
-    out of it by index (the backward scatters into the leaf), so the probe's call has the trainer's ops."""
-    total = sum(sizes.values())
-    return {"leaf": torch.randn(total, dim, generator=rng),
-            "index": {t: torch.randint(0, max(total, 1), (m,), generator=rng) for t, m in sizes.items()}}
+def _unpack_like(sizes: Dict[str, int], widths: Dict[str, int], rng: torch.Generator):
+    """Per-table inputs built like the trainer's: one received buffer per row width (the autograd leaves; untied item
+    rows are wider than the other tables'), each table's rows picked out of its buffer by index (the backward
+    scatters into the leaf), so the probe's call has the trainer's ops."""
+    totals: Dict[int, int] = {}
+    for t, m in sizes.items():
+        totals[widths[t]] = totals.get(widths[t], 0) + m
+    return {"leaf": {w: torch.randn(n, w, generator=rng) for w, n in totals.items()},
+            "index": {t: (widths[t], torch.randint(0, max(totals[widths[t]], 1), (m,), generator=rng))
+                      for t, m in sizes.items()}}
 
 
 def _batch_seconds(model, inputs, norm: float) -> float:
     t0 = time.perf_counter()
     for emb, feats in inputs:
         if "leaf" in emb:
-            leaf = emb["leaf"].requires_grad_(True)
-            views = {t: leaf.index_select(0, ix) for t, ix in emb["index"].items()}
+            leaves = {w: x.requires_grad_(True) for w, x in emb["leaf"].items()}
+            views = {t: leaves[w].index_select(0, ix) for t, (w, ix) in emb["index"].items()}
         else:
             views = {t: x.requires_grad_(True) for t, x in emb["leaves"].items()}
         loss = model(views, feats).sum() / norm

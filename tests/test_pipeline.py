@@ -420,7 +420,7 @@ def test_runs_use_their_saved_sharding_plan(runs):
 
 # the kernel ops the trainer runs (nestpipe.kernels' public ops: routing, grouping, gathers, pooling, updates, sync)
 TRAINER_KERNEL_OPS = {"place_keys", "gather_rows", "adagrad_update", "adagrad_bags", "pool_segments",
-                      "dual_buffer_sync_rows", "dedup_rows", "csr_by_segment", "lookup"}
+                      "dual_buffer_sync_rows", "dedup_rows", "csr_by_segment", "lookup", "hstu_attention"}
 
 
 def _paths_problem(recorded, rule):
@@ -443,6 +443,8 @@ def test_kernel_paths_record_what_ran(runs, model, name):
     assert all(r["kernel_paths"] for r in m["per_rank"])  # every rank noted its calls, with counts
     # the routing, the owner update and the exchange all went through the dispatch
     assert set(m["kernel_paths"]) >= {"place_keys", "adagrad_bags", "pool_segments"}, m["kernel_paths"]
+    if model == "hstu":  # the dense model's jagged attention went through the dispatch too
+        assert m["kernel_paths"].get("hstu_attention") == ["numba"], m["kernel_paths"]
     # negative control: the rule's table (what metrics.json held before) lists paths this run never took
     assert _paths_problem({op: [p] for op, p in m["kernel_rule"].items()}, m["kernel_rule"]) is not None
 

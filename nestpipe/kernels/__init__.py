@@ -12,6 +12,8 @@ Public API (the trainer calls only these):
 * :func:`adagrad_update`: fused row-wise AdaGrad into the store (optionally momentum-scaled for 2D-SP).
 * :func:`adagrad_bags`: row-wise AdaGrad from per-bag gradients (fbgemm's TBE CPU backward), in place.
 * :func:`dual_buffer_sync`: copy the rows of keys(t) ∩ keys(t+1) from the active into the prefetch buffer.
+* :func:`hstu_attention`: HSTU's causal pointwise attention over jagged sequences, forward and backward (the dense
+  model's hot path; :mod:`nestpipe.kernels.attention`).
 * :func:`select_path` / :func:`kernel_paths`: the fixed path rule and its record for run metadata.
 
 Paths are chosen per op from the device of the tensors (see :mod:`nestpipe.kernels.select`), never by timing.
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from . import reference
+from .attention import hstu_attention
 from .row_placement import (
     MAX_VOCAB,
     affine_params,
@@ -42,7 +45,7 @@ __all__ = [
     "MAX_VOCAB", "OPS", "RoutedKeys", "place_keys", "adagrad_bags", "adagrad_update", "affine_params", "block_size", "dual_buffer_sync",
     "dual_buffer_sync_rows", "gather_rows", "gather_to_device", "kernel_paths", "map_into_vocab", "owner_num_rows", "placement",
     "placement_hash", "pool_segments", "pooled_lookup", "route_keys", "select_path", "sequence_lookup", "splitmix64",
-    "dedup_rows", "csr_by_segment", "taken_paths", "reset_taken", "forced",
+    "dedup_rows", "csr_by_segment", "taken_paths", "reset_taken", "forced", "hstu_attention",
 ]
 
 

@@ -122,6 +122,17 @@ def jagged_positions(lengths: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor,
     return sample, pos, sample * n + pos, n
 
 
+def jagged_tokens(emb: Dict[str, torch.Tensor], tables: List[str], pos_table: torch.Tensor, lengths: torch.Tensor,
+                  max_len: int) -> torch.Tensor:
+    """Token inputs ``[nnz, D]`` in sample order: the sum over ``tables`` plus the learned position of each token in
+    its sample."""
+    _, pos, _, _ = jagged_positions(lengths)
+    x = emb[tables[0]]
+    for t in tables[1:]:
+        x = x + emb[t]
+    return x + pos_table.index_select(0, pos.clamp(max=max_len - 1))
+
+
 def padded_tokens(emb: Dict[str, torch.Tensor], tables: List[str], pos_table: torch.Tensor, lengths: torch.Tensor,
                   max_len: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Jagged token embeddings (sum over ``tables`` + the learned position of each token in its sample) ->

@@ -5,10 +5,18 @@ sequence table (token = sum over tables + a learned position embedding), ``emb["
 batch's shared negatives; ``feats["lengths"]`` ``[b]``, ``feats["item_ids"]`` ``[nnz]``, ``feats["neg_ids"]``
 ``[K]`` (in-vocabulary ids, to mask negatives equal to the target).
 
-Layer (HSTU, Zhai et al. 2024, simplified): ``u, v, q, k = SiLU(W1 LN(x))``; ``A = SiLU(q k^T / sqrt(d)) / max_seq_len``
-under a causal mask; ``x += W2(LN(A v) * u)``. Objective: next-item sampled softmax with cosine similarity and a
-temperature; each sample's loss is the mean over its positions, so the per-sample loss does not depend on how
-the batch is partitioned into micro-batches.
+Layer (HSTU, Zhai et al. 2024, simplified): ``u, v, q, k = SiLU(W1 LN(x))``;
+``A = SiLU(q k^T / sqrt(d) + rab) / max_seq_len`` under a causal mask; ``x += W2(LN(A v) * u)``. ``rab`` is the
+optional relative attention bias, one learned value per head and query-key distance ``i - j`` (distances past
+``max_seq_len - 1`` share the last), so a prefix's scores do not change when tokens are appended.
+
+Attention (``attention``): ``jagged`` (default) runs on the micro-batch's tokens back to back, never a padded token
+nor a score above the causal diagonal (:func:`nestpipe.kernels.hstu_attention`: Numba on CPU, Triton on CUDA);
+``padded`` pads every sample to the micro-batch's longest and computes the full ``n x n`` scores with the mask
+multiplied in (the reference). Both compute the same function; they differ by float rounding.
+
+Objective: next-item sampled softmax with cosine similarity and a temperature; each sample's loss is the mean over
+its positions, so the per-sample loss does not depend on how the batch is partitioned into micro-batches.
 """
 
 from __future__ import annotations
@@ -21,9 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from nestpipe.datasets.shards import Manifest
+from nestpipe.kernels.attention import hstu_attention
 from nestpipe.trainer.embedding.batch import NEG_SLOT, PreparedBatch
 from nestpipe.trainer.models.common import (OUTPUT_EMBEDDING_HELP, OUTPUT_EMBEDDINGS, SequentialModel,
-                                             padded_tokens, sequential_table_widths, sequential_token_dim)
+                                             jagged_tokens, padded_tokens, sequential_table_widths, sequential_token_dim)
 from nestpipe.trainer.models.spec import ModelSpec
 from nestpipe.utils.options import opt
 
@@ -50,26 +59,52 @@ class HSTUConfig:
     logq_correction: bool = opt(
         True, help="weigh each uniform negative as V / K catalog items (log(V / K) added to its logit)")
     output_embedding: str = opt("untied", help=OUTPUT_EMBEDDING_HELP, choices=OUTPUT_EMBEDDINGS)
+    attention: str = opt(
+        "jagged", help="jagged: the samples' tokens back to back, only the causal triangle of each computed "
+        "(Numba on CPU, Triton on CUDA); padded: every sample padded to the micro-batch's longest, full n x n scores "
+        "(the reference)", choices=("jagged", "padded"))
+    relative_bias: bool = opt(
+        False, help="relative attention bias: a learned score offset per head and query-key distance")
 
 
 class HSTULayer(nn.Module):
-    def __init__(self, dim: int, heads: int, head_dim: int):
+    """One HSTU layer, on flat tokens ``[T, D]`` (``forward``) or padded ``[b, n, D]`` (``forward_padded``).
+
+    ``pos_bias`` ``[heads, max_len]`` (with ``relative_bias``): added to the scaled score of a query-key pair at
+    distance ``i - j``."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, max_len: int, relative_bias: bool = False):
         super().__init__()
-        self.heads, self.head_dim = heads, head_dim
+        self.heads, self.head_dim, self.max_len = heads, head_dim, max_len
         self.norm_in = nn.LayerNorm(dim)
         self.uvqk = nn.Linear(dim, 4 * heads * head_dim)
         self.norm_attn = nn.LayerNorm(heads * head_dim)
         self.out = nn.Linear(heads * head_dim, dim)
+        self.pos_bias = nn.Parameter(torch.zeros(heads, max_len)) if relative_bias else None
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, max_len: int) -> torch.Tensor:
+    def _uvqk(self, x: torch.Tensor):
+        return F.silu(self.uvqk(self.norm_in(x))).split(self.heads * self.head_dim, dim=-1)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, longest: int) -> torch.Tensor:
+        """Jagged: ``x`` ``[T, D]`` (the samples' tokens back to back, sample ``s`` at ``offsets[s]..``)."""
+        h, d = self.heads, self.head_dim
+        u, v, q, k = self._uvqk(x)
+        q, k, v = (y.reshape(-1, h, d) for y in (q, k, v))
+        # 1 / max_len: a constant, so the output does not depend on how the batch is partitioned
+        av = hstu_attention(q, k, v, offsets, longest, d ** -0.5, 1.0 / self.max_len, self.pos_bias)
+        return x + self.out(self.norm_attn(av.reshape(-1, h * d)) * u)
+
+    def forward_padded(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Padded: ``x`` ``[b, n, D]``, ``mask`` ``[b, n, n]`` (causal and both tokens valid) multiplied in."""
         b, n, _ = x.shape
         h, d = self.heads, self.head_dim
-        u, v, q, k = F.silu(self.uvqk(self.norm_in(x))).split(h * d, dim=-1)
-        q = q.view(b, n, h, d).transpose(1, 2)
-        k = k.view(b, n, h, d).transpose(1, 2)
-        v = v.view(b, n, h, d).transpose(1, 2)
-        attn = F.silu(q @ k.transpose(-1, -2) / d ** 0.5) / max_len  # a constant: partition-independent
-        attn = attn * mask[:, None, :, :]
+        u, v, q, k = self._uvqk(x)
+        q, k, v = (y.view(b, n, h, d).transpose(1, 2) for y in (q, k, v))
+        z = q @ k.transpose(-1, -2) * d ** -0.5
+        if self.pos_bias is not None:
+            ar = torch.arange(n, device=x.device)
+            z = z + self.pos_bias[:, (ar[:, None] - ar[None, :]).clamp(0, self.max_len - 1)][None]
+        attn = F.silu(z) / self.max_len * mask[:, None, :, :]
         av = (attn @ v).transpose(1, 2).reshape(b, n, h * d)
         return x + self.out(self.norm_attn(av) * u)
 
@@ -78,17 +113,30 @@ class HSTU(SequentialModel):
     def __init__(self, cfg: HSTUConfig, dim: int, sequence_tables: List[str], max_seq_len: int,
                  num_items: int = 0):
         super().__init__("hstu", cfg, dim, sequence_tables, max_seq_len, num_items)
-        self.layers = nn.ModuleList([HSTULayer(dim, cfg.num_heads, cfg.linear_dim) for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([
+            HSTULayer(dim, cfg.num_heads, cfg.linear_dim, max_seq_len, cfg.relative_bias)
+            for _ in range(cfg.num_layers)])
 
     # -- encoder ---------------------------------------------------------------------------------------------------
     def encode(self, emb: Dict[str, torch.Tensor], lengths: torch.Tensor) -> torch.Tensor:
         """Jagged tokens -> hidden states, flat ``[nnz, D]`` in the input order."""
+        if self.cfg.attention == "padded":
+            return self.encode_padded(emb, lengths)
+        x = jagged_tokens(emb, self.tables, self.pos, lengths, self.max_len)
+        offsets = torch.cat([lengths.new_zeros(1, dtype=torch.int64), torch.cumsum(lengths.to(torch.int64), 0)])
+        longest = int(lengths.max()) if len(lengths) else 0
+        for layer in self.layers:
+            x = layer(x, offsets, longest)
+        return self.norm_out(x)
+
+    def encode_padded(self, emb: Dict[str, torch.Tensor], lengths: torch.Tensor) -> torch.Tensor:
+        """The reference: every sample padded to the micro-batch's longest for the whole layer stack."""
         padded, flat, valid = padded_tokens(emb, self.tables, self.pos, lengths, self.max_len)
         b, n = valid.shape
         causal = torch.tril(torch.ones(n, n, dtype=torch.bool, device=lengths.device))
         mask = (causal[None] & valid[:, None, :] & valid[:, :, None]).to(padded.dtype)
         for layer in self.layers:
-            padded = layer(padded, mask, self.max_len)
+            padded = layer.forward_padded(padded, mask)
         return self.norm_out(padded).reshape(b * n, self.dim).index_select(0, flat)
 
 

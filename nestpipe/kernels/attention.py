@@ -1,0 +1,120 @@
+"""HSTU's pointwise causal attention over jagged sequences: one op, a path per device, a padded reference.
+
+``hstu_attention(q, k, v, offsets, ...)`` with ``q, k, v`` ``[T, H, d]`` (the tokens of S sequences back to back,
+sequence ``s`` at rows ``offsets[s] .. offsets[s + 1] - 1``) returns ``out [T, H, d]``::
+
+    out_i = sum_{j <= i, same sequence} silu(scale * q_i . k_j + pos_bias[h, min(i - j, P - 1)]) * inv_norm * v_j
+
+Paths (:func:`nestpipe.kernels.select.select_path`, op ``hstu_attention``): ``numba`` on CPU (exact causal loops,
+:mod:`nestpipe.kernels.attention_cpu`), ``triton`` on CUDA (ragged tiles, :mod:`nestpipe.kernels.attention_triton`),
+``reference`` elsewhere: :func:`padded_reference`, the padded batched matmuls (every sequence padded to the
+longest, the full ``n x n`` score matrix, the causal mask multiplied in), which autograd differentiates. The paths
+agree to float rounding (tested); none stores anything of size ``n^2`` for the backward except the reference.
+
+The bias depends only on the distance ``i - j`` (clamped to ``P - 1``), never on absolute positions, so the scores
+of a cached prefix stay valid when tokens are appended.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .select import note, select_path
+
+
+def _check(q, k, v, offsets, pos_bias):
+    if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must share one [T, H, d] shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError("offsets must be [S + 1] (0, the end of sequence 0, ..., T)")
+    if pos_bias is not None and (pos_bias.dim() != 2 or pos_bias.shape[0] != q.shape[1]):
+        raise ValueError(f"pos_bias must be [H={q.shape[1]}, P], got {tuple(pos_bias.shape)}")
+
+
+def hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_len: int,
+                   scale: float, inv_norm: float, pos_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The jagged causal attention (module docstring). ``offsets`` int64 ``[S + 1]`` with ``offsets[0] == 0`` and
+    ``offsets[-1] == T``; ``max_len`` at least the longest sequence; ``pos_bias`` ``[H, P]`` or None."""
+    _check(q, k, v, offsets, pos_bias)
+    path = note("hstu_attention", select_path("hstu_attention", q.device))
+    if path == "numba" and q.dtype in (torch.float32, torch.float64):
+        return _NumbaAttention.apply(q, k, v, offsets, int(max_len), float(scale), float(inv_norm), pos_bias)
+    if path == "triton" and q.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        from . import attention_triton  # optional: triton
+
+        return attention_triton.hstu_attention(q, k, v, offsets, int(max_len), float(scale), float(inv_norm),
+                                               pos_bias)
+    return padded_reference(q, k, v, offsets, scale, inv_norm, pos_bias)
+
+
+def padded_reference(q, k, v, offsets, scale: float, inv_norm: float, pos_bias=None) -> torch.Tensor:
+    """The padded computation: sequences padded to the longest ``n``, the full ``[S, H, n, n]`` scores, the causal and
+    validity mask multiplied in after the activation (what a dense attention layer does)."""
+    lengths = offsets.diff()
+    s, t = lengths.numel(), q.shape[0]
+    n = int(lengths.max()) if s else 0
+    h, d = q.shape[1], q.shape[2]
+    if t == 0 or n == 0:
+        empty = q.sum() + k.sum() + v.sum() + (pos_bias.sum() if pos_bias is not None else 0.0)
+        return q.new_zeros(q.shape) + 0.0 * empty  # connected to every input: zero gradients, not None
+    sample = torch.repeat_interleave(torch.arange(s, device=q.device), lengths)
+    pos = torch.arange(t, device=q.device) - offsets[:-1].index_select(0, sample)
+    flat = sample * n + pos
+
+    def pad(x):
+        return x.new_zeros(s * n, h, d).index_copy(0, flat, x).view(s, n, h, d).transpose(1, 2)
+
+    qp, kp, vp = pad(q), pad(k), pad(v)
+    ar = torch.arange(n, device=q.device)
+    valid = ar[None, :] < lengths[:, None]
+    mask = (ar[:, None] >= ar[None, :])[None] & valid[:, None, :] & valid[:, :, None]
+    z = qp @ kp.transpose(-1, -2) * scale
+    if pos_bias is not None:
+        rel = (ar[:, None] - ar[None, :]).clamp(0, pos_bias.shape[1] - 1)
+        z = z + pos_bias[:, rel][None]
+    a = F.silu(z) * inv_norm * mask[:, None].to(z.dtype)
+    out = (a @ vp).transpose(1, 2).reshape(s * n, h, d)
+    return out.index_select(0, flat)
+
+
+class _NumbaAttention(torch.autograd.Function):
+    """Forward and backward through the CPU kernels; the backward recomputes the scores (nothing ``n^2`` kept)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, offsets, max_len, scale, inv_norm, pos_bias):
+        from . import attention_cpu  # optional: numba
+
+        qn, kn, vn = (x.detach().contiguous().numpy() for x in (q, k, v))
+        off = offsets.detach().to(torch.int64).contiguous().numpy()
+        bias = (pos_bias.detach().to(q.dtype).contiguous().numpy() if pos_bias is not None
+                else np.zeros((q.shape[1], 0), dtype=qn.dtype))
+        kt = kn.transpose(1, 2, 0).copy()
+        out = attention_cpu.forward(qn, kt, vn, off, scale, inv_norm, bias, max_len, torch.get_num_threads())
+        ctx.save_for_backward(q, k, v, offsets)
+        ctx.bias = bias
+        ctx.has_bias = pos_bias is not None
+        ctx.args = (max_len, scale, inv_norm)
+        return torch.from_numpy(out)
+
+    @staticmethod
+    def backward(ctx, dout):
+        from . import attention_cpu  # optional: numba
+
+        q, k, v, offsets = ctx.saved_tensors
+        max_len, scale, inv_norm = ctx.args
+        qn, kn, vn = (x.detach().contiguous().numpy() for x in (q, k, v))
+        off = offsets.to(torch.int64).contiguous().numpy()
+        kt, vt = kn.transpose(1, 2, 0).copy(), vn.transpose(1, 2, 0).copy()
+        dq, dk, dv, dbias = attention_cpu.backward(qn, kn, kt, vn, vt, dout.detach().contiguous().numpy(), off,
+                                                   scale, inv_norm, ctx.bias, max_len, torch.get_num_threads())
+        grad_bias = None
+        if ctx.has_bias:
+            s = len(off) - 1
+            grad_bias = (torch.from_numpy(dbias).view(s, q.shape[1], -1).sum(0) if s
+                         else torch.zeros(ctx.bias.shape, dtype=q.dtype))
+        return (torch.from_numpy(dq), torch.from_numpy(dk), torch.from_numpy(dv), None, None, None, None, grad_bias)

@@ -1,0 +1,188 @@
+"""Jagged causal HSTU attention on the CPU: Numba loops over the causal triangle of each sequence, nothing else.
+
+Why hand-written: no maintained CPU op computes pointwise (SiLU) attention over jagged sequences. fbgemm's jagged
+ops cover jagged x dense products and softmax, not a per-sequence causal ``q k^T`` followed by a pointwise
+activation; torch's padded batched matmuls compute every padded token and every score above the diagonal (see
+``docs/trainer.md``). HSTU's SiLU needs no running softmax state, so a row of scores ends where the causal bound
+says and tiles above the diagonal are never visited.
+
+Math, per sequence (tokens ``o .. o + L - 1`` of the flat layout), head ``h``, query ``i`` and key ``j <= i``
+(positions within the sequence)::
+
+    z_ij = scale * q_i . k_j + pos_bias[h, min(i - j, P - 1)]
+    a_ij = silu(z_ij) * inv_norm
+    out_i = sum_{j <= i} a_ij v_j
+
+The backward recomputes ``z`` (nothing of size L^2 is stored). Layouts: ``q, k, v, out, d*`` are ``[T, H, d]``
+(token-major); ``kt, vt`` the same values as ``[H, d, T]`` so that the scores of one query against all its keys
+are a vector axpy over contiguous keys (independent lanes: vectorised without reassociating any sum).
+
+Determinism: one (sequence, head) pair per loop iteration, which owns its rows of every output and sums in a fixed
+order (ascending key for a query's output and ``dq``, ascending query for ``dk``/``dv``); the position-bias
+gradient is summed per pair into its own row, then over pairs in order by the caller. Results are bitwise
+identical run to run and for any thread count; ``fastmath`` is off (IEEE float arithmetic).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+_JIT = dict(nopython=True, nogil=True, cache=True)
+
+
+@numba.jit(inline="always", **_JIT)
+def _scores(z, q, kt, h, qi, o, n, d, scale, bias, nb):
+    """``z[0:n] = scale * q[qi, h] . k[o + j, h] + bias[h, min(qi - o - j, nb - 1)]`` for keys ``j < n``."""
+    for j in range(n):
+        z[j] = 0.0
+    for c in range(d):
+        qc = q[qi, h, c] * scale
+        row = kt[h, c]
+        for j in range(n):
+            z[j] += qc * row[o + j]
+    if nb > 0:
+        i = qi - o
+        for j in range(n):
+            r = i - j
+            if r > nb - 1:
+                r = nb - 1
+            z[j] += bias[h, r]
+
+
+@numba.jit(inline="always", **_JIT)
+def _forward_pair(q, kt, v, out, o, length, h, d, scale, inv_norm, bias, nb, z, acc, shift):
+    for i in range(length):
+        n = min(i + 1 + shift, length)
+        _scores(z, q, kt, h, o + i, o, n, d, scale, bias, nb)
+        for c in range(d):
+            acc[c] = 0.0
+        for j in range(n):
+            x = z[j]
+            a = x / (1.0 + math.exp(-x)) * inv_norm
+            vr = v[o + j, h]
+            for c in range(d):
+                acc[c] += a * vr[c]
+        for c in range(d):
+            out[o + i, h, c] = acc[c]
+
+
+@numba.jit(inline="always", **_JIT)
+def _backward_pair(q, k, kt, v, vt, dout, dq, dk, dv, dbias, o, length, h, d, scale, inv_norm, bias, nb, z, da, acc):
+    for t in range(length):
+        for c in range(d):
+            dk[o + t, h, c] = 0.0
+            dv[o + t, h, c] = 0.0
+    for i in range(length):
+        n = i + 1
+        qi = o + i
+        _scores(z, q, kt, h, qi, o, n, d, scale, bias, nb)
+        for j in range(n):
+            da[j] = 0.0
+        for c in range(d):
+            g = dout[qi, h, c]
+            row = vt[h, c]
+            for j in range(n):
+                da[j] += g * row[o + j]
+        for c in range(d):
+            acc[c] = 0.0
+        for j in range(n):
+            x = z[j]
+            s = 1.0 / (1.0 + math.exp(-x))
+            a = x * s * inv_norm
+            dz = da[j] * inv_norm * (s * (1.0 + x * (1.0 - s)))
+            if nb > 0:
+                r = i - j
+                if r > nb - 1:
+                    r = nb - 1
+                dbias[r] += dz
+            dz = dz * scale
+            kr = k[o + j, h]
+            dkr = dk[o + j, h]
+            dvr = dv[o + j, h]
+            for c in range(d):
+                acc[c] += dz * kr[c]
+                dkr[c] += dz * q[qi, h, c]
+                dvr[c] += a * dout[qi, h, c]
+        for c in range(d):
+            dq[qi, h, c] = acc[c]
+
+
+@numba.jit(parallel=True, **_JIT)
+def _forward(q, kt, v, offsets, scale, inv_norm, bias, out, max_len, shift):
+    _, heads, d = q.shape
+    nb = bias.shape[1]
+    pairs = (len(offsets) - 1) * heads
+    for p in numba.prange(pairs):
+        s, h = p // heads, p % heads
+        o, length = offsets[s], offsets[s + 1] - offsets[s]
+        z = np.empty(max_len, q.dtype)
+        acc = np.empty(d, q.dtype)
+        _forward_pair(q, kt, v, out, o, length, h, d, scale, inv_norm, bias, nb, z, acc, shift)
+
+
+@numba.jit(**_JIT)
+def _forward_serial(q, kt, v, offsets, scale, inv_norm, bias, out, max_len, shift):
+    _, heads, d = q.shape
+    nb = bias.shape[1]
+    z = np.empty(max_len, q.dtype)
+    acc = np.empty(d, q.dtype)
+    for s in range(len(offsets) - 1):
+        o, length = offsets[s], offsets[s + 1] - offsets[s]
+        for h in range(heads):
+            _forward_pair(q, kt, v, out, o, length, h, d, scale, inv_norm, bias, nb, z, acc, shift)
+
+
+@numba.jit(parallel=True, **_JIT)
+def _backward(q, k, kt, v, vt, dout, offsets, scale, inv_norm, bias, dq, dk, dv, dbias, max_len):
+    _, heads, d = q.shape
+    nb = bias.shape[1]
+    pairs = (len(offsets) - 1) * heads
+    for p in numba.prange(pairs):
+        s, h = p // heads, p % heads
+        o, length = offsets[s], offsets[s + 1] - offsets[s]
+        z = np.empty(max_len, q.dtype)
+        da = np.empty(max_len, q.dtype)
+        acc = np.empty(d, q.dtype)
+        _backward_pair(q, k, kt, v, vt, dout, dq, dk, dv, dbias[p], o, length, h, d, scale, inv_norm, bias, nb,
+                       z, da, acc)
+
+
+@numba.jit(**_JIT)
+def _backward_serial(q, k, kt, v, vt, dout, offsets, scale, inv_norm, bias, dq, dk, dv, dbias, max_len):
+    _, heads, d = q.shape
+    nb = bias.shape[1]
+    z = np.empty(max_len, q.dtype)
+    da = np.empty(max_len, q.dtype)
+    acc = np.empty(d, q.dtype)
+    for s in range(len(offsets) - 1):
+        o, length = offsets[s], offsets[s + 1] - offsets[s]
+        for h in range(heads):
+            _backward_pair(q, k, kt, v, vt, dout, dq, dk, dv, dbias[s * heads + h], o, length, h, d, scale, inv_norm,
+                           bias, nb, z, da, acc)
+
+
+def forward(q: np.ndarray, kt: np.ndarray, v: np.ndarray, offsets: np.ndarray, scale: float, inv_norm: float,
+            bias: np.ndarray, max_len: int, threads: int, causal_shift: int = 0) -> np.ndarray:
+    """``out [T, H, d]`` of the causal jagged attention (module docstring); ``bias [H, P]`` (``P = 0``: none).
+    ``causal_shift``: keys ``j <= i + causal_shift`` are attended (0: causal; 1 is the off-by-one the tests' negative
+    control injects)."""
+    out = np.empty_like(q)
+    fn = _forward_serial if threads == 1 else _forward
+    ty = q.dtype.type
+    fn(q, kt, v, offsets, ty(scale), ty(inv_norm), bias, out, max(int(max_len), 1), int(causal_shift))
+    return out
+
+
+def backward(q, k, kt, v, vt, dout, offsets, scale: float, inv_norm: float, bias: np.ndarray, max_len: int,
+             threads: int):
+    """``(dq, dk, dv, dbias [S * H, P])``; the caller sums ``dbias`` over sequences (in order)."""
+    dq, dk, dv = np.empty_like(q), np.empty_like(q), np.empty_like(q)
+    heads = q.shape[1]
+    dbias = np.zeros(((len(offsets) - 1) * heads, bias.shape[1]), q.dtype)
+    fn = _backward_serial if threads == 1 else _backward
+    ty = q.dtype.type
+    fn(q, k, kt, v, vt, dout, offsets, ty(scale), ty(inv_norm), bias, dq, dk, dv, dbias, max(int(max_len), 1))
+    return dq, dk, dv, dbias

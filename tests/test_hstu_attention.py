@@ -57,10 +57,20 @@ def _padded(q, k, v, offsets, bias):
     return A.padded_reference(q, k, v, offsets, 0.35, 1 / 64, bias)
 
 
+@pytest.fixture(params=["numba", "blocked"])
+def cpu_path(request, monkeypatch):
+    """Both CPU paths on every length: the exact loops (whatever the length) or the blocked tiles (always)."""
+    monkeypatch.setattr(A, "EXACT_MAX_LEN", 10 ** 9 if request.param == "numba" else 0)
+    select.reset_taken()
+    yield request.param
+    taken = select.taken_paths().get("hstu_attention", {})
+    assert set(taken) <= {request.param}, taken
+
+
 @pytest.mark.parametrize("mix", sorted(LENGTH_MIXES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_jagged_equals_padded_outputs_and_gradients(mix, dtype, with_bias):
+def test_jagged_equals_padded_outputs_and_gradients(cpu_path, mix, dtype, with_bias):
     assert select.select_path("hstu_attention", "cpu") == "numba"
     q, k, v, dout, bias, offsets = _inputs(LENGTH_MIXES[mix], dtype=dtype)
     bias = bias if with_bias else None
@@ -75,7 +85,7 @@ def test_jagged_equals_padded_outputs_and_gradients(mix, dtype, with_bias):
         assert _close(gb_j, gb_p, tol)
 
 
-def test_distances_past_the_bias_table_share_its_last_value():
+def test_distances_past_the_bias_table_share_its_last_value(cpu_path):
     q, k, v, dout, bias, offsets = _inputs([40, 3], bias_len=8)  # distances up to 39 > 7
     out_j, _, gb_j = _run(_jagged, q, k, v, dout, bias, offsets)
     out_p, _, gb_p = _run(_padded, q, k, v, dout, bias, offsets)
@@ -91,9 +101,13 @@ def test_negative_control_an_off_by_one_causal_bound_is_caught():
     wrong = torch.from_numpy(attention_cpu.forward(*args, causal_shift=1))  # sees the next token
     assert _close(right, ref, 1e-5)
     assert not _close(wrong, ref, 1e-5)
+    blocked = A.blocked_attention(q, k, v, offsets, 0.35, 1 / 64, bias, block=16)
+    blocked_wrong = A.blocked_attention(q, k, v, offsets, 0.35, 1 / 64, bias, block=16, causal_shift=1)
+    assert _close(blocked, ref, 1e-5)
+    assert not _close(blocked_wrong, ref, 1e-5)
 
 
-def test_a_prefix_is_unchanged_when_tokens_are_appended():
+def test_a_prefix_is_unchanged_when_tokens_are_appended(cpu_path):
     # causal + a bias of the distance only: what a cached prefix relies on; bitwise on the jagged path
     q, k, v, _, bias, _ = _inputs([50])
     full = _jagged(q, k, v, torch.tensor([0, 50]), bias)
@@ -101,7 +115,7 @@ def test_a_prefix_is_unchanged_when_tokens_are_appended():
     assert torch.equal(full[:30], prefix)
 
 
-def test_deterministic_across_thread_counts():
+def test_deterministic_across_thread_counts(cpu_path):
     q, k, v, dout, bias, offsets = _inputs([33, 1, 60, 7, 12], seed=3)
     old = torch.get_num_threads()
     try:
@@ -116,7 +130,7 @@ def test_deterministic_across_thread_counts():
 
 
 @pytest.mark.parametrize("relative_bias", [False, True])
-def test_hstu_model_jagged_equals_padded(relative_bias):
+def test_hstu_model_jagged_equals_padded(cpu_path, relative_bias):
     torch.manual_seed(0)
     cfg = HSTUConfig(num_layers=2, relative_bias=relative_bias)
     model = HSTU(cfg, 16, ["action", "item"], 32, 1000)

@@ -53,7 +53,7 @@ def _scores(z, q, kt, h, qi, o, n, d, scale, bias, nb):
 
 
 @numba.jit(inline="always", **_JIT)
-def _forward_pair(q, kt, v, out, o, length, h, d, scale, inv_norm, bias, nb, z, acc, shift):
+def _forward_pair(q, kt, v, out, o, length, h, d, scale, inv_norm, bias, nb, z, acc, shift, one):
     for i in range(length):
         n = min(i + 1 + shift, length)
         _scores(z, q, kt, h, o + i, o, n, d, scale, bias, nb)
@@ -61,7 +61,7 @@ def _forward_pair(q, kt, v, out, o, length, h, d, scale, inv_norm, bias, nb, z, 
             acc[c] = 0.0
         for j in range(n):
             x = z[j]
-            a = x / (1.0 + math.exp(-x)) * inv_norm
+            a = x / (one + math.exp(-x)) * inv_norm
             vr = v[o + j, h]
             for c in range(d):
                 acc[c] += a * vr[c]
@@ -70,11 +70,10 @@ def _forward_pair(q, kt, v, out, o, length, h, d, scale, inv_norm, bias, nb, z, 
 
 
 @numba.jit(inline="always", **_JIT)
-def _backward_pair(q, k, kt, v, vt, dout, dq, dk, dv, dbias, o, length, h, d, scale, inv_norm, bias, nb, z, da, acc):
-    for t in range(length):
-        for c in range(d):
-            dk[o + t, h, c] = 0.0
-            dv[o + t, h, c] = 0.0
+def _backward_pair(q, k, kt, vt, dout, dq, dkt, dvt, dbias, o, length, h, d, scale, inv_norm, bias, nb, z, da, acc,
+                   one):
+    """Gradients of one (sequence, head). ``dkt``/``dvt`` are ``[H, d, T]`` (zeroed by the caller): every update is
+    an axpy over the contiguous keys of the row, like the scores."""
     for i in range(length):
         n = i + 1
         qi = o + i
@@ -86,32 +85,38 @@ def _backward_pair(q, k, kt, v, vt, dout, dq, dk, dv, dbias, o, length, h, d, sc
             row = vt[h, c]
             for j in range(n):
                 da[j] += g * row[o + j]
-        for c in range(d):
-            acc[c] = 0.0
-        for j in range(n):
+        for j in range(n):  # z -> a (kept in z), da -> dz (kept in da)
             x = z[j]
-            s = 1.0 / (1.0 + math.exp(-x))
-            a = x * s * inv_norm
-            dz = da[j] * inv_norm * (s * (1.0 + x * (1.0 - s)))
-            if nb > 0:
+            s = one / (one + math.exp(-x))
+            z[j] = x * s * inv_norm
+            da[j] = da[j] * inv_norm * (s * (one + x * (one - s)))
+        if nb > 0:
+            for j in range(n):
                 r = i - j
                 if r > nb - 1:
                     r = nb - 1
-                dbias[r] += dz
-            dz = dz * scale
-            kr = k[o + j, h]
-            dkr = dk[o + j, h]
-            dvr = dv[o + j, h]
-            for c in range(d):
-                acc[c] += dz * kr[c]
-                dkr[c] += dz * q[qi, h, c]
-                dvr[c] += a * dout[qi, h, c]
+                dbias[r] += da[j]
         for c in range(d):
-            dq[qi, h, c] = acc[c]
+            gv = dout[qi, h, c]
+            gk = q[qi, h, c] * scale
+            rv = dvt[h, c]
+            rk = dkt[h, c]
+            for j in range(n):
+                rv[o + j] += gv * z[j]
+                rk[o + j] += gk * da[j]
+        for c in range(d):
+            acc[c] = 0.0
+        for j in range(n):
+            g = da[j]
+            kr = k[o + j, h]
+            for c in range(d):
+                acc[c] += g * kr[c]
+        for c in range(d):
+            dq[qi, h, c] = acc[c] * scale
 
 
 @numba.jit(parallel=True, **_JIT)
-def _forward(q, kt, v, offsets, scale, inv_norm, bias, out, max_len, shift):
+def _forward(q, kt, v, offsets, scale, inv_norm, bias, out, max_len, shift, one):
     _, heads, d = q.shape
     nb = bias.shape[1]
     pairs = (len(offsets) - 1) * heads
@@ -120,11 +125,11 @@ def _forward(q, kt, v, offsets, scale, inv_norm, bias, out, max_len, shift):
         o, length = offsets[s], offsets[s + 1] - offsets[s]
         z = np.empty(max_len, q.dtype)
         acc = np.empty(d, q.dtype)
-        _forward_pair(q, kt, v, out, o, length, h, d, scale, inv_norm, bias, nb, z, acc, shift)
+        _forward_pair(q, kt, v, out, o, length, h, d, scale, inv_norm, bias, nb, z, acc, shift, one)
 
 
 @numba.jit(**_JIT)
-def _forward_serial(q, kt, v, offsets, scale, inv_norm, bias, out, max_len, shift):
+def _forward_serial(q, kt, v, offsets, scale, inv_norm, bias, out, max_len, shift, one):
     _, heads, d = q.shape
     nb = bias.shape[1]
     z = np.empty(max_len, q.dtype)
@@ -132,11 +137,11 @@ def _forward_serial(q, kt, v, offsets, scale, inv_norm, bias, out, max_len, shif
     for s in range(len(offsets) - 1):
         o, length = offsets[s], offsets[s + 1] - offsets[s]
         for h in range(heads):
-            _forward_pair(q, kt, v, out, o, length, h, d, scale, inv_norm, bias, nb, z, acc, shift)
+            _forward_pair(q, kt, v, out, o, length, h, d, scale, inv_norm, bias, nb, z, acc, shift, one)
 
 
 @numba.jit(parallel=True, **_JIT)
-def _backward(q, k, kt, v, vt, dout, offsets, scale, inv_norm, bias, dq, dk, dv, dbias, max_len):
+def _backward(q, k, kt, vt, dout, offsets, scale, inv_norm, bias, dq, dkt, dvt, dbias, max_len, one):
     _, heads, d = q.shape
     nb = bias.shape[1]
     pairs = (len(offsets) - 1) * heads
@@ -146,12 +151,12 @@ def _backward(q, k, kt, v, vt, dout, offsets, scale, inv_norm, bias, dq, dk, dv,
         z = np.empty(max_len, q.dtype)
         da = np.empty(max_len, q.dtype)
         acc = np.empty(d, q.dtype)
-        _backward_pair(q, k, kt, v, vt, dout, dq, dk, dv, dbias[p], o, length, h, d, scale, inv_norm, bias, nb,
-                       z, da, acc)
+        _backward_pair(q, k, kt, vt, dout, dq, dkt, dvt, dbias[p], o, length, h, d, scale, inv_norm, bias, nb,
+                       z, da, acc, one)
 
 
 @numba.jit(**_JIT)
-def _backward_serial(q, k, kt, v, vt, dout, offsets, scale, inv_norm, bias, dq, dk, dv, dbias, max_len):
+def _backward_serial(q, k, kt, vt, dout, offsets, scale, inv_norm, bias, dq, dkt, dvt, dbias, max_len, one):
     _, heads, d = q.shape
     nb = bias.shape[1]
     z = np.empty(max_len, q.dtype)
@@ -160,8 +165,8 @@ def _backward_serial(q, k, kt, v, vt, dout, offsets, scale, inv_norm, bias, dq, 
     for s in range(len(offsets) - 1):
         o, length = offsets[s], offsets[s + 1] - offsets[s]
         for h in range(heads):
-            _backward_pair(q, k, kt, v, vt, dout, dq, dk, dv, dbias[s * heads + h], o, length, h, d, scale, inv_norm,
-                           bias, nb, z, da, acc)
+            _backward_pair(q, k, kt, vt, dout, dq, dkt, dvt, dbias[s * heads + h], o, length, h, d, scale, inv_norm,
+                           bias, nb, z, da, acc, one)
 
 
 def forward(q: np.ndarray, kt: np.ndarray, v: np.ndarray, offsets: np.ndarray, scale: float, inv_norm: float,
@@ -172,17 +177,19 @@ def forward(q: np.ndarray, kt: np.ndarray, v: np.ndarray, offsets: np.ndarray, s
     out = np.empty_like(q)
     fn = _forward_serial if threads == 1 else _forward
     ty = q.dtype.type
-    fn(q, kt, v, offsets, ty(scale), ty(inv_norm), bias, out, max(int(max_len), 1), int(causal_shift))
+    fn(q, kt, v, offsets, ty(scale), ty(inv_norm), bias, out, max(int(max_len), 1), int(causal_shift), ty(1.0))
     return out
 
 
-def backward(q, k, kt, v, vt, dout, offsets, scale: float, inv_norm: float, bias: np.ndarray, max_len: int,
+def backward(q, k, kt, vt, dout, offsets, scale: float, inv_norm: float, bias: np.ndarray, max_len: int,
              threads: int):
-    """``(dq, dk, dv, dbias [S * H, P])``; the caller sums ``dbias`` over sequences (in order)."""
-    dq, dk, dv = np.empty_like(q), np.empty_like(q), np.empty_like(q)
+    """``(dq, dk, dv, dbias [S * H, P])``, ``dk``/``dv`` as ``[H, d, T]`` (transpose to ``[T, H, d]``); the caller
+    sums ``dbias`` over sequences (in order)."""
+    dq = np.empty_like(q)
+    dkt, dvt = np.zeros_like(kt), np.zeros_like(vt)
     heads = q.shape[1]
     dbias = np.zeros(((len(offsets) - 1) * heads, bias.shape[1]), q.dtype)
     fn = _backward_serial if threads == 1 else _backward
     ty = q.dtype.type
-    fn(q, k, kt, v, vt, dout, offsets, ty(scale), ty(inv_norm), bias, dq, dk, dv, dbias, max(int(max_len), 1))
-    return dq, dk, dv, dbias
+    fn(q, k, kt, vt, dout, offsets, ty(scale), ty(inv_norm), bias, dq, dkt, dvt, dbias, max(int(max_len), 1), ty(1.0))
+    return dq, dkt, dvt, dbias

@@ -12,8 +12,9 @@ run's metadata.
 
 The host ops (``place_keys``, ``dedup_rows``, ``csr_by_segment``: the step's keys and rows as NumPy arrays on the
 host, whatever the device) take ``numba`` if numba imports, else the NumPy/torch reference. ``hstu_attention`` (the
-dense model's jagged attention, :mod:`nestpipe.kernels.attention`) takes ``numba`` on CPU, ``triton`` on CUDA when
-triton imports, and the padded torch reference otherwise (on npu too).
+dense model's jagged attention, :mod:`nestpipe.kernels.attention`) takes ``numba`` on CPU (its exact loops for
+micro-batches of sequences up to 64 tokens, the ``blocked`` torch tiles for longer ones; ``blocked`` for all without
+numba), ``triton`` on CUDA when triton imports, and the padded torch reference otherwise (on npu too).
 
 Overrides, for tests and debugging (set them on every rank alike): ``NESTPIPE_KERNELS=reference`` forces the
 plain-torch references everywhere; ``NESTPIPE_KERNELS=op:path,...`` forces the named ops only (for example
@@ -34,7 +35,7 @@ import torch
 
 OPS = ("route_keys", "place_keys", "dedup_rows", "csr_by_segment", "gather_rows", "lookup", "adagrad_update",
        "adagrad_bags", "dual_buffer_sync", "hstu_attention")
-PATHS = ("reference", "fbgemm", "numba", "triton", "npu")
+PATHS = ("reference", "fbgemm", "numba", "triton", "npu", "blocked")
 # ops on the host's NumPy arrays of keys and rows (routing, grouping): their path does not depend on the device
 HOST_OPS = ("place_keys", "dedup_rows", "csr_by_segment")
 FORCE_ENV = "NESTPIPE_KERNELS"
@@ -96,7 +97,7 @@ def select_path(op: str, device: Union[str, torch.device]) -> str:
         return override
     kind = torch.device(device).type
     if op == "hstu_attention":  # the dense model's jagged attention (autograd); padded torch ops elsewhere
-        return ("numba" if has_numba() else "reference") if kind == "cpu" else \
+        return ("numba" if has_numba() else "blocked") if kind == "cpu" else \
             ("triton" if has_triton() else "reference") if kind == "cuda" else "reference"
     if op == "adagrad_bags":
         if kind != "cpu":

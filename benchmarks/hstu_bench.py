@@ -22,6 +22,11 @@ the machine hits all alike):
 End to end (``--e2e-steps`` > 0): ``nestpipe train`` on the longest L's shards, world 2, ``--pipeline off``, with
 ``hstu.attention=jagged`` and ``padded`` in turn; the run's ``step_s`` from ``metrics.json``.
 
+``--cpu-paths``: instead, the CPU paths of the attention alone on micro-batches of 16 sequences with lengths drawn
+uniformly from 1..L (L = 16, 64, 256, 1024; seed 0; forward + backward with a relative bias, best of 3): the exact
+Numba loops, the blocked tiles at 16, 32 and 64 tokens, and the padded reference. This is what the CPU rule in
+``nestpipe/kernels/attention.py`` (loops up to 64 tokens, 32-token tiles up to 512, 64 beyond) was read from.
+
 Writes ``WORK/results.json`` with the figures, versions and the load average before and after.
 """
 
@@ -42,7 +47,8 @@ import torch
 from nestpipe.datasets import shards as S
 from nestpipe.datasets.synth import generate
 from nestpipe.ingest import IngestConfig, ingest
-from nestpipe.kernels.attention import hstu_attention, padded_reference
+from nestpipe.kernels import attention as attention_paths
+from nestpipe.kernels.attention import blocked_attention, hstu_attention, padded_reference
 from nestpipe.trainer.config import TrainConfig
 from nestpipe.trainer.data import ShardStream  # noqa: F401  (the shards' reader is the trainer's)
 from nestpipe.trainer.models.hstu import HSTU
@@ -176,6 +182,34 @@ def end_to_end(shards: str, work: str, steps: int):
     return out
 
 
+def cpu_paths():
+    rng = np.random.default_rng(0)
+    out = {}
+    for top in (16, 64, 256, 1024):
+        lengths = rng.integers(1, top + 1, 16)
+        offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+        t = int(offsets[-1])
+        q, k, v, dout = (torch.randn(t, 2, 16) for _ in range(4))
+        bias = torch.randn(2, top) * 0.1
+        exact = attention_paths._NumbaAttention.apply
+        variants = {"numba": lambda *a: exact(*a[:4], top, 0.25, 1 / top, a[4]),
+                    "padded": lambda *a: padded_reference(*a[:4], 0.25, 1 / top, a[4])}
+        for b in (16, 32, 64):
+            variants[f"blocked{b}"] = (lambda b: lambda *a: blocked_attention(*a[:4], 0.25, 1 / top, a[4], block=b))(b)
+        row = {}
+        for name, fn in variants.items():
+            best = float("inf")
+            for _ in range(3):
+                leaves = [x.clone().requires_grad_(True) for x in (q, k, v, bias)]
+                t0 = time.perf_counter()
+                fn(*leaves[:3], offsets, leaves[3]).backward(dout)
+                best = min(best, time.perf_counter() - t0)
+            row[name] = best
+        out[str(top)] = row
+        print(f"lengths 1..{top}: " + ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in row.items()), flush=True)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="/tmp/nestpipe-hstu-bench", help="synth data, shards and results (reused)")
@@ -183,9 +217,14 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, default=6, help="training batches timed per length")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds (after one warm-up round)")
     ap.add_argument("--e2e-steps", type=int, default=12, help="training steps per end-to-end run (0: skip)")
+    ap.add_argument("--cpu-paths", action="store_true", help="time the CPU attention paths alone (see above)")
     args = ap.parse_args(argv)
     os.makedirs(args.work, exist_ok=True)
     torch.set_num_threads(1)
+    if args.cpu_paths:
+        with open(os.path.join(args.work, "cpu_paths.json"), "w") as f:
+            json.dump({"seconds": cpu_paths(), "torch": torch.__version__}, f, indent=1)
+        return
     load_before = os.getloadavg()
     results = {"versions": {"python": platform.python_version(), "torch": torch.__version__,
                             "numba": __import__("numba").__version__, "machine": platform.machine(),

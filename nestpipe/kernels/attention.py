@@ -114,6 +114,7 @@ class _NumbaAttention(torch.autograd.Function):
         kt = kn.transpose(1, 2, 0).copy()
         out = attention_cpu.forward(qn, kt, vn, off, scale, inv_norm, bias, max_len, torch.get_num_threads())
         ctx.save_for_backward(q, k, v, offsets)
+        ctx.kt = kt  # the backward's scores read k transposed too
         ctx.bias = bias
         ctx.has_bias = pos_bias is not None
         ctx.args = (max_len, scale, inv_norm)
@@ -127,8 +128,8 @@ class _NumbaAttention(torch.autograd.Function):
         max_len, scale, inv_norm = ctx.args
         qn, kn, vn = (x.detach().contiguous().numpy() for x in (q, k, v))
         off = offsets.to(torch.int64).contiguous().numpy()
-        kt, vt = kn.transpose(1, 2, 0).copy(), vn.transpose(1, 2, 0).copy()
-        dq, dkt, dvt, dbias = attention_cpu.backward(qn, kn, kt, vt, dout.detach().contiguous().numpy(), off,
+        vt = vn.transpose(1, 2, 0).copy()
+        dq, dkt, dvt, dbias = attention_cpu.backward(qn, kn, ctx.kt, vt, dout.detach().contiguous().numpy(), off,
                                                      scale, inv_norm, ctx.bias, max_len, torch.get_num_threads())
         dk = torch.from_numpy(dkt).permute(2, 0, 1).contiguous()
         dv = torch.from_numpy(dvt).permute(2, 0, 1).contiguous()

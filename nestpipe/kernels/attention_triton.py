@@ -35,6 +35,21 @@ def _scores(q, k, rows, cols, h, bias, P, scale, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
+def _rows(X, start, idx, ok, h, H, D, dd, d_ok):
+    """Pointers to rows ``start + idx`` of head ``h`` of a ``[T, H, D]`` tensor, and those rows as float32 (zero
+    past the sequence's end and past ``D``)."""
+    ptr = ((start + idx[:, None]).to(tl.int64) * H + h) * D + dd[None, :]
+    return ptr, tl.load(X + ptr, mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _score_grad(z, sg, da, keep, inv_norm):
+    """d loss / d score from d loss / d a, through ``a = silu(z) * inv_norm`` (``sg = sigmoid(z)``); zero outside
+    ``keep``."""
+    return tl.where(keep, da * inv_norm * sg * (1.0 + z * (1.0 - sg)), 0.0)
+
+
+@triton.jit
 def _fwd(Q, K, V, Out, offsets, bias, H, D, P, scale, inv_norm, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
          BLOCK_D: tl.constexpr):
     pid_m, s, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -46,15 +61,13 @@ def _fwd(Q, K, V, Out, offsets, bias, H, D, P, scale, inv_norm, HAS_BIAS: tl.con
     dd = tl.arange(0, BLOCK_D)
     row_ok = rows < length
     d_ok = dd < D
-    ptr = ((start + rows[:, None]).to(tl.int64) * H + h) * D + dd[None, :]
-    q = tl.load(Q + ptr, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    ptr, q = _rows(Q, start, rows, row_ok, h, H, D, dd, d_ok)
     acc = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
     for kb in range(0, (pid_m + 1) * BLOCK, BLOCK):  # key blocks up to the diagonal, never above it
         cols = kb + tl.arange(0, BLOCK)
         col_ok = cols < length
-        kptr = ((start + cols[:, None]).to(tl.int64) * H + h) * D + dd[None, :]
-        k = tl.load(K + kptr, mask=col_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        v = tl.load(V + kptr, mask=col_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        _, k = _rows(K, start, cols, col_ok, h, H, D, dd, d_ok)
+        _, v = _rows(V, start, cols, col_ok, h, H, D, dd, d_ok)
         z = _scores(q, k, rows, cols, h, bias, P, scale, HAS_BIAS)
         a = z * tl.sigmoid(z) * inv_norm
         keep = (cols[None, :] <= rows[:, None]) & row_ok[:, None] & col_ok[None, :]
@@ -75,24 +88,21 @@ def _bwd_dkdv(Q, K, V, dO, dK, dV, offsets, bias, H, D, P, scale, inv_norm, HAS_
     dd = tl.arange(0, BLOCK_D)
     col_ok = cols < length
     d_ok = dd < D
-    kptr = ((start + cols[:, None]).to(tl.int64) * H + h) * D + dd[None, :]
-    k = tl.load(K + kptr, mask=col_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    v = tl.load(V + kptr, mask=col_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    kptr, k = _rows(K, start, cols, col_ok, h, H, D, dd, d_ok)
+    _, v = _rows(V, start, cols, col_ok, h, H, D, dd, d_ok)
     dk = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
     for qb in range(pid_n * BLOCK, length, BLOCK):  # query blocks from the diagonal down
         rows = qb + tl.arange(0, BLOCK)
         row_ok = rows < length
-        qptr = ((start + rows[:, None]).to(tl.int64) * H + h) * D + dd[None, :]
-        q = tl.load(Q + qptr, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        do = tl.load(dO + qptr, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        _, q = _rows(Q, start, rows, row_ok, h, H, D, dd, d_ok)
+        _, do = _rows(dO, start, rows, row_ok, h, H, D, dd, d_ok)
         z = _scores(q, k, rows, cols, h, bias, P, scale, HAS_BIAS)
-        sg = tl.sigmoid(z)
         keep = (cols[None, :] <= rows[:, None]) & row_ok[:, None] & col_ok[None, :]
+        sg = tl.sigmoid(z)
         a = tl.where(keep, z * sg * inv_norm, 0.0)
         dv += tl.dot(tl.trans(a), do, input_precision="ieee")
-        da = tl.dot(do, tl.trans(v), input_precision="ieee")
-        dz = tl.where(keep, da * inv_norm * sg * (1.0 + z * (1.0 - sg)), 0.0)
+        dz = _score_grad(z, sg, tl.dot(do, tl.trans(v), input_precision="ieee"), keep, inv_norm)
         dk += tl.dot(tl.trans(dz), q, input_precision="ieee") * scale
     tl.store(dK + kptr, dk.to(dK.dtype.element_ty), mask=col_ok[:, None] & d_ok[None, :])
     tl.store(dV + kptr, dv.to(dV.dtype.element_ty), mask=col_ok[:, None] & d_ok[None, :])
@@ -110,9 +120,8 @@ def _bwd_dq(Q, K, V, dO, dQ, dBias, offsets, bias, H, D, P, NBM, scale, inv_norm
     dd = tl.arange(0, BLOCK_D)
     row_ok = rows < length
     d_ok = dd < D
-    qptr = ((start + rows[:, None]).to(tl.int64) * H + h) * D + dd[None, :]
-    q = tl.load(Q + qptr, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    do = tl.load(dO + qptr, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    qptr, q = _rows(Q, start, rows, row_ok, h, H, D, dd, d_ok)
+    _, do = _rows(dO, start, rows, row_ok, h, H, D, dd, d_ok)
     dq = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
     # this program's own row of bias-gradient partials: read-modify-written by it alone, in a fixed order
     brow = dBias + ((s.to(tl.int64) * H + h) * NBM + pid_m) * P
@@ -120,14 +129,11 @@ def _bwd_dq(Q, K, V, dO, dQ, dBias, offsets, bias, H, D, P, NBM, scale, inv_norm
     for kb in range(0, (pid_m + 1) * BLOCK, BLOCK):
         cols = kb + tl.arange(0, BLOCK)
         col_ok = cols < length
-        kptr = ((start + cols[:, None]).to(tl.int64) * H + h) * D + dd[None, :]
-        k = tl.load(K + kptr, mask=col_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        v = tl.load(V + kptr, mask=col_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        _, k = _rows(K, start, cols, col_ok, h, H, D, dd, d_ok)
+        _, v = _rows(V, start, cols, col_ok, h, H, D, dd, d_ok)
         z = _scores(q, k, rows, cols, h, bias, P, scale, HAS_BIAS)
-        sg = tl.sigmoid(z)
         keep = (cols[None, :] <= rows[:, None]) & row_ok[:, None] & col_ok[None, :]
-        da = tl.dot(do, tl.trans(v), input_precision="ieee")
-        dz = tl.where(keep, da * inv_norm * sg * (1.0 + z * (1.0 - sg)), 0.0)
+        dz = _score_grad(z, tl.sigmoid(z), tl.dot(do, tl.trans(v), input_precision="ieee"), keep, inv_norm)
         dq += tl.dot(dz, k, input_precision="ieee") * scale
         if HAS_BIAS:
             # the tile's pairs at each distance lie on one diagonal: delta = (row - col) within the tile

@@ -127,6 +127,11 @@ def jagged_tokens(emb: Dict[str, torch.Tensor], tables: List[str], pos_table: to
     """Token inputs ``[nnz, D]`` in sample order: the sum over ``tables`` plus the learned position of each token in
     its sample."""
     _, pos, _, _ = jagged_positions(lengths)
+    return _token_sum(emb, tables, pos_table, pos, max_len)
+
+
+def _token_sum(emb: Dict[str, torch.Tensor], tables: List[str], pos_table: torch.Tensor, pos: torch.Tensor,
+               max_len: int) -> torch.Tensor:
     x = emb[tables[0]]
     for t in tables[1:]:
         x = x + emb[t]
@@ -140,10 +145,7 @@ def padded_tokens(emb: Dict[str, torch.Tensor], tables: List[str], pos_table: to
     sample of the micro-batch."""
     b = len(lengths)
     _, pos, flat, n = jagged_positions(lengths)
-    x = emb[tables[0]]
-    for t in tables[1:]:
-        x = x + emb[t]
-    x = x + pos_table.index_select(0, pos.clamp(max=max_len - 1))
+    x = _token_sum(emb, tables, pos_table, pos, max_len)
     padded = x.new_zeros(b * n, x.shape[1]).index_copy(0, flat, x).view(b, n, x.shape[1])
     valid = torch.arange(n, device=lengths.device)[None, :] < lengths[:, None]
     return padded, flat, valid

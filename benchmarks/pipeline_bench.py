@@ -126,6 +126,14 @@ def sets(args, workload="gr"):
         "pipe": {"gantt_steps": 3, "trace_steps": args.steps}}
 
 
+def rotated(modes, k):
+    """``modes`` started at position k (round k of ``--repeats``): no schedule always runs last in its round, when
+    the machine has been busiest longest."""
+    modes = tuple(modes)
+    k %= max(len(modes), 1)
+    return modes[k:] + modes[:k]
+
+
 def run_modes(args, shards, tag, prefix=None, modes=MODES, workload="gr", env=None):
     # a short unreported run first: one-off costs of a launch (imports, JIT-compiled kernels loaded, allocator) are
     # not charged to whichever mode happens to run first
@@ -155,13 +163,14 @@ def run_modes(args, shards, tag, prefix=None, modes=MODES, workload="gr", env=No
     return {m: json.load(open(os.path.join(r, "metrics.json"))) for m, r in runs.items()}
 
 
-def run_network(args, shards, tag, prefix=None):
-    """Everything measured on one network: the GR workload in every mode (+ nested-1t), the pooled workload in off
-    and nested, TorchRec on both."""
-    out = {"gr": run_modes(args, shards["gr"], f"{tag}-gr", prefix, modes=tuple(MODES) + ("nested-1t", "auto"))}
+def run_network(args, shards, tag, prefix=None, round_index=0):
+    """Everything measured on one network: the GR workload in every mode (+ nested-1t), the pooled workload in off,
+    nested and auto, TorchRec on both. Round k runs the modes in an order rotated by k."""
+    gr_modes = rotated(tuple(MODES) + ("nested-1t", "auto"), round_index)
+    out = {"gr": run_modes(args, shards["gr"], f"{tag}-gr", prefix, modes=gr_modes)}
     if shards.get("pooled"):
-        out["pooled"] = run_modes(args, shards["pooled"], f"{tag}-pooled", prefix, modes=("off", "nested", "auto"),
-                                  workload="pooled")
+        out["pooled"] = run_modes(args, shards["pooled"], f"{tag}-pooled", prefix,
+                                  modes=rotated(("off", "nested", "auto"), round_index), workload="pooled")
     if args.torchrec_python:
         tr = {}
         common = {"warmup": 3, "steps": args.steps, "timeout": 1500}
@@ -186,7 +195,7 @@ def run_network_repeated(args, shards, tag, prefix=None):
     """``--repeats`` rounds of :func:`run_network` (every round runs every mode and system once, so the machine's
     load drifts over all of them alike); per (workload, mode) the round with the median samples/s is reported, every
     round is kept under ``rounds``."""
-    rounds = [run_network(args, shards, tag, prefix) for _ in range(args.repeats)]
+    rounds = [run_network(args, shards, tag, prefix, k) for k in range(args.repeats)]
     if len(rounds) == 1:
         return rounds[0]
     out = {"rounds": rounds}

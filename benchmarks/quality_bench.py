@@ -80,6 +80,14 @@ def summary(per_seed) -> dict:
         add(f"hstu / successor_counts {metric}",
             [s["hstu"]["model"][metric] / s["hstu"]["baseline_successor_counts"][metric] for s in per_seed])
         add(f"hstu / sasrec {metric}", [s["hstu"]["model"][metric] / s["sasrec"]["model"][metric] for s in per_seed])
+        if all("generator_oracle" in s["hstu"] for s in per_seed):
+            # the ceiling of this data: the generator's own next-item probabilities, on the same protocol
+            add(f"generator_oracle {metric}", [s["hstu"]["generator_oracle"][metric] for s in per_seed])
+            add(f"generator_oracle / successor_counts {metric}",
+                [s["hstu"]["generator_oracle"][metric] / s["hstu"]["baseline_successor_counts"][metric]
+                 for s in per_seed])
+            add(f"hstu / generator_oracle {metric}",
+                [s["hstu"]["model"][metric] / s["hstu"]["generator_oracle"][metric] for s in per_seed])
     for metric in ("AUC", "logloss"):
         add(f"dlrm {metric}", [s["dlrm"]["model"][metric] for s in per_seed])
         add(f"logistic_regression {metric}", [s["dlrm"]["baseline_logistic_regression"][metric] for s in per_seed])

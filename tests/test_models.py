@@ -137,3 +137,54 @@ def test_untied_item_rows_are_input_then_output_halves(name):
     half = {k: (v[:, :D] if k != "action" else v) for k, v in emb.items()}
     half_changed = {k: (v[:, :D] if k != "action" else v) for k, v in in_changed.items()}
     assert not torch.allclose(tied(half_changed, feats), tied(half, feats))
+
+
+def _composed_lse(q, negs, w, targets, neg_ids):
+    """The shared negatives' logsumexp from composed ops (the definition)."""
+    scores = (q @ negs.t() + w).masked_fill(targets[:, None] == neg_ids[None, :], float("-inf"))
+    return torch.logsumexp(scores, dim=1)
+
+
+@pytest.mark.parametrize("log_weight", [0.0, 3.7])
+def test_shared_negatives_lse_is_the_composed_logsumexp(log_weight):
+    """:class:`SharedNegativesLSE` (one buffer, exponentiated in place) gives the composed ops' values and
+    gradients, with the negatives equal to a query's target left out of that query's row (repeated negative ids
+    included) and a row whose every negative collides giving -inf, not nan. Negative control: without the collision
+    pairs the values differ exactly in the rows that have one."""
+    from nestpipe.trainer.models.common import SharedNegativesLSE, _collisions
+
+    g = torch.Generator().manual_seed(3)
+    Q, K = 40, 25
+    q = torch.randn(Q, D, dtype=torch.float64, generator=g, requires_grad=True)
+    negs = torch.randn(K, D, dtype=torch.float64, generator=g, requires_grad=True)
+    neg_ids = torch.randint(0, 12, (K,), generator=g)
+    targets = torch.randint(0, 30, (Q,), generator=g)
+    rows, cols = _collisions(targets, neg_ids)
+    assert sorted(zip(rows.tolist(), cols.tolist())) == sorted(
+        (i, j) for i in range(Q) for j in range(K) if targets[i] == neg_ids[j])
+    got = SharedNegativesLSE.apply(q, negs, log_weight, rows, cols)
+    want = _composed_lse(q, negs, log_weight, targets, neg_ids)
+    torch.testing.assert_close(got, want)
+    upstream = torch.randn(Q, dtype=torch.float64, generator=g)
+    grads = torch.autograd.grad((got * upstream).sum(), (q, negs))
+    wants = torch.autograd.grad((want * upstream).sum(), (q, negs))
+    for a, b in zip(grads, wants):
+        torch.testing.assert_close(a, b)
+    r6, c6 = _collisions(targets[:6], neg_ids)
+    assert torch.autograd.gradcheck(lambda a, b: SharedNegativesLSE.apply(a, b, log_weight, r6, c6),
+                                    (q.detach()[:6].requires_grad_(), negs.detach().requires_grad_()))
+    # negative control: leaving the collisions in changes exactly the rows that have one
+    empty = torch.zeros(0, dtype=torch.long)
+    loose = SharedNegativesLSE.apply(q, negs, log_weight, empty, empty)
+    hit = torch.zeros(Q, dtype=torch.bool)
+    hit[rows] = True
+    assert hit.any() and (~hit).any()
+    assert not torch.allclose(loose[hit], got[hit]) and torch.equal(loose[~hit], got[~hit])
+    # every negative of a row masked: -inf (the target's own logit carries that row's softmax)
+    one = torch.tensor([5])
+    r, c = _collisions(one, torch.full((4,), 5))
+    empty_row = SharedNegativesLSE.apply(q[:1], negs[:4], log_weight, r, c)
+    assert torch.isneginf(empty_row).all()
+    loss = torch.logsumexp(torch.stack([q[0, 0], empty_row[0]]), 0)  # the row's softmax of the target alone
+    gq, gn = torch.autograd.grad(loss, (q, negs))
+    assert torch.isfinite(gq).all() and torch.isfinite(gn).all() and float(gn.abs().sum()) == 0.0

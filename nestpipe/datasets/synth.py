@@ -750,6 +750,94 @@ class ClickTruth:
                 "bayes_ceiling_by_eval_days": {str(d): self.result(d) for d in TRUTH_EVAL_DAYS}}
 
 
+class NextItemOracle:
+    """The generator's own next-item ranking: the ceiling of next-item HR / NDCG on synthetic data.
+
+    Given the items a sample reads (``history``, oldest first), the generator draws the next item of a user of
+    community c as the fixed successor of the last item with probability ``P_follow = (1 - 1/L) successor_prob``
+    (L = ``mean_session_length``: the next item continues the session), else fresh: with ``in_community_prob``
+    from c's catalogue, else from the head, Zipf inside either. The oracle scores every item by that probability,
+    with c the most frequent community among the history's items (its catalogue items; a uniform mixture over the
+    communities when the history holds none, or when the config has ``communities`` off). It ignores the
+    random-policy log's exposures (uniform over ``random_pool_size`` items: below the probability of the 50th item
+    here) and does not see time gaps (neither do the models). No learned ranker reading the same items can expect
+    to beat it; ranks count the items with a strictly higher probability, as the evaluation does.
+
+    Item ids are video ids (the gr ingest's ``item`` table, ``to_vocab`` leaves them unchanged)."""
+
+    def __init__(self, cfg: SynthConfig):
+        self.cfg = cfg
+        self.layout = _Layout.build(cfg)
+        p_follow = (1.0 - 1.0 / cfg.mean_session_length) * cfg.successor_prob
+        p_fresh = 1.0 - p_follow
+        self.p_follow = p_follow
+        self.head_p = p_fresh * (1.0 - cfg.in_community_prob) * np.diff(_zipf_cdf(cfg.head_size, cfg.zipf_exponent),
+                                                                          prepend=0.0)
+        self.cat_p = p_fresh * cfg.in_community_prob * np.diff(_zipf_cdf(cfg.catalogue_size, cfg.zipf_exponent),
+                                                               prepend=0.0)
+        # ascending, to count the items above a probability: the head, one catalogue, one catalogue's share of the
+        # uniform mixture over the communities
+        self._head_asc = np.sort(self.head_p)
+        self._cat_asc = np.sort(self.cat_p)
+        self._mixed_asc = self._cat_asc / cfg.num_communities
+
+    def _community(self, history_slots: np.ndarray) -> Optional[int]:
+        if not self.cfg.communities:
+            return None
+        comm = _slot_community(self.cfg, history_slots)
+        comm = comm[comm >= 0]
+        return int(np.bincount(comm).argmax()) if len(comm) else None
+
+    def _fresh(self, slots: np.ndarray, community: Optional[int]) -> np.ndarray:
+        cfg = self.cfg
+        comm = _slot_community(cfg, slots)
+        out = np.zeros(len(slots), dtype=np.float64)
+        head = comm == -1
+        out[head] = self.head_p[slots[head]]
+        cat = comm >= 0 if community is None else comm == community
+        scale = 1.0 / cfg.num_communities if community is None else 1.0
+        out[cat] = scale * self.cat_p[(slots[cat] - cfg.head_size) % cfg.catalogue_size]
+        return out
+
+    def _count_above(self, p: float, community: Optional[int]) -> int:
+        """Items whose fresh-draw probability exceeds ``p``."""
+        head = len(self._head_asc) - int(np.searchsorted(self._head_asc, p, side="right"))
+        if community is None:
+            return head + self.cfg.num_communities * (len(self._mixed_asc) - int(np.searchsorted(
+                self._mixed_asc, p, side="right")))
+        return head + len(self._cat_asc) - int(np.searchsorted(self._cat_asc, p, side="right"))
+
+    def probabilities(self, history: np.ndarray, items: np.ndarray) -> np.ndarray:
+        """P(next item = each of ``items`` | the history), as the generator draws it (see the class docstring)."""
+        hs = self.layout.video_to_slot(np.asarray(history, dtype=np.int64))
+        community = self._community(hs)
+        slots = self.layout.video_to_slot(np.asarray(items, dtype=np.int64))
+        succ = _successor(self.cfg, hs[-1:])[0]
+        return self._fresh(slots, community) + self.p_follow * (slots == succ)
+
+    def rank(self, history: np.ndarray, target: int, negatives: Optional[np.ndarray] = None) -> int:
+        """Items ranked strictly above ``target`` (among ``negatives`` when given, else the whole catalogue)."""
+        history = np.asarray(history, dtype=np.int64)
+        pt = float(self.probabilities(history, np.array([target]))[0])
+        if negatives is not None:
+            return int((self.probabilities(history, negatives) > pt).sum())
+        hs = self.layout.video_to_slot(history)
+        community = self._community(hs)
+        succ = _successor(self.cfg, hs[-1:])
+        fresh_succ = float(self._fresh(succ, community)[0])
+        above = self._count_above(pt, community) - int(fresh_succ > pt)  # the successor, counted by its full p
+        return above + int(fresh_succ + self.p_follow > pt)
+
+
+def next_item_oracle(truth: Dict) -> Optional["NextItemOracle"]:
+    """The oracle of a ``synth_truth.json`` that records its generator config (None for older files)."""
+    params = truth.get("config")
+    if not params:
+        return None
+    fields = {f.name for f in dataclasses.fields(SynthConfig)}
+    return NextItemOracle(SynthConfig(**{k: v for k, v in params.items() if k in fields}).validated())
+
+
 def generate(
     out_dir: str,
     scale: str = "tiny",
@@ -778,7 +866,7 @@ def generate(
     try:
         rows_per_file = _spill_log_rows(cfg, model, tmp, n_buckets, bar)
         truth = _write_log_files(cfg, out_dir, tmp, n_buckets, bar)
-        write_json_atomic(os.path.join(out_dir, TRUTH_FILE), truth.summary())
+        write_json_atomic(os.path.join(out_dir, TRUTH_FILE), {**truth.summary(), "config": dataclasses.asdict(cfg)})
         _write_user_features(cfg, model, out_dir, bar)
         basic_path, stat_paths = _write_video_features(cfg, model.layout, out_dir, bar)
     finally:

@@ -11,7 +11,8 @@ ranking when the catalog has at most ``full_catalog_max`` items; above that a sa
 same items), stated in the output. The rank is the number of items scoring strictly higher than the target.
 HR@k = P(rank < k); NDCG@k = mean(1 / log2(rank + 2) if rank < k). Baselines: most popular items of the train
 split, and the successor-counting model (most frequent successors of the last input item, back-filled with the
-input's own most frequent items, then popularity).
+input's own most frequent items, then popularity). On synthetic data also the ceiling: the generator's own
+next-item probabilities ranked on the same protocol (``generator_oracle``).
 
 CTR (dlrm): AUC and logloss of the target label; baselines: the train split's positive rate as a constant, and a
 regularised logistic regression over the model's own features (settings and fit time recorded). On synthetic data
@@ -29,7 +30,7 @@ import torch
 
 from nestpipe.datasets.shards import table_offsets
 from nestpipe.trainer.run_files import run_manifest
-from nestpipe.datasets.synth import TRUTH_FILE
+from nestpipe.datasets.synth import TRUTH_FILE, next_item_oracle
 from nestpipe.trainer import baselines
 from nestpipe.trainer.config import load_run_config
 from nestpipe.trainer.data import ShardStream, iter_shard
@@ -106,7 +107,8 @@ def evaluate_next_item(cfg, man, full, model, max_batches, split="eval", full_ca
     items = torch.nn.functional.normalize(model.candidates(full["embedding.item.weight"].float()), dim=-1)
     fitted = fit_next_item_baselines(cfg.shards, vocab)
     sampled = vocab > full_catalog_max
-    ranks, base = [], {n: [] for n in fitted}
+    oracle = _next_item_oracle(cfg.shards)
+    ranks, base, ceiling = [], {n: [] for n in fitted}, []
     for rec, keep, inputs, target, negs in next_item_examples(cfg.shards, vocab, max_batches,
                                                               sampled_negatives if sampled else 0, cfg.seed, split):
         off = table_offsets(rec, "item")
@@ -132,6 +134,8 @@ def evaluate_next_item(cfg, man, full, model, max_batches, split="eval", full_ca
             ranks.append((ns > ts).sum(1).numpy())
         for n, r in baseline_ranks(fitted, inputs, target, negs).items():
             base[n].append(r)
+        if oracle is not None:
+            ceiling.append(baseline_ranks({"oracle": oracle}, inputs, target, negs)["oracle"])
     r = np.concatenate(ranks)
     res = {"protocol": ("sampled: target vs %d uniform random items" % sampled_negatives) if sampled
            else f"full catalog ({vocab} items), chronological leave-one-out",
@@ -139,7 +143,18 @@ def evaluate_next_item(cfg, man, full, model, max_batches, split="eval", full_ca
     for name, rs in base.items():
         res[f"baseline_{name}"] = _rank_metrics(np.concatenate(rs))
     res["strongest_baseline"] = max(base, key=lambda n: (res[f"baseline_{n}"]["NDCG@10"], n))
+    if oracle is not None:
+        res["generator_oracle"] = {**_rank_metrics(np.concatenate(ceiling)), "note": (
+            "the generator's own next-item probabilities (nestpipe.datasets.synth.NextItemOracle): the successor "
+            "of the last input item, then the fresh-draw popularity in the input's community")}
     return res
+
+
+def _next_item_oracle(shards: str):
+    """Synthetic data only: the generator's next-item ranking, from ``SHARDS/synth_truth.json`` (None if absent or
+    written before the file recorded the generator's config)."""
+    path = os.path.join(shards, TRUTH_FILE)
+    return next_item_oracle(read_json(path, "synthetic truth")) if os.path.isfile(path) else None
 
 
 def _auc(y: np.ndarray, p: np.ndarray) -> float:

@@ -176,10 +176,9 @@ def next_item_loss(hidden: torch.Tensor, emb: Dict[str, torch.Tensor], feats: Di
     target = F.normalize(emb["item"].index_select(0, q_idx + 1), dim=-1)
     negs = F.normalize(emb[NEG], dim=-1)
     pos_logit = (query * target).sum(-1, keepdim=True) / temperature
-    neg_logit = query @ negs.t() / temperature + sampled_log_weight
-    same = feats["item_ids"].index_select(0, q_idx + 1)[:, None] == feats["neg_ids"][None, :]
-    neg_logit = neg_logit.masked_fill(same, -1e9)
-    logits = [pos_logit, neg_logit]
+    q_rows, n_cols = _collisions(feats["item_ids"].index_select(0, q_idx + 1), feats["neg_ids"])
+    neg_lse = SharedNegativesLSE.apply(query / temperature, negs, float(sampled_log_weight), q_rows, n_cols)
+    logits = [pos_logit, neg_lse[:, None]]
     if history_negatives:
         logits.append(_history_logits(query, emb["item"], feats["item_ids"], lengths, q_idx, temperature))
     logits = torch.cat(logits, dim=1)
@@ -189,6 +188,52 @@ def next_item_loss(hidden: torch.Tensor, emb: Dict[str, torch.Tensor], feats: Di
     count = torch.zeros(b, dtype=token_loss.dtype, device=lengths.device).index_add(
         0, q_sample, torch.ones_like(token_loss))
     return per_sample / count.clamp(min=1)
+
+
+def _collisions(targets: torch.Tensor, neg_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(query row, negative column) of every shared negative equal to the query's target (masked out of its
+    softmax), found through the sorted negative ids instead of a ``[Q, K]`` comparison."""
+    order = torch.argsort(neg_ids, stable=True)
+    ids = neg_ids.index_select(0, order)
+    lo = torch.searchsorted(ids, targets, right=False)
+    hi = torch.searchsorted(ids, targets, right=True)
+    counts = hi - lo
+    rows = torch.repeat_interleave(torch.arange(len(targets), device=targets.device), counts)
+    first = torch.repeat_interleave(lo, counts)
+    within = torch.arange(len(rows), device=targets.device) - torch.repeat_interleave(
+        torch.cumsum(counts, 0) - counts, counts)
+    return rows, order.index_select(0, first + within)
+
+
+class SharedNegativesLSE(torch.autograd.Function):
+    """``logsumexp_j(q_i . n_j + w)`` per query row over the batch's shared negatives, the pairs ``(rows, cols)``
+    left out; one ``[Q, K]`` buffer, exponentiated in place and kept for the backward.
+
+    Written by hand because the composed ops (matmul, add, masked fill, max, subtract, exp, sum, and their backward)
+    stream the ``[Q, K]`` logits through memory a dozen times; this takes five passes and two matmuls, the gradient
+    being ``softmax * g`` on the rows. Deterministic (no atomics), the same on every device and in every schedule."""
+
+    @staticmethod
+    def forward(ctx, q, negs, log_weight: float, rows, cols):
+        scores = q @ negs.t()
+        if log_weight:
+            scores.add_(log_weight)
+        if len(rows):
+            scores.index_put_((rows, cols), scores.new_tensor(float("-inf")))
+        peak = scores.amax(1, keepdim=True)
+        peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))  # a row with every negative masked
+        scores.sub_(peak).exp_()
+        total = scores.sum(1, keepdim=True)
+        ctx.save_for_backward(scores, total, q, negs)
+        return (peak + total.log()).squeeze(1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        probs, total, q, negs = ctx.saved_tensors
+        g = probs * (grad[:, None] / total.clamp(min=torch.finfo(total.dtype).tiny))  # 0, not nan, on empty rows
+        grad_q = g @ negs if ctx.needs_input_grad[0] else None
+        grad_negs = g.t() @ q if ctx.needs_input_grad[1] else None
+        return grad_q, grad_negs, None, None, None
 
 
 def _history_logits(query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor, lengths: torch.Tensor,

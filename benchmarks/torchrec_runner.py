@@ -91,12 +91,17 @@ def _worker(rank, world, a, port, q):
     dev = torch.device("cpu")
 
     class Batch(Pipelineable):
-        def __init__(self, sparse_features, **fields):
+        # GR: the action table is narrower than the (untied, 2 x dim) item rows, and an EmbeddingCollection holds
+        # tables of one width, so its ids travel as a KJT of their own (``action_features``)
+        def __init__(self, sparse_features, action_features=None, **fields):
             self.sparse_features = sparse_features
+            self.action_features = action_features
             self.fields = fields
 
         def to(self, device, non_blocking=False):
+            act = self.action_features
             return Batch(self.sparse_features.to(device, non_blocking=non_blocking),
+                         None if act is None else act.to(device, non_blocking=non_blocking),
                          **{k: v.to(device, non_blocking=non_blocking) for k, v in self.fields.items()})
 
         def record_stream(self, stream):
@@ -158,8 +163,9 @@ def _worker(rank, world, a, port, q):
                 # negatives, the logQ correction over the item catalog)
                 self.hstu = HSTU(hcfg, a["dim"], ["item", "action"], a["max_seq_len"], a["item_rows"])
 
-            def forward(self, jt, f):
-                emb = {"item": jt["item"].values(), "action": jt["action"].values(), "item#neg": jt["item_neg"].values()}
+            def forward(self, jt, jt_action, f):
+                emb = {"item": jt["item"].values(), "action": jt_action["action"].values(),
+                       "item#neg": jt["item_neg"].values()}
                 per_sample = self.hstu(emb, {"lengths": f["lengths"], "item_ids": f["item_ids"], "neg_ids": f["neg_ids"]})
                 return per_sample.sum() / (len(f["lengths"]) * world), per_sample.detach()
 
@@ -168,13 +174,14 @@ def _worker(rank, world, a, port, q):
                 super().__init__()
                 self.ec = EmbeddingCollection(tables=[
                     EmbeddingConfig(name="item", embedding_dim=item_dim, num_embeddings=a["item_rows"],
-                                    feature_names=["item", "item_neg"]),
+                                    feature_names=["item", "item_neg"])], device=torch.device("meta"))
+                self.ec_action = EmbeddingCollection(tables=[
                     EmbeddingConfig(name="action", embedding_dim=a["dim"], num_embeddings=256,
                                     feature_names=["action"])], device=torch.device("meta"))
                 self.head = Head()
 
             def forward(self, batch):
-                return self.head(self.ec(batch.sparse_features), batch.fields)
+                return self.head(self.ec(batch.sparse_features), self.ec_action(batch.action_features), batch.fields)
 
         rng = np.random.default_rng(2000 + rank)
         for k in range(nb):
@@ -186,16 +193,19 @@ def _worker(rank, world, a, port, q):
             neg_lens = np.zeros(b, np.int64)
             neg_lens[0] = len(neg)
             kjt = KeyedJaggedTensor.from_lengths_sync(
-                keys=["item", "item_neg", "action"], values=torch.from_numpy(np.concatenate([item, neg, action])),
-                lengths=torch.from_numpy(np.concatenate([lens, neg_lens, lens])))
-            batches.append(Batch(kjt, lengths=torch.from_numpy(lens), item_ids=torch.from_numpy(item),
+                keys=["item", "item_neg"], values=torch.from_numpy(np.concatenate([item, neg])),
+                lengths=torch.from_numpy(np.concatenate([lens, neg_lens])))
+            kjt_action = KeyedJaggedTensor.from_lengths_sync(
+                keys=["action"], values=torch.from_numpy(action), lengths=torch.from_numpy(lens))
+            batches.append(Batch(kjt, kjt_action, lengths=torch.from_numpy(lens), item_ids=torch.from_numpy(item),
                                  neg_ids=torch.from_numpy(neg)))
         tables, sharders, B = ["item", "action"], [EmbeddingCollectionSharder()], len(batches[0].fields["lengths"])
 
     torch.manual_seed(0)
     m = Model()
-    emb_module = m.ebc if a["workload"] == "pooled" else m.ec
-    apply_optimizer_in_backward(RowWiseAdagrad, emb_module.parameters(), {"lr": 0.05, "eps": 1e-8})
+    emb_params = (list(m.ebc.parameters()) if a["workload"] == "pooled"
+                  else [*m.ec.parameters(), *m.ec_action.parameters()])
+    apply_optimizer_in_backward(RowWiseAdagrad, emb_params, {"lr": 0.05, "eps": 1e-8})
     # "row_wise": every table row-wise; "default": TorchRec's planner chooses (no constraints)
     sharding = a.get("sharding", "row_wise")
     constraints = ({} if sharding == "default"

@@ -73,14 +73,26 @@ def test_gr_samples_are_chronological_windows_with_leave_one_out(raw, tmp_path):
                 starts = [i for i in range(len(train) - len(items) + 1) if train[i:i + len(items)] == items]
                 assert starts, "window is not a slice of the user's chronological training prefix"
             n_train += m.batch_size
+    eval_users = []
     for entry in m.sets["eval"]:
         for b in shards.iter_shard(os.path.join(out, entry.path)):
             off = shards.table_offsets(b, "item")
-            for s in range(m.batch_size):
+            assert len(off) - 1 == b["meta"]["samples"] <= m.batch_size
+            for s in range(len(off) - 1):
                 items = b["item.values"][off[s]:off[s + 1]].tolist()
                 assert items[-1] == last[int(b["user"][s])], "eval target is not the user's last interaction"
                 assert items == seqs[int(b["user"][s])][-len(items):]
+                eval_users.append(int(b["user"][s]))
     assert n_train == m.totals()["train"]["samples"] > 0
+    # every user with a training prefix is evaluated once: the eval split keeps its incomplete last batch
+    assert len(eval_users) == len(set(eval_users)) == m.totals()["eval"]["samples"]
+    assert sorted(eval_users) == sorted(u for u, sq in seqs.items() if len(sq) >= 2)
+    assert len(eval_users) % m.batch_size, "the fixture should leave an incomplete last eval batch"
+    assert m.dropped_samples["eval"] == 0 and m.dropped_samples["train"] == n_train_all(m) - n_train
+
+
+def n_train_all(m):
+    return m.stats["samples"]["train"]
 
 
 def test_batch_fields_partition_and_unique_keys(raw, tmp_path):
@@ -126,8 +138,10 @@ def test_ctr_records_keys_partition_and_history(raw, tmp_path):
         for entry in m.sets[split]:
             for b in shards.iter_shard(os.path.join(out, entry.path)):
                 mb = b["mb"]
+                n_mb = b["meta"]["micro_batches"]  # fewer in an eval split's smaller last batch
+                assert n_mb == (m.micro_batches if len(mb) == m.batch_size else min(m.micro_batches, len(mb)))
                 packed = [(b[f"{t}.values"], shards.table_offsets(b, t)) for t in tables]
-                ref = clustering.unique_keys_packed(packed, mb, num_micro_batches=m.micro_batches)
+                ref = clustering.unique_keys_packed(packed, mb, num_micro_batches=n_mb)
                 for t, (u, inv, mu, mo) in zip(tables, ref):
                     assert np.array_equal(b[f"{t}.unique"], u) and np.array_equal(b[f"{t}.inverse"], inv), t
                     assert np.array_equal(b[f"{t}.mb_unique"], mu) and np.array_equal(b[f"{t}.mb_offsets"], mo), t
@@ -135,10 +149,10 @@ def test_ctr_records_keys_partition_and_history(raw, tmp_path):
                                  enumerate(ctr.CLUSTER_TABLES)], axis=1).ravel()
                 seed = _batch_seed({"seed": 0}, split, b["meta"]["index"])
                 expect = clustering.assign(keys, np.arange(0, keys.size + 1, len(ctr.CLUSTER_TABLES)),
-                                           m.micro_batches, seed=seed)
+                                           n_mb, seed=seed)
                 assert np.array_equal(mb, expect)
                 hoff = shards.table_offsets(b, "history")
-                for s_ in range(m.batch_size):
+                for s_ in range(len(mb)):
                     u, v = int(b["user_id.values"][s_]), int(b["video_id.values"][s_])
                     hist = b["history.values"][hoff[s_]:hoff[s_ + 1]].tolist()
                     seq, ts = seqs[u], times[u]
@@ -178,10 +192,12 @@ def test_stock_webdataset_reads_every_member(raw, tmp_path):
             batch = shards.decode_sample(sample)  # consumers see per-table fields again
             for t in m.tables:
                 assert np.array_equal(batch[f"{t}.unique"][batch[f"{t}.inverse"]], batch[f"{t}.values"])
-                assert len(batch[f"{t}.lengths"]) == 128 and len(batch[f"{t}.mb_offsets"]) == m.micro_batches + 1
+                b = sample["meta.json"]["samples"]  # 128, or fewer in the eval split's last batch
+                assert len(batch[f"{t}.lengths"]) == b and len(batch[f"{t}.mb_offsets"]) == min(m.micro_batches, b) + 1
+            assert b == 128 or split == "eval"
             for k in keys:
                 assert sample[k] is not None
-            assert sample["dense.npy"].shape == (128, len(m.dense_features))
+            assert sample["dense.npy"].shape == (b, len(m.dense_features))
             n += 1
     assert n == sum(t["batches"] for t in m.totals().values())
     # no pickled member anywhere

@@ -17,6 +17,7 @@ import pytest
 
 from nestpipe.datasets import synth
 from nestpipe.ingest import IngestConfig, ingest
+from nestpipe.datasets.shards import load_manifest
 from nestpipe.trainer.evaluate import evaluate_run
 
 pytestmark = pytest.mark.slow  # module fixtures train for a minute or more
@@ -65,6 +66,10 @@ def dlrm_beats(ev) -> bool:
 def test_hstu_beats_most_popular(data):
     ev = train(data["gr"], str(data["root"] / "hstu"), "hstu", "--epochs", str(HSTU_EPOCHS))
     assert ev["protocol"].startswith("full catalog") and ev["samples"] >= 100
+    # every eval user is scored (the ingest keeps the incomplete last eval batch), and the report says how many
+    m = load_manifest(data["gr"])
+    assert ev["split_samples"] == m.stats["samples"]["eval"] == ev["samples"] + ev["too_short"]
+    assert ev["split_samples"] % m.batch_size, "the fixture should leave an incomplete last eval batch"
     assert hstu_beats(ev), ev
     # negative control: the untrained model (learning rates 0) does not beat the baseline
     frozen = train(data["gr"], str(data["root"] / "hstu-frozen"), "hstu", "--steps", "1", *FROZEN)
@@ -75,6 +80,7 @@ def test_hstu_beats_most_popular(data):
 def test_dlrm_beats_constant(data):
     ev = train(data["ctr"], str(data["root"] / "dlrm"), "dlrm", "--epochs", "1")
     assert ev["samples"] >= 1000
+    assert ev["samples"] == load_manifest(data["ctr"]).stats["samples"]["eval"]  # every eval interaction
     assert dlrm_beats(ev), ev
     # synthetic data: the generator's own probabilities bound what any model can reach (within sampling noise)
     ceiling = ev["bayes_ceiling"]

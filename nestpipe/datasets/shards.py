@@ -1,6 +1,7 @@
 """The training-shard format (version 2): WebDataset tar files of batch records, and the manifest beside them.
 
-One tar record = one batch of exactly B samples for one worker. Its members (basename = the record key, a
+One tar record = one batch of exactly B samples for one worker (the last batch of a split other than ``train`` may
+be smaller: it holds the split's remainder, so that evaluation scores every sample; its ``meta.samples`` says so). Its members (basename = the record key, a
 zero-padded batch index with no dots) are ``.npy`` arrays and one ``.json`` header; never pickle. Field names as
 consumers see them after :func:`decode_sample` (stored dtypes may be narrower, see below):
 

@@ -17,7 +17,7 @@ def shard_report(directory: str, verify: bool = True) -> Dict[str, Any]:
     for split, entries in m.sets.items():
         tokens = 0
         unique = {t: 0 for t in m.tables}
-        batches = 0
+        batches = samples = 0
         for e in entries:
             if verify:
                 try:
@@ -27,6 +27,7 @@ def shard_report(directory: str, verify: bool = True) -> Dict[str, Any]:
                     continue
             for b in shard_format.iter_shard(os.path.join(directory, e.path)):
                 batches += 1
+                samples += len(b["mb"])
                 first = next(iter(m.tables))
                 tokens += int(b[f"{first}.values"].size)
                 for t in m.tables:
@@ -34,7 +35,7 @@ def shard_report(directory: str, verify: bool = True) -> Dict[str, Any]:
         sets[split] = {
             **m.totals()[split],
             "batches_read": batches,
-            "mean_values_per_sample": tokens / max(1, batches * m.batch_size),
+            "mean_values_per_sample": tokens / max(1, samples),
             "mean_unique_per_batch": {t: u / max(1, batches) for t, u in unique.items()},
         }
     return {
@@ -57,8 +58,8 @@ def format_report(rep: Dict[str, Any]) -> str:
         )
         uniq = ", ".join(f"{t} {u:.0f}" for t, u in list(s["mean_unique_per_batch"].items())[:6])
         lines.append(f"  unique keys per batch: {uniq}")
-    lines.append(f"rejected rows: {rep['rejected_rows']}; dropped samples (incomplete last batch): "
-                 f"{rep['dropped_samples']}")
+    lines.append(f"rejected rows: {rep['rejected_rows']}; training samples dropped (the incomplete last batch; the "
+                 f"other splits keep theirs as a smaller last batch): {rep['dropped_samples'].get('train', 0)}")
     st = rep["stats"]
     if "seconds" in st:
         lines.append(f"ingest: {st.get('input_rows', 0):,} input rows in {st['seconds']:.1f} s")

@@ -181,7 +181,8 @@ def _unit_shard(args: Tuple[str, str, str, int, int, int, Dict[str, Any]]) -> Di
         digest, size = shards.sha256_file(path)
         return {"path": name, "batches": n_batches, "samples": n_batches * B, "sha256": digest, "bytes": size,
                 "resumed": True}
-    rng = slice(first_batch * B, (first_batch + n_batches) * B)
+    start = opts.get("first_sample", first_batch * B)  # a tail unit's batch is smaller than the split's B
+    rng = slice(start, start + n_batches * B)
     # memory-mapped: a shard reads only its own slice of the split's sample order
     parts = np.array(np.load(os.path.join(work, f"order-{split}-parts.npy"), mmap_mode="r")[rng])
     idxs = np.array(np.load(os.path.join(work, f"order-{split}-idxs.npy"), mmap_mode="r")[rng])
@@ -340,11 +341,19 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
             os.replace(os.path.join(work, f"order-{split}-{name}.tmp.npy"),
                        os.path.join(work, f"order-{split}-{name}.npy"))
         n_batches = len(parts) // B
-        dropped[split] = int(len(parts) - n_batches * B)
+        tail = int(len(parts) - n_batches * B)
+        # training needs whole batches (every rank steps together); the splits that are only scored keep their
+        # remainder as one smaller last batch, in a shard of its own, so that every sample is evaluated
+        dropped[split] = tail if split == "train" else 0
         per_shard = cfg.batches_per_shard or _auto_batches_per_shard(cfg, s3)
+        k = -1
         for k, first in enumerate(range(0, n_batches, per_shard)):
             shard_units.append((work, cfg.out, split, k, first, min(per_shard, n_batches - first),
                                 _shard_opts(cfg, tables)))
+        if tail and split != "train":
+            opts = {**_shard_opts(cfg, tables), "batch_size": tail, "micro_batches": min(cfg.micro_batches, tail),
+                    "first_sample": n_batches * B}
+            shard_units.append((work, cfg.out, split, k + 1, n_batches, 1, opts))
     s4 = ex.run(_unit_shard, shard_units, cfg, "4/4 shards", rows_of=lambda s: s["samples"],
                 cost=lambda u: u[5])  # batches
     for u, r in zip(shard_units, s4):

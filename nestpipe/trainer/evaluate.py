@@ -109,10 +109,12 @@ def evaluate_next_item(cfg, man, full, model, max_batches, split="eval", full_ca
     sampled = vocab > full_catalog_max
     oracle = _next_item_oracle(cfg.shards)
     ranks, base, ceiling = [], {n: [] for n in fitted}, []
+    read = 0
     for rec, keep, inputs, target, negs in next_item_examples(cfg.shards, vocab, max_batches,
                                                               sampled_negatives if sampled else 0, cfg.seed, split):
         off = table_offsets(rec, "item")
         lengths = np.diff(off)
+        read += len(lengths)
         emb = {}
         idx = np.concatenate([np.arange(off[s], off[s + 1] - 1) for s in range(len(lengths)) if keep[s]])
         for t in seq:
@@ -139,7 +141,10 @@ def evaluate_next_item(cfg, man, full, model, max_batches, split="eval", full_ca
     r = np.concatenate(ranks)
     res = {"protocol": ("sampled: target vs %d uniform random items" % sampled_negatives) if sampled
            else f"full catalog ({vocab} items), chronological leave-one-out",
-           "samples": int(len(r)), "model": _rank_metrics(r)}
+           "samples": int(len(r)), "split_samples": read, "too_short": read - int(len(r)),
+           "samples_note": "every sample of the split is read; those with fewer than two items (nothing to predict "
+                           "from) are counted in too_short",
+           "model": _rank_metrics(r)}
     for name, rs in base.items():
         res[f"baseline_{name}"] = _rank_metrics(np.concatenate(rs))
     res["strongest_baseline"] = max(base, key=lambda n: (res[f"baseline_{n}"]["NDCG@10"], n))
@@ -210,8 +215,7 @@ def _bayes_ceiling(cfg, man, split: str, samples: int) -> Dict:
     if not entry:
         return {}
     return {"bayes_ceiling": {**entry, "note": f"every interaction of the last {days} dates ({entry['rows']} rows; "
-                              f"the eval split scored here: {samples} samples, after the incomplete last batch is "
-                              "dropped)"}}
+                              f"the eval split scored here: {samples} samples, every one of the split)"}}
 
 
 # the evaluation protocol of each shard task: next-item (HR/NDCG) for gr, CTR (AUC/logloss) for ctr

@@ -71,9 +71,10 @@ def test_placement_every_key_one_owner_and_init_independent_of_world():
 def test_train_eval_export_and_errors(gr, tmp_path):
     out = str(tmp_path / "run")
     p = run("train", "--shards", gr, "--out", out, "--model", "hstu", "--nproc-per-node", "2", "--epochs", "1",
-            "--no-progress", *SETS)
+            "--no-progress", "--tensorboard", *SETS)
     assert p.returncode == 0, p.stderr[-4000:]
     assert "samples/s" in p.stdout
+    _check_tensorboard_events(out)
     m = json.load(open(os.path.join(out, "metrics.json")))
     assert m["steps_run"] == 5 and m["world"] == 2 and all(x > 0 for x in m["samples_per_s_per_rank"])
     assert m["per_rank"][0]["exposed_communication_s"] > 0
@@ -88,6 +89,7 @@ def test_train_eval_export_and_errors(gr, tmp_path):
     d = torch.load(str(tmp_path / "m.pt"), weights_only=True)
     # hstu default output_embedding=untied: every item row is [input | output], two dims of 16
     assert d["embedding.item.weight"].shape == (300, 32) and "optim.dense.pos.exp_avg" in d
+    _check_safetensors_export(out, tmp_path, d)
     # the run stands on its own: with its shards gone (moved), export still works from the manifest the run
     # kept; eval asks for --shards and checks that they are the run's (before: "no manifest" for both)
     import shutil
@@ -324,3 +326,54 @@ def test_model_defaults_from_the_shards_task(tmp_path):
     assert json.load(open(os.path.join(out, "config.json")))["model"] == "dlrm"
     p = run("train", "--shards", ctr, "--out", str(tmp_path / "r2"), "--model", "hstu", "--steps", "1")
     assert p.returncode != 0 and "use --model dlrm" in p.stderr
+
+
+def _check_safetensors_export(out, tmp_path, d):
+    """``export --out FILE.safetensors``: read back with the safetensors package, every tensor bitwise the
+    torch.save export's, also when each table is streamed in blocks of 7 rows; the model config beside it."""
+    from safetensors.torch import load_file
+
+    from nestpipe.trainer.export import export_safetensors
+
+    st = str(tmp_path / "m.safetensors")
+    p = run("export", "--run", out, "--out", st)
+    assert p.returncode == 0 and "model config in" in p.stdout, p.stderr[-3000:]
+    got = load_file(st)
+    assert sorted(got) == sorted(d)
+    assert all(torch.equal(got[k], d[k]) and got[k].dtype == d[k].dtype for k in d)
+    conf = json.load(open(str(tmp_path / "m.config.json")))
+    assert conf["model"] == "hstu" and conf["tables"]["item"]["vocab"] == 300 and conf["step"] == int(d["meta.step"])
+    blocks = str(tmp_path / "blocks.safetensors")
+    export_safetensors(out, blocks, block_rows=7)  # 300 rows: 43 blocks per table
+    assert open(blocks, "rb").read() == open(st, "rb").read()
+    # negative control: one byte changed in the item table's bytes is seen by the comparison
+    raw = bytearray(open(st, "rb").read())
+    n = int.from_bytes(raw[:8], "little")
+    lo = json.loads(raw[8:8 + n])["embedding.item.weight"]["data_offsets"][0]
+    raw[8 + n + lo + 5] ^= 0x40
+    bad = str(tmp_path / "bad.safetensors")
+    open(bad, "wb").write(bytes(raw))
+    assert not torch.equal(load_file(bad)["embedding.item.weight"], d["embedding.item.weight"])
+
+
+def _check_tensorboard_events(out):
+    """``--tensorboard``: the event files under RUN/tensorboard, read with TensorBoard's own reader, hold the loss of
+    every step of scalars.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logged = [json.loads(x) for x in open(os.path.join(out, "scalars.jsonl"))]
+    want = {r["step"]: r["loss"] for r in logged if "loss" in r}
+    acc = EventAccumulator(os.path.join(out, "tensorboard"))
+    acc.Reload()
+    got = {e.step: e.value for e in acc.Scalars("train/loss")}
+    assert len(want) == 5 and set(got) == set(want)
+    assert all(got[k] == pytest.approx(want[k], rel=1e-6) for k in want)  # events store float32
+    assert "train/samples_per_s" in acc.Tags()["scalars"]
+
+
+def test_no_tensorboard_unless_asked(gr, tmp_path):
+    out = str(tmp_path / "plain")
+    p = run("train", "--shards", gr, "--out", out, "--model", "hstu", "--nproc-per-node", "1", "--steps", "2",
+            "--no-progress", *SETS)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert os.path.exists(os.path.join(out, "scalars.jsonl")) and not os.path.exists(os.path.join(out, "tensorboard"))

@@ -169,4 +169,4 @@ def write_gantt(path: str, schedule: Schedule, steps: int = 2, title: str = "") 
     bars = [gantt.Bar(t.stream, (t.start - w0) * 1e3, (t.end - w0) * 1e3, t.label, t.category)
             for t in schedule.tasks if t.end > w0 - 0.5 * span and t.start < w1]
     gantt.draw(path, bars, STREAMS, CATEGORY_COLORS, title=title, xlabel="ms (0 = start of the measured window)",
-               xlim=(-0.5 * span * 1e3, span * 1e3), min_label_width=0.04 * span * 1e3, legend_loc="upper left")
+               xlim=(-0.5 * span * 1e3, span * 1e3), min_label_width=0.04 * span * 1e3)

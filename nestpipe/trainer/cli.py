@@ -58,6 +58,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--timeout", type=float, help="process-group timeout in seconds (default 60)")
     p.add_argument("--resume", metavar="RUN", help="continue RUN from its latest complete checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also write the scalars of RUN/scalars.jsonl (loss, samples/s) as TensorBoard events under "
+                   "RUN/tensorboard: `tensorboard --logdir RUN/tensorboard` (needs pip install tensorboard)")
     p.add_argument("--help-config", action="store_true",
                    help="list every config key (for --config and --set) with its type, default and meaning, and exit")
     p.add_argument("torchrun_args", nargs="*", help="passed to torch.distributed.run (after --)")
@@ -82,10 +85,13 @@ def add_parser(subparsers) -> None:
         "export", help="export a run as one dict of full tensors (torch.load weights_only)",
         description="Gather the run's latest checkpoint (every rank's rows of every table, the dense model) into one "
         "dict of full tensors saved with torch.save, readable with torch.load(..., weights_only=True); tables above "
-        "--max-rows-in-memory are streamed to files of their own. Refuses a checkpoint whose data-parallel replicas "
-        "differ across ranks.")
+        "--max-rows-in-memory are streamed to files of their own. With --out FILE.safetensors: one safetensors file "
+        "(the same tensor names), every table streamed block by block, and the model config beside it. Refuses a "
+        "checkpoint whose data-parallel replicas differ across ranks.")
     x.add_argument("--run", required=True, help="run directory of `nestpipe train` (its --out)")
-    x.add_argument("--out", required=True, help="output FILE.pt")
+    x.add_argument("--out", required=True,
+                   help="output FILE.pt (torch.save), or FILE.safetensors (streamed table by table, with "
+                   "FILE.config.json beside it: the run's config, tables and step)")
     x.add_argument("--max-rows-in-memory", type=int, default=50_000_000,
                    help="tables above this are streamed as FILE.<table>.<block>.pt")
     x.set_defaults(func=_export)
@@ -136,7 +142,10 @@ def _train(args) -> int:
     d = merge(d, sets)
     if args.no_progress:
         d["progress"] = False
+    if args.tensorboard:
+        d["tensorboard"] = True
     cfg = TrainConfig.from_dict(d, where=args.config or "command line")
+    _check_tensorboard(cfg)
     for k in ("shards", "out"):
         if not getattr(cfg, k):
             raise ValueError(f"--{k} is required (or set it in --config)")
@@ -193,6 +202,14 @@ def _verify_shards(shards: str, manifest) -> None:
                          "`nestpipe shard-report` lists every shard")
 
 
+def _check_tensorboard(cfg) -> None:
+    import importlib.util
+
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError("--tensorboard (tensorboard = true) needs the tensorboard package: "
+                         "pip install 'nestpipe[tensorboard]' (or pip install tensorboard)")
+
+
 def _resume(args) -> int:
     """``--resume RUN``: the run's own config, with what the command line changes (--steps/--epochs, --set,
     --no-progress, --pipeline, --checkpoint-every, --timeout) validated as a whole; the world size of the run's
@@ -215,7 +232,10 @@ def _resume(args) -> int:
     d = merge(d, _parse_set(args.set))
     if args.no_progress:
         d["progress"] = False
+    if args.tensorboard:
+        d["tensorboard"] = True
     cfg = TrainConfig.from_dict(d, where=f"{args.resume}/config.json + command line")
+    _check_tensorboard(cfg)
     ckpt = checkpoint.latest(cfg.out)
     if ckpt is None:
         raise FileNotFoundError(f"{cfg.out}: no complete checkpoint to resume from (start the run again without "
@@ -252,5 +272,6 @@ def _export(args) -> int:
 
     res = export_run(args.run, args.out, args.max_rows_in_memory)
     print(f"exported {res['tensors']} tensors at step {res['step']} to {res['file']}"
-          + (f" (+{len(res['streamed_files'])} streamed table files)" if res["streamed_files"] else ""))
+          + (f" (+{len(res['streamed_files'])} streamed table files)" if res["streamed_files"] else "")
+          + (f"; model config in {res['config']}" if res.get("config") else ""))
     return 0

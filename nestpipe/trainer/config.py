@@ -64,7 +64,8 @@ class PipelineConfig:
         "clustered", help="clustered: the shard's key-centric partition; random: re-partition every batch uniformly "
         "at random (same samples, same gradient sum up to summation order)", choices=("clustered", "random"))
     trace_steps: int = opt(64, help="steps recorded in the timeline (RUN/trace.json)", minimum=0)
-    gantt_steps: int = opt(4, help="steps drawn in RUN/timeline.png (0: no chart)", minimum=0)
+    gantt_steps: int = opt(3, help="steady-state steps drawn in RUN/timeline.png, after the warm-up steps (0: no chart)",
+                           minimum=0)
     baseline_metrics: str = opt("", help="a --pipeline off run's metrics.json: the exposed-time ratios in "
                                 "metrics.json are measured against it")
 
@@ -94,6 +95,8 @@ class _TrainConfigBase:
         0, help="2D sparse parallelism: workers per model-parallel group M (world / M replica groups, data-parallel "
         "across groups); 0 or the world size = plain training", minimum=0)
     log_every: int = opt(1, help="write RUN/scalars.jsonl every K steps", minimum=1)
+    tensorboard: bool = opt(False, help="also write the scalars as TensorBoard events under RUN/tensorboard "
+                            "(needs the tensorboard package: pip install 'nestpipe[tensorboard]')")
     progress: bool = opt(True, help="show a progress bar on rank 0")
     verify_shards: bool = opt(True, help="check every shard's sha256 against the manifest before training")
     embedding: EmbeddingConfig = opt(factory=EmbeddingConfig, help="sparse tables")

@@ -12,7 +12,9 @@ large table is written as ``FILE.<table>.<block>.pt`` files of consecutive id bl
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from typing import Dict, Iterator, Tuple
 
 import numpy as np
@@ -22,6 +24,8 @@ from nestpipe.trainer import checkpoint
 from nestpipe.trainer.config import load_run_config
 from nestpipe.trainer.embedding.placement import TablePlacement, init_rows
 from nestpipe.trainer.models import build_model, model_table_dims
+from nestpipe.trainer.run_files import run_manifest
+from nestpipe.utils.jsonio import write_json_atomic
 
 
 def _table_blocks(ckpt: str, name: str, pmeta: Dict, seed: int, rank_files: Dict[int, Dict],
@@ -100,28 +104,35 @@ def _assemble(run, ckpt, stream_prefix, max_rows_in_memory):
             else:
                 out[f"embedding.{name}.weight"] = w
                 out[f"embedding.{name}.adagrad_state"] = s
-    r0 = rank_files[0]
     _check_replicas(ckpt, rank_files)
+    out.update(_replicated_and_dense(run, cfg, meta, rank_files[0]))
+    return out, files
+
+
+def _replicated_and_dense(run, cfg, meta, r0) -> Dict[str, torch.Tensor]:
+    """Everything but the sharded tables: replicated tables, dense parameters, AdamW state, ``meta.step``."""
+    out: Dict[str, torch.Tensor] = {}
     for name, rep in r0["replicated"].items():
         out[f"embedding.{name}.weight"] = rep["weight"]
         out[f"embedding.{name}.adagrad_state"] = rep["state"]
-    names = sorted(r0["dense"])
-    for k in names:
+    for k in sorted(r0["dense"]):
         out[f"dense.{k}"] = r0["dense"][k]
     # AdamW state: optimizer params are in model.parameters() order
-    from nestpipe.trainer.run_files import run_manifest  # what export needs of the shards: the run's manifest copy
-
-    manifest, _ = run_manifest(run, cfg)
+    manifest, _ = run_manifest(run, cfg)  # what export needs of the shards: the run's manifest copy
     model = build_model(cfg, manifest, model_table_dims(cfg, manifest))
     pnames = [n for n, _ in model.named_parameters()]
     for idx, st in r0["optimizer"]["state"].items():
         for k, v in st.items():
             out[f"optim.dense.{pnames[int(idx)]}.{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
     out["meta.step"] = torch.tensor(meta["step"])
-    return out, files
+    return out
 
 
 def export_run(run: str, out_file: str, max_rows_in_memory: int = 50_000_000) -> Dict:
+    """Write the export to ``out_file``: safetensors when it ends in ``.safetensors`` (:func:`export_safetensors`),
+    else ``torch.save``."""
+    if out_file.endswith(SAFETENSORS_SUFFIX):
+        return export_safetensors(run, out_file)
     prefix = out_file[:-3] if out_file.endswith(".pt") else out_file
     tensors, files = _assemble(run, None, prefix, max_rows_in_memory)
     os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)
@@ -129,3 +140,91 @@ def export_run(run: str, out_file: str, max_rows_in_memory: int = 50_000_000) ->
     torch.save(tensors, tmp)
     os.replace(tmp, out_file)
     return {"file": out_file, "tensors": len(tensors), "streamed_files": files, "step": int(tensors["meta.step"])}
+
+
+# -- safetensors ------------------------------------------------------------------------------------------------------
+SAFETENSORS_SUFFIX = ".safetensors"
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+
+
+def export_safetensors(run: str, out_file: str, block_rows: int = 1_000_000) -> Dict:
+    """The export as one safetensors file (the same names and tensors as the ``torch.save`` export), streamed: each
+    sharded table is assembled and written ``block_rows`` ids at a time, so memory holds one block (plus the
+    table's AdaGrad state, ``1 / dim`` of it) however large the table. Beside it, ``FILE.config.json``: the run's
+    configuration, its tables (vocabulary, width) and the step, what a reader needs to rebuild the model.
+
+    The file is written here rather than by the ``safetensors`` package, whose writers take every tensor in memory
+    at once; the format (8-byte little-endian header length, a JSON header of dtype, shape and byte offsets per
+    tensor, the raw little-endian bytes) is read back with ``safetensors`` in the tests. Atomic: a temporary file
+    renamed over ``out_file``."""
+    if sys.byteorder != "little":
+        raise RuntimeError("safetensors stores little-endian bytes; this host is big-endian")
+    cfg = load_run_config(run)
+    ckpt = checkpoint.latest(run)
+    if ckpt is None:
+        raise FileNotFoundError(f"{run}: no complete checkpoint (train first)")
+    meta = checkpoint.read_meta(ckpt)
+    rank_files = {r: checkpoint.load_rank_file(ckpt, r) for r in range(meta["world"])}
+    _check_replicas(ckpt, rank_files)
+    # (name, dtype, shape, chunks): chunks() yields the tensor's rows in order
+    entries = []
+    for name, pm in sorted(meta["placement"].items()):
+        pm = dict(pm, init_scale=cfg.embedding.init_scale)
+        dtype = rank_files[0]["tables"][name]["weight"].dtype
+        states: list = []  # the state blocks, kept while the weight blocks are written (the weight comes first)
+
+        def weights(name=name, pm=pm, states=states):
+            for _, w, st in _table_blocks(ckpt, name, pm, meta["seed"], rank_files, max(1, block_rows)):
+                states.append(st)
+                yield w
+
+        def adagrad(states=states):
+            while states:
+                yield states.pop(0)
+
+        entries.append((f"embedding.{name}.weight", dtype, [pm["vocab"], pm["dim"]], weights))
+        entries.append((f"embedding.{name}.adagrad_state", dtype, [pm["vocab"]], adagrad))
+    for key, t in sorted(_replicated_and_dense(run, cfg, meta, rank_files[0]).items()):
+        entries.append((key, t.dtype, list(t.shape), lambda t=t: iter([t])))
+    header, offset = {}, 0
+    for key, dtype, shape, _ in entries:
+        if dtype not in _ST_DTYPES:
+            raise TypeError(f"{key}: dtype {dtype} has no safetensors name")
+        n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    header["__metadata__"] = {"format": "pt", "producer": "nestpipe export", "model": cfg.model,
+                              "step": str(meta["step"])}
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    tmp = out_file + ".tmp"
+    os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(head).to_bytes(8, "little"))
+            f.write(head)
+            for key, dtype, shape, chunks in entries:
+                written = 0
+                for t in chunks():
+                    b = t.detach().to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
+                    f.write(b.tobytes())
+                    written += b.nbytes
+                lo, hi = header[key]["data_offsets"]
+                if written != hi - lo:
+                    raise RuntimeError(f"{key}: wrote {written} bytes, the header says {hi - lo}")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out_file)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    manifest, _ = run_manifest(run, cfg)
+    config_file = out_file[: -len(SAFETENSORS_SUFFIX)] + ".config.json"
+    write_json_atomic(config_file, {
+        "model": cfg.model, "step": int(meta["step"]), "config": cfg.to_dict(),
+        "tables": {t: {"vocab": spec.vocab, "dim": spec.dim, "kind": spec.kind} for t, spec in manifest.tables.items()},
+        "tensors": len(entries)})
+    return {"file": out_file, "config": config_file, "tensors": len(entries), "streamed_files": [],
+            "step": int(meta["step"])}

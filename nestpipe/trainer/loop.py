@@ -125,7 +125,8 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
         return {"final_loss": None, "steps": run.steps, "resumed_from_step": start, "already_finished": True}
     run.state.timeline = tlmod.Timeline(rank, start, cfg.pipe.trace_steps)
     runner = PipelineRunner(run.state, run.schedule.schedule)
-    log = ScalarLog(os.path.join(cfg.out, "scalars.jsonl") if rank == 0 else None)
+    log = ScalarLog(os.path.join(cfg.out, "scalars.jsonl") if rank == 0 else None,
+                    os.path.join(cfg.out, "tensorboard") if cfg.tensorboard else None)
     announce(run, start, log)
     progress = Progress(run, start, log)
     train_segments(run, runner, start, progress)
@@ -223,8 +224,8 @@ def report(run: RankRun, runner: PipelineRunner, start: int, progress: Progress,
         spans = tlmod.merge(g.pop("timeline") for g in gathered)
         tlmod.write_chrome_trace(os.path.join(cfg.out, "trace.json"), spans)
         if cfg.pipe.gantt_steps > 0 and spans:
-            first = min(s["step"] for s in spans)
-            show = range(first + 1, first + 1 + cfg.pipe.gantt_steps)  # steady state: skip the pipeline fill
+            # steady state: the warm-up steps that metrics.json leaves out are not drawn either
+            show = tlmod.gantt_steps(spans, max(warm, 1), cfg.pipe.gantt_steps)
             tlmod.write_gantt(os.path.join(cfg.out, "timeline.png"), spans, show,
                               title=f"{cfg.model}, --pipeline {run.schedule.schedule}, world {world}")
         total_sps = sum(g["samples_per_s"] for g in gathered)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 # matplotlib's tab10 colours by name, for legends that are a sequence (steps) rather than fixed categories
 PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
@@ -29,39 +29,58 @@ class Bar:
     legend: str
 
 
-def draw(path: str, bars: Iterable[Bar], lanes: Sequence[str], legend: Dict[str, str], *, title: str,
-         xlabel: str = "ms", xlim: Optional[Tuple[float, float]] = None, min_label_width: float = 0.0,
-         legend_loc: str = "upper right") -> str:
-    """Write the chart to ``path`` (PNG, atomically: a temporary file renamed over it) and return ``path``.
+# the chart's geometry, shared by the drawing and the label-fitting rule
+FIG_WIDTH_IN = 14.0
+AXES_SHARE = 0.80  # of the figure's width left to the bars (lane names on the left, legend on the right)
+LABEL_FONT_PT = 6.0
+CHAR_PT = 0.62 * LABEL_FONT_PT  # mean advance of a character of the label font, with margin
 
-    ``lanes`` are the rows, top to bottom; ``legend`` maps each entry to its colour, in legend order; a bar is
-    labelled when it is wider than ``min_label_width``. Bars of zero or negative width are not drawn."""
+
+def label_fits(label: str, width: float, x_span: float) -> bool:
+    """Whether ``label`` fits inside a bar ``width`` wide on an x axis ``x_span`` wide (same unit): a label is only
+    drawn inside its own bar, so labels of bars that do not overlap never overlap either."""
+    axes_pt = FIG_WIDTH_IN * 72.0 * AXES_SHARE
+    return x_span > 0 and width / x_span * axes_pt >= (len(label) + 1) * CHAR_PT
+
+
+def draw(path: str, bars: Iterable[Bar], lanes: Sequence[str], legend: Dict[str, str], *, title: str,
+         xlabel: str = "ms", xlim: Optional[Tuple[float, float]] = None, min_label_width: float = 0.0) -> List[Bar]:
+    """Write the chart to ``path`` (PNG, atomically: a temporary file renamed over it); returns the bars whose label
+    was written.
+
+    ``lanes`` are the rows, top to bottom; ``legend`` maps each entry to its colour, in legend order (drawn outside
+    the bars, right of the axes). A bar is labelled when it is wider than ``min_label_width`` and its label fits
+    inside it (:func:`label_fits`). Bars of zero or negative width are not drawn."""
     import matplotlib  # optional, slow to import: only when a chart is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    bars = [b for b in bars if b.end > b.start]
+    if xlim is None:
+        xlim = (min((b.start for b in bars), default=0.0), max((b.end for b in bars), default=1.0))
+    x_span = xlim[1] - xlim[0]
     rows = {lane: i for i, lane in enumerate(lanes)}
-    fig, ax = plt.subplots(figsize=(14, max(3.6, 0.45 * len(lanes) + 1.5)))
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH_IN, max(3.6, 0.32 * len(lanes) + 1.5)))
+    labelled = []
     for bar in bars:
+        lo, hi = max(bar.start, xlim[0]), min(bar.end, xlim[1])
         width = bar.end - bar.start
-        if width <= 0:
-            continue
         y = rows[bar.lane]
         ax.broken_barh([(bar.start, width)], (y - 0.35, 0.7), facecolors=legend[bar.legend], edgecolors="black",
                        linewidth=0.3)
-        if width > min_label_width:
-            ax.text(bar.start + width / 2, y, bar.label, ha="center", va="center", fontsize=6, clip_on=True)
+        if hi - lo > min_label_width and label_fits(bar.label, hi - lo, x_span):
+            ax.text((lo + hi) / 2, y, bar.label, ha="center", va="center", fontsize=LABEL_FONT_PT, clip_on=True)
+            labelled.append(bar)
     ax.set_yticks(range(len(lanes)))
-    ax.set_yticklabels(lanes)
+    ax.set_yticklabels(lanes, fontsize=8)
     ax.invert_yaxis()
-    if xlim is not None:
-        ax.set_xlim(*xlim)
+    ax.set_xlim(*xlim)
     ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize=9)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in legend.values()]
-    ax.legend(handles, list(legend), loc=legend_loc, fontsize=7, ncol=min(len(legend), 4) or 1)
-    fig.tight_layout()
+    ax.legend(handles, list(legend), loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, borderaxespad=0)
+    fig.subplots_adjust(left=0.11, right=0.11 + AXES_SHARE, top=0.9, bottom=max(0.08, 0.6 / fig.get_figheight()))
     tmp = f"{path}.tmp-{os.getpid()}.png"  # the suffix tells matplotlib the format
     try:
         fig.savefig(tmp, dpi=120)
@@ -72,4 +91,4 @@ def draw(path: str, bars: Iterable[Bar], lanes: Sequence[str], legend: Dict[str,
         raise
     finally:
         plt.close(fig)
-    return path
+    return labelled

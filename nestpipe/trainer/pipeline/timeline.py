@@ -18,8 +18,11 @@ from nestpipe.utils.jsonio import read_json, write_json_atomic
 
 Span = Dict[str, object]  # {"rank", "thread", "stage", "step", "mb", "t0", "t1"}
 
-# display order of threads in traces and charts
+# display order of threads in traces and charts, and of stages (the five DBP stages, then the exchanges around the
+# dense compute) in the chart's lanes
 THREAD_ORDER = ["data", "h2d", "route", "retrieve", "compute", "comm", "embed-comm", "grad-comm"]
+STAGE_ORDER = ["prefetch", "h2d", "route", "retrieve", "prime", "embed.a2a", "fwd_bwd", "dense", "grad.a2a",
+               "dense.allreduce.comm", "update", "update.dense"]
 
 
 class Timeline:
@@ -106,22 +109,58 @@ def load_chrome_trace(path: str) -> List[Span]:
     return out
 
 
-def write_gantt(path: str, spans: List[Span], steps: Optional[Iterable[int]] = None, title: str = "") -> None:
-    """A PNG Gantt chart (one row per rank and thread, one colour per step) of ``steps`` (default: the first 4);
-    drawn by :func:`nestpipe.utils.gantt.draw`, as the simulator's predicted schedule is."""
-    all_steps = sorted({s["step"] for s in spans})
-    steps = sorted(set(steps if steps is not None else all_steps[:4]))
+def gantt_steps(spans: List[Span], warmup: int, count: int) -> List[int]:
+    """The steps a chart draws: ``count`` recorded steps after the first ``warmup`` (the pipeline fill and the first
+    calls' one-off costs), or the last ``count`` recorded when too few were recorded to skip them."""
+    recorded = sorted({int(s["step"]) for s in spans})
+    steady = recorded[warmup:] if len(recorded) > warmup else []
+    return (steady or recorded[-count:])[:count]
+
+
+def _stage_rank(stage: str) -> int:
+    return STAGE_ORDER.index(stage) if stage in STAGE_ORDER else len(STAGE_ORDER)
+
+
+def gantt_lanes(spans: List[Span]) -> Dict[tuple, str]:
+    """One lane per rank and stage (``dense``, ``embed.a2a``, ...), in thread order; a stage whose spans overlap in
+    time (two micro-batches at once) gets as many numbered lanes as it needs. Returns {span id: lane name}."""
+    by_stage: Dict[tuple, List[Span]] = {}
+    for s in spans:
+        by_stage.setdefault((s["rank"], _stage_rank(s["stage"]), s["stage"]), []).append(s)
+    lane_of: Dict[tuple, str] = {}
+    for (rank, _, stage), group in sorted(by_stage.items(), key=lambda kv: kv[0]):
+        ends: List[float] = []  # greedy interval partitioning: the first sub-lane free at the span's start
+        for s in sorted(group, key=lambda s: (s["t0"], s["t1"])):
+            k = next((i for i, e in enumerate(ends) if e <= s["t0"] + 1e-6), len(ends))  # 1 us: clock rounding
+            if k == len(ends):
+                ends.append(s["t1"])
+            ends[k] = s["t1"]
+            lane_of[id(s)] = f"rank {rank} {stage}" + (f" #{k + 1}" if k else "")
+    return lane_of
+
+
+def write_gantt(path: str, spans: List[Span], steps: Iterable[int], title: str = "") -> Dict[str, object]:
+    """A PNG Gantt chart of ``steps``: one lane per rank and stage, one colour per step, the x axis spanning only
+    those steps, each bar labelled with its micro-batch (or stage) where the label fits inside the bar. Drawn by
+    :func:`nestpipe.utils.gantt.draw`, as the simulator's predicted schedule is. Returns what was drawn (steps,
+    lanes, labelled bars) for tests and callers."""
+    steps = sorted(set(steps))
     sel = [s for s in spans if s["step"] in steps and not s["stage"].startswith("wait.")]
     if not sel:
-        return
-    lanes = sorted({(s["rank"], s["thread"]) for s in sel},
-                   key=lambda rt: (rt[0], THREAD_ORDER.index(rt[1]) if rt[1] in THREAD_ORDER else 99))
+        return {"steps": [], "lanes": [], "labelled": []}
+    lane_of = gantt_lanes(sel)
+    lanes = list(dict.fromkeys(lane_of[id(s)] for s in sorted(
+        sel, key=lambda s: (s["rank"], _stage_rank(s["stage"]), s["stage"], lane_of[id(s)]))))
     t_base = min(s["t0"] for s in sel)
-    bars = [gantt.Bar(f"rank {s['rank']} {s['thread']}", (s["t0"] - t_base) * 1e3, (s["t1"] - t_base) * 1e3,
-                      s["stage"].split(".")[0] + (f"{s['mb']}" if s["mb"] >= 0 else ""), f"step {s['step']}")
+    t_end = max(s["t1"] for s in sel)
+    bars = [gantt.Bar(lane_of[id(s)], (s["t0"] - t_base) * 1e3, (s["t1"] - t_base) * 1e3,
+                      f"mb {s['mb']}" if s["mb"] >= 0 else s["stage"], f"step {s['step']}")
             for s in sel]
     legend = {f"step {step}": gantt.PALETTE[i % len(gantt.PALETTE)] for i, step in enumerate(steps)}
-    gantt.draw(path, bars, [f"rank {r} {t}" for r, t in lanes], legend, title=title or "pipeline timeline")
+    name = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
+    labelled = gantt.draw(path, bars, lanes, legend, title=f"{title or 'pipeline timeline'}: {name}",
+                          xlim=(0.0, (t_end - t_base) * 1e3), xlabel=f"ms (0 = the start of step {steps[0]})")
+    return {"steps": steps, "lanes": lanes, "bars": bars, "labelled": labelled, "x_span": (t_end - t_base) * 1e3}
 
 
 # -- overlap queries ------------------------------------------------------------------------------------------------

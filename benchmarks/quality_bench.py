@@ -93,6 +93,13 @@ def summary(per_seed) -> dict:
         add(f"logistic_regression {metric}", [s["dlrm"]["baseline_logistic_regression"][metric] for s in per_seed])
     add("dlrm AUC - logistic_regression AUC",
         [s["dlrm"]["model"]["AUC"] - s["dlrm"]["baseline_logistic_regression"]["AUC"] for s in per_seed])
+    if all("bayes_ceiling" in s["dlrm"] for s in per_seed):
+        ceil = [s["dlrm"]["bayes_ceiling"]["AUC"] for s in per_seed]
+        lr = [s["dlrm"]["baseline_logistic_regression"]["AUC"] for s in per_seed]
+        add("Bayes ceiling AUC", ceil)
+        # the DLRM target: AUC >= LR + 0.5 (ceiling - LR), i.e. this share >= 0.5
+        add("dlrm share of (ceiling - LR) AUC",
+            [(s["dlrm"]["model"]["AUC"] - b) / (c - b) for s, b, c in zip(per_seed, lr, ceil)])
     return rows
 
 

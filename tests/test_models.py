@@ -188,3 +188,33 @@ def test_shared_negatives_lse_is_the_composed_logsumexp(log_weight):
     loss = torch.logsumexp(torch.stack([q[0, 0], empty_row[0]]), 0)  # the row's softmax of the target alone
     gq, gn = torch.autograd.grad(loss, (q, negs))
     assert torch.isfinite(gq).all() and torch.isfinite(gn).all() and float(gn.abs().sum()) == 0.0
+
+
+def test_dlrm_dot_pairs_add_the_embeddings_dot_product_to_the_logit():
+    from nestpipe.trainer.models.dlrm import DLRM, DLRMConfig
+
+    torch.manual_seed(0)
+    dims = {"last_video": 8, "video_id": 8, "user_id": 8}
+    emb = {t: torch.randn(5, 8) for t in dims}
+    dense = torch.randn(5, 3)
+    plain = DLRM(DLRMConfig(dot_pairs=()), 3, dims)
+    paired = DLRM(DLRMConfig(dot_pairs=("last_video*video_id", "absent*video_id")), 3, dims)
+    paired.load_state_dict(plain.state_dict())  # the pair term has no parameters of its own
+    assert paired.dot_pairs == [("last_video", "video_id")]  # pairs of tables the shards lack are skipped
+    want = plain.logits(emb, dense) + (emb["last_video"] * emb["video_id"]).sum(1)
+    assert torch.allclose(paired.logits(emb, dense), want, atol=1e-6)
+    # negative control: the term is really there (and reaches the embeddings' gradients)
+    assert not torch.allclose(paired.logits(emb, dense), plain.logits(emb, dense), atol=1e-3)
+    e = {t: v.clone().requires_grad_() for t, v in emb.items()}
+    paired.logits(e, dense).sum().backward()
+    assert torch.allclose(e["last_video"].grad - _grad_without_pair(plain, emb, dense), emb["video_id"], atol=1e-6)
+    with pytest.raises(ValueError, match="expected 'table_a\\*table_b'"):
+        DLRM(DLRMConfig(dot_pairs=("last_video",)), 3, dims)
+    with pytest.raises(ValueError, match="widths 8 and 4 differ"):
+        DLRM(DLRMConfig(dot_pairs=("last_video*video_id",)), 3, {**dims, "video_id": 4})
+
+
+def _grad_without_pair(model, emb, dense):
+    e = {t: v.clone().requires_grad_() for t, v in emb.items()}
+    model.logits(e, dense).sum().backward()
+    return e["last_video"].grad

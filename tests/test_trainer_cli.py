@@ -323,7 +323,19 @@ def test_model_defaults_from_the_shards_task(tmp_path):
     out = str(tmp_path / "run")
     p = run("train", "--shards", ctr, "--out", out, "--steps", "1", "--no-progress")
     assert p.returncode == 0, p.stderr[-3000:]
-    assert json.load(open(os.path.join(out, "config.json")))["model"] == "dlrm"
+    conf = json.load(open(os.path.join(out, "config.json")))
+    assert conf["model"] == "dlrm"
+    # the dlrm's own defaults for shared keys apply (the other models keep the sections' defaults), and --set wins
+    assert conf["optim"]["lr"] == 0.002 and conf["embedding"]["init_scale"] == 0.1
+    assert conf["dlrm"]["dot_pairs"] == ["last_video*video_id"]
+    from nestpipe.trainer.config import default_config
+
+    assert default_config("hstu")["optim"]["lr"] == 0.004 and default_config("sasrec")["embedding"]["init_scale"] == 0.05
+    p = run("train", "--shards", ctr, "--out", str(tmp_path / "r3"), "--steps", "1", "--no-progress",
+            "--set", "optim.lr=0.01")
+    assert p.returncode == 0, p.stderr[-3000:]
+    conf = json.load(open(str(tmp_path / "r3" / "config.json")))
+    assert conf["optim"]["lr"] == 0.01 and conf["embedding"]["init_scale"] == 0.1
     p = run("train", "--shards", ctr, "--out", str(tmp_path / "r2"), "--model", "hstu", "--steps", "1")
     assert p.returncode != 0 and "use --model dlrm" in p.stderr
 

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 import torch.distributed as dist
 
 from nestpipe.trainer import testing_hooks
-from nestpipe.trainer.config import TrainConfig, load_run_config, merge, save_config
+from nestpipe.trainer.config import TrainConfig, default_config, load_run_config, merge, save_config
 from nestpipe.trainer.distributed import process_groups
 from nestpipe.trainer.distributed import device as devmod
 from nestpipe.trainer.loop import train_worker
@@ -27,7 +27,7 @@ from nestpipe.utils.jsonio import read_json, write_json_atomic
 
 def write_run(out: str, shards: str, model: str, pipeline: str, steps: int, sets: Optional[Dict] = None,
               checkpoint_every: int = 0) -> str:
-    d = TrainConfig().to_dict()
+    d = default_config(model)
     d = merge(d, {"shards": os.path.abspath(shards), "out": os.path.abspath(out), "model": model,
                   "pipeline": pipeline, "steps": steps, "checkpoint_every": checkpoint_every, "progress": False,
                   "verify_shards": False})

@@ -8,7 +8,7 @@ import os
 from nestpipe.datasets.shards import ShardError, load_manifest, verify_shard
 from nestpipe.trainer.run_files import keep_manifest
 from nestpipe.utils.jsonio import read_json
-from nestpipe.trainer.config import (MODELS, SCHEDULES, TrainConfig, describe, load_config_file, load_run_config,
+from nestpipe.trainer.config import (MODELS, SCHEDULES, TrainConfig, default_config, describe, load_config_file, load_run_config,
                                      merge, save_config)
 
 
@@ -125,14 +125,16 @@ def _train(args) -> int:
         return _resume(args)
     if args.nproc_per_node is None:
         args.nproc_per_node = 1
-    d = TrainConfig().to_dict()
     from_file = load_config_file(args.config) if args.config else {}
     sets = _parse_set(args.set)
-    if args.model is None and "model" not in from_file and "model" not in sets and args.shards:
+    model = sets.get("model") or args.model or from_file.get("model")
+    if model is None and args.shards:
         # the model follows the shards' task unless one was asked for (gr -> hstu, ctr -> dlrm)
         from nestpipe.trainer.models import DEFAULT_MODEL  # start-up time: imports torch
 
-        d["model"] = DEFAULT_MODEL[load_manifest(args.shards).task]
+        model = DEFAULT_MODEL[load_manifest(args.shards).task]
+    # the defaults, with the chosen model's own for shared keys; then the file, the flags and --set
+    d = default_config(model) if isinstance(model, str) and model in MODELS else TrainConfig().to_dict()
     d = merge(d, from_file)
     flags = {"shards": args.shards, "out": args.out, "model": args.model, "pipeline": args.pipeline,
              "steps": args.steps, "epochs": args.epochs, "checkpoint_every": args.checkpoint_every,

@@ -125,6 +125,14 @@ _SECTIONS = {"embedding": EmbeddingConfig, "optim": OptimConfig, "pipe": Pipelin
              **{name: spec.config for name, spec in MODEL_SPECS.items()}}
 
 
+def default_config(model: str) -> Dict[str, Any]:
+    """The default config of a run of ``model``, as a nested dict: the defaults of every section, with the model's
+    own defaults for shared keys (``ModelSpec.train_defaults``, e.g. the dlrm's dense learning rate) on top."""
+    if model not in MODEL_SPECS:
+        raise ValueError(f"unknown model {model!r} ({', '.join(MODEL_SPECS)})")
+    return merge({**TrainConfig().to_dict(), "model": model}, MODEL_SPECS[model].train_defaults)
+
+
 def _drop_retired(d: Dict[str, Any], where: str) -> Dict[str, Any]:
     out = {k: (dict(v) if isinstance(v, dict) and k in _SECTIONS else v) for k, v in d.items()}
     dropped = []
@@ -209,6 +217,15 @@ def describe() -> str:
                                        subsequent_indent="      "))
 
     walk(TrainConfig, "")
+    own = []
+    for name, spec in MODEL_SPECS.items():
+        flat = [f"{section}.{k} = {json.dumps(v)}" for section, keys in spec.train_defaults.items()
+                for k, v in keys.items()]
+        if flat:
+            own.append(f"  {name}: " + ", ".join(flat))
+    if own:
+        lines += ["", "Models' own defaults for shared keys (used when that model is trained; --config and --set "
+                  "still override them):", *own]
     return ("Keys of `nestpipe train --config FILE` (JSON or TOML, nested as below) and `--set KEY=JSON`:\n"
             + "\n".join(lines) + "\n")
 

@@ -3,7 +3,8 @@
 Inputs per micro-batch: ``emb[t]`` ``[b, D_t]`` pooled sums for every ``single``/``pooled`` table (sorted by name),
 ``feats["dense"]`` ``[b, F]`` (transformed by ``sign(x) * log1p(|x|)``), ``feats["labels"]`` ``[b]`` (the target).
 ``x0 = [bottom_mlp(dense), emb...]``; cross layers ``x_{l+1} = x0 * (U (V^T x_l) + c) + x_l`` (low rank, or a full
-matrix when ``cross_rank == 0``); top MLP to one logit; per-sample binary cross-entropy with logits.
+matrix when ``cross_rank == 0``); top MLP to one logit, plus ``<emb[a], emb[b]>`` for every pair of ``dot_pairs``
+(factorisation-machine terms straight into the logit); per-sample binary cross-entropy with logits.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ class DLRMConfig:
     cross_layers: int = opt(2, help="DCNv2 cross layers", minimum=0)
     cross_rank: int = opt(16, help="low-rank DCNv2 (U V^T) rank; 0 = full rank", minimum=0)
     top_mlp: Tuple[int, ...] = opt((64, 32), help="top MLP widths")
+    dot_pairs: Tuple[str, ...] = opt(("last_video*video_id",), help="table pairs 'a*b' whose embeddings' dot "
+                                     "product is added to the logit (a factorisation-machine term; the default lets "
+                                     "the model learn which video follows which: last_video's row of a video learns "
+                                     "to point at its successors' video_id rows); pairs whose tables the shards lack "
+                                     "are skipped")
     target: str = opt("is_click", help="label column trained on (one of the manifest's labels)")
 
 
@@ -59,6 +65,15 @@ class DLRM(nn.Module):
         width = cfg.bottom_mlp[-1] + sum(sparse_dims[t] for t in self.tables)
         self.cross = nn.ModuleList([CrossLayer(width, cfg.cross_rank) for _ in range(cfg.cross_layers)])
         self.top = mlp([width, *cfg.top_mlp, 1], final_activation=False)
+        self.dot_pairs = []
+        for spec in cfg.dot_pairs:
+            a, _, b = spec.partition("*")
+            if not a or not b:
+                raise ValueError(f"dlrm.dot_pairs entry {spec!r}: expected 'table_a*table_b'")
+            if a in sparse_dims and b in sparse_dims:
+                if sparse_dims[a] != sparse_dims[b]:
+                    raise ValueError(f"dlrm.dot_pairs {spec!r}: widths {sparse_dims[a]} and {sparse_dims[b]} differ")
+                self.dot_pairs.append((a, b))
 
     def logits(self, emb: Dict[str, torch.Tensor], dense: torch.Tensor) -> torch.Tensor:
         dense = torch.sign(dense) * torch.log1p(dense.abs())
@@ -66,7 +81,10 @@ class DLRM(nn.Module):
         x = x0
         for layer in self.cross:
             x = layer(x0, x)
-        return self.top(x).squeeze(1)
+        logit = self.top(x).squeeze(1)
+        for a, b in self.dot_pairs:
+            logit = logit + (emb[a] * emb[b]).sum(1)
+        return logit
 
     def forward(self, emb: Dict[str, torch.Tensor], feats: Dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-sample loss ``[b]``."""
@@ -96,5 +114,9 @@ def negatives(cfg) -> Tuple[int, int]:
     return (0, 0)
 
 
+# Chosen on the valid split of the demo's data (docs/trainer.md, Evaluation): with the dot_pairs term, a smaller dense
+# learning rate and a wider initial spread of the rows (the pair term starts from the rows' dot products).
+TRAIN_DEFAULTS = {"optim": {"lr": 0.002}, "embedding": {"init_scale": 0.1}}
+
 SPEC = ModelSpec(name="dlrm", task="ctr", build=build, dense_inputs=dense_inputs, negatives=negatives,
-                 shared_negatives=False, config=DLRMConfig, help="the DLRM model")
+                 shared_negatives=False, config=DLRMConfig, help="the DLRM model", train_defaults=TRAIN_DEFAULTS)

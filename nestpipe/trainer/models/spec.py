@@ -4,7 +4,7 @@ config section, its module and a ``SPEC``; ``models/__init__.py`` registers it).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 
@@ -18,7 +18,7 @@ class ModelSpec:
     ``config``: the dataclass of its ``nestpipe train`` config section (named like the model); ``help``: that
     section's one-line description. ``table_widths(cfg)``: tables whose rows the model reads as several
     embedding-dim blocks, ``{table: blocks}`` (e.g. the item table holding an input and an output embedding);
-    every other table is one block wide."""
+    every other table is one block wide. ``train_defaults``: this model's defaults for keys of the shared sections."""
 
     name: str
     task: str
@@ -29,3 +29,7 @@ class ModelSpec:
     config: type
     help: str
     table_widths: Callable[..., Dict[str, int]] = lambda cfg: {}
+    # keys of the shared sections this model trains best with, nested like the config (for example
+    # ``{"optim": {"lr": 0.002}}``): the defaults when this model is chosen; the config file, flags and --set still
+    # override them (:func:`nestpipe.trainer.config.default_config`)
+    train_defaults: Dict[str, Dict[str, Any]] = dataclasses.field(default_factory=dict)

@@ -389,3 +389,60 @@ def test_no_tensorboard_unless_asked(gr, tmp_path):
             "--no-progress", *SETS)
     assert p.returncode == 0, p.stderr[-3000:]
     assert os.path.exists(os.path.join(out, "scalars.jsonl")) and not os.path.exists(os.path.join(out, "tensorboard"))
+
+
+@pytest.fixture(scope="module")
+def ctr_ingested(tmp_path_factory):
+    from nestpipe.datasets import synth
+    from nestpipe.ingest import IngestConfig, ingest
+
+    root = tmp_path_factory.mktemp("plan-ctr")
+    synth.generate(str(root / "raw"), scale="tiny", seed=0, progress=False)
+    out = str(root / "ctr")
+    ingest(IngestConfig(raw=str(root / "raw"), out=out, task="ctr", batch_size=128, micro_batches=4,
+                        batches_per_shard=4, workers=1, progress=False))
+    return out
+
+
+@pytest.mark.slow
+def test_a_plan_from_plan_runs_in_train_as_it_is(ctr_ingested, tmp_path):
+    """`nestpipe plan --out p.json` then `train --set embedding.placement=p.json`: the plan's exchange kinds are
+    applied (before: "table 'history' is replicated in the plan but exchanged as 'reduction'" inside the ranks)."""
+    for name, extra in (("all-replicated", []), ("mixed", ["--hbm-cap", "2e6"])):
+        plan = str(tmp_path / f"{name}.json")
+        p = run("plan", "--shards", ctr_ingested, "--workers", "2", "--no-column-split", "--hardware", "cpu-gloo",
+                "--out", plan, *extra)
+        assert p.returncode == 0, p.stderr[-2000:]
+        want = {t: v["exchange"] for t, v in json.load(open(plan))["tables"].items()}
+        out = str(tmp_path / f"run-{name}")
+        p = run("train", "--shards", ctr_ingested, "--out", out, "--nproc-per-node", "2", "--steps", "2",
+                "--no-progress", "--set", f"embedding.placement={json.dumps(plan)}")
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert json.load(open(os.path.join(out, "metrics.json")))["exchange_kinds"] == want
+        # the trainer's own rule would exchange history by partial sums: the plan decided otherwise
+        assert want["history"] == ("replicated" if name == "all-replicated" else "reduction")
+    assert sorted(set(want.values())) == ["reduction", "replicated", "unique"]
+    # an explicit embedding.kinds entry still wins, and a conflict with the plan is refused naming the table
+    p = run("train", "--shards", ctr_ingested, "--out", str(tmp_path / "conflict"), "--nproc-per-node", "2",
+            "--steps", "1", "--no-progress", "--set", f"embedding.placement={json.dumps(plan)}",
+            "--set", 'embedding.kinds={"tag": "unique"}')
+    assert p.returncode != 0 and "'tag' is replicated in the plan" in p.stderr, p.stderr[-2000:]
+
+
+def test_plan_replicates_tiny_tables():
+    """A replicated table's gradients ride in the dense AllReduce: a 3-row table costs its bytes, not a collective's
+    latency, so the planner replicates it (before: 5,000-row tables replicated, 3-row ones sharded)."""
+    from nestpipe.planning.hardware import load_hardware
+    from nestpipe.planning.planner import PlannerConfig, TableInfo, make_plan
+
+    tables = [TableInfo("big", 5000, 64, "pooled", 20, 1.0)] + [
+        TableInfo(f"tiny{i}", 3, 64, "single", 1, 1.0) for i in range(4)]
+    plan = make_plan(tables, PlannerConfig(workers=2, batch_per_worker=128, group_size=2),
+                     load_hardware("ascend-910b"))
+    assert all(plan["tables"][f"tiny{i}"]["sharding"] == "replicated" for i in range(4))
+    # negative control: charged a collective's latency of its own, a tiny table is not worth replicating
+    from nestpipe.planning import network
+
+    hw = load_hardware("ascend-910b")
+    assert network.allreduce_seconds(hw, 2, 3 * 64 * 4) > 100 * network.allreduce_seconds(hw, 2, 3 * 64 * 4,
+                                                                                            latency=False)

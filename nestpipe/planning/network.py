@@ -46,8 +46,10 @@ def all2all_seconds(hw: HardwareConfig, peers: int, nbytes: float) -> float:
     return max(t_intra, t_nic) + lat * 1e-6
 
 
-def allreduce_seconds(hw: HardwareConfig, members: int, nbytes: float, stride: int = 1) -> float:
-    """Seconds of a ring AllReduce of ``nbytes`` over ``members`` workers placed ``stride`` ranks apart."""
+def allreduce_seconds(hw: HardwareConfig, members: int, nbytes: float, stride: int = 1,
+                      latency: bool = True) -> float:
+    """Seconds of a ring AllReduce of ``nbytes`` over ``members`` workers placed ``stride`` ranks apart.
+    ``latency=False``: the bandwidth term only (bytes that ride in an AllReduce issued anyway)."""
     if members <= 1 or nbytes <= 0:
         return 0.0
     span = members * stride
@@ -57,4 +59,4 @@ def allreduce_seconds(hw: HardwareConfig, members: int, nbytes: float, stride: i
         bw, lat = hw.intra_bw, hw.intra_latency_us
     else:
         bw, lat = hw.net_bw, hw.latency_us
-    return 2.0 * (members - 1) / members * nbytes / bw + 2.0 * (members - 1) * lat * 1e-6
+    return 2.0 * (members - 1) / members * nbytes / bw + (2.0 * (members - 1) * lat * 1e-6 if latency else 0.0)

@@ -14,7 +14,8 @@ Per-step cost of a shard on its owner (seconds; hardware from :mod:`nestpipe.pla
   (``2 G U_T / r x dim / c x bytes``); reduction-based (pooled) tables send one partial sum per sample and
   requester whatever ``r`` is (``2 G B dim / c x bytes``): row-splitting a pooled table does not cut its traffic,
   column-splitting does (EMBark's observation);
-- replicated: no requests; an AllReduce of ``U_T x dim x bytes`` over all workers.
+- replicated: no requests; ``U_T x dim x bytes`` more in the AllReduce over all workers that the dense gradients
+  take anyway (its bandwidth term only: no collective of its own, so a tiny table costs next to nothing).
 
 Memory: a shard's rows x (dim / c x bytes + 4 bytes of row-wise AdaGrad state) in host DRAM (``dram_cap``);
 replicated tables, the same per row in device memory (``hbm_cap``).
@@ -97,7 +98,9 @@ def shard_cost(t: TableInfo, lay: _Layout, group: int, workers: int, batch: int,
     """Seconds per step that one shard of ``t`` under ``lay`` costs its owner (see the module docstring)."""
     u = _unique(t, batch)
     if lay.replicated:
-        return network.allreduce_seconds(hw, workers, u * t.dim * t.bytes_per_value)
+        # the replicated tables' gradients ride in the one AllReduce of the dense gradients (the trainer flattens
+        # them into one buffer): a table adds its bytes, not another collective's latency
+        return network.allreduce_seconds(hw, workers, u * t.dim * t.bytes_per_value, latency=False)
     cb = t.dim / lay.cols * t.bytes_per_value
     keys = group * u / lay.rows
     lookup = keys * (hw.host_key_ns * 1e-9 + cb / hw.dram_bw + cb / hw.pcie_bw)

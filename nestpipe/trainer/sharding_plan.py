@@ -8,8 +8,9 @@
   table), so the planner decides only the layout of the sharded tables: table-wise (one owner) or row-wise over
   ``k`` ranks, and which ranks. Column-wise splits are not offered (the trainer keeps whole rows on one owner).
 - ``hashed``: every sharded table row-wise over all ranks of the group (the placement hash balances the rows).
-- a path to a ``nestpipe plan --out FILE`` document made for this group size; its exchange kinds are applied
-  unless ``embedding.kinds`` overrides them.
+- a path to a ``nestpipe plan --out FILE`` document made for this group size; its exchange kinds (which tables
+  are replicated, which exchanged by unique rows or by partial sums) are applied unless ``embedding.kinds`` asks
+  for another kind for a table (:func:`plan_kinds`).
 
 The plan is a pure function of the manifest, the configuration, the group size and the device kind, so every
 rank computes the same plan without communicating; rank 0 saves it as ``RUN/plan.json``.
@@ -27,6 +28,22 @@ from nestpipe.planning.planner import PlannerConfig, load_plan, make_plan, table
 # Cost-model hardware per device kind. The CPU figures describe gloo over loopback on a small host: rows are
 # copied within DRAM (``pcie_bw`` is a DRAM copy there), messages cost tens of microseconds.
 HARDWARE_OF_DEVICE = {"cuda": "h100", "npu": "ascend-910b", "cpu": "cpu-gloo"}
+
+
+def plan_kinds(placement: str, kinds: Dict[str, str], requested: Dict[str, str]) -> Dict[str, str]:
+    """The exchange kind of every table when ``placement`` is a plan file: the plan's own (replicated, unique or
+    reduction) for every table whose ``embedding.kinds`` entry is ``auto`` (a plan from ``nestpipe plan`` runs as
+    it is), the configured one where a kind was asked for (:func:`resolve_plan` refuses a conflict). Other
+    placements: ``kinds`` unchanged."""
+    if placement in ("planned", "hashed"):
+        return kinds
+    plan = load_plan(placement)
+    out = dict(kinds)
+    for t in kinds:
+        spec = plan["tables"].get(t)
+        if spec is not None and requested.get(t, "auto") == "auto" and spec.get("exchange"):
+            out[t] = spec["exchange"]
+    return out
 
 
 def resolve_plan(manifest: Manifest, placement: str, kinds: Dict[str, str], table_kind: Dict[str, str],
@@ -77,4 +94,4 @@ def table_owners(plan: Optional[Dict[str, Any]], table: str) -> Tuple[int, ...]:
     return tuple(int(s["rank"]) for s in shards)
 
 
-__all__ = ["HARDWARE_OF_DEVICE", "resolve_plan", "table_owners"]
+__all__ = ["HARDWARE_OF_DEVICE", "plan_kinds", "resolve_plan", "table_owners"]

@@ -54,7 +54,7 @@ from nestpipe.trainer.embedding.replicated import ReplicatedTable, owner_bounds,
 from nestpipe.trainer.embedding.store import RowStore, apply_adagrad
 from nestpipe.trainer.embedding.unique_based import UniqueBased
 from nestpipe.trainer.embedding.placement import make_placement
-from nestpipe.trainer.sharding_plan import resolve_plan, table_owners
+from nestpipe.trainer.sharding_plan import plan_kinds, resolve_plan, table_owners
 from nestpipe.utils.timing import StageTimer
 from nestpipe import kernels
 
@@ -210,7 +210,8 @@ class ShardedEmbeddingCollection:
         self.table_ids = {t: i for i, t in enumerate(names)}
         self.table_kind = {t: manifest.tables[t].kind for t in names}
         self.dims = table_dims(manifest, cfg, widths)
-        self.kinds = {t: choose_kind(t, manifest.tables[t].vocab, self.table_kind[t], cfg) for t in names}
+        self.kinds = plan_kinds(cfg.placement, {t: choose_kind(t, manifest.tables[t].vocab, self.table_kind[t], cfg)
+                                                for t in names}, cfg.kinds)
         self.plan = resolve_plan(manifest, cfg.placement, self.kinds, self.table_kind, self.dims, world, device.type)
         self.stores: Dict[str, RowStore] = {}
         self.replicated: Dict[str, ReplicatedTable] = {}

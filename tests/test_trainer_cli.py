@@ -446,3 +446,29 @@ def test_plan_replicates_tiny_tables():
     hw = load_hardware("ascend-910b")
     assert network.allreduce_seconds(hw, 2, 3 * 64 * 4) > 100 * network.allreduce_seconds(hw, 2, 3 * 64 * 4,
                                                                                             latency=False)
+
+
+def test_table_lr_sets_one_tables_learning_rate(tmp_path):
+    """``embedding.table_lr``: a table at learning rate 0 keeps its initial rows while the others train (negative
+    control: without the override the same table moves); an unknown table name is refused."""
+    ctr = str(tmp_path / "ctr")
+    make_shards(ctr, "ctr", batch_size=12, micro_batches=3, shards=(2,), eval_shards=(1,), vocab=300, seed=3)
+    tables = {}
+    for name, extra in (("frozen", ["--set", 'embedding.table_lr={"video_id": 0.0}']), ("plain", [])):
+        out = str(tmp_path / name)
+        p = run("train", "--shards", ctr, "--out", out, "--steps", "2", "--no-progress", *extra)
+        assert p.returncode == 0, p.stderr[-3000:]
+        p = run("export", "--run", out, "--out", str(tmp_path / f"{name}.pt"))
+        assert p.returncode == 0, p.stderr[-3000:]
+        tables[name] = torch.load(str(tmp_path / f"{name}.pt"), weights_only=True)
+    table_id = sorted(["user_id", "video_id", "author_id", "tag", "history"]).index  # the placement's table ids
+
+    def initial(t, vocab):  # the dlrm's init_scale default is 0.1
+        return torch.from_numpy(init_rows(0, table_id(t), np.arange(vocab), 8, 0.1))
+
+    assert torch.equal(tables["frozen"]["embedding.video_id.weight"], initial("video_id", 300))
+    assert not torch.equal(tables["plain"]["embedding.video_id.weight"], initial("video_id", 300))
+    assert not torch.equal(tables["frozen"]["embedding.user_id.weight"], initial("user_id", 200))
+    p = run("train", "--shards", ctr, "--out", str(tmp_path / "bad"), "--steps", "1", "--no-progress",
+            "--set", 'embedding.table_lr={"nope": 0.1}')
+    assert p.returncode != 0 and "no table named ['nope']" in p.stderr and "Traceback" not in p.stderr

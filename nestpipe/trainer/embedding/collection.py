@@ -207,6 +207,10 @@ class ShardedEmbeddingCollection:
         self.dtype = dtype
         self.timer = timer or StageTimer()
         names = sorted(manifest.tables)
+        unknown = sorted(set(cfg.table_lr) - set(names))
+        if unknown or any(float(v) < 0 for v in cfg.table_lr.values()):
+            raise ValueError(f"embedding.table_lr {cfg.table_lr}: " + (
+                f"no table named {unknown} (tables: {', '.join(names)})" if unknown else "learning rates must be >= 0"))
         self.table_ids = {t: i for i, t in enumerate(names)}
         self.table_kind = {t: manifest.tables[t].kind for t in names}
         self.dims = table_dims(manifest, cfg, widths)
@@ -712,12 +716,13 @@ class ShardedEmbeddingCollection:
                 # buffer was final when it served the batch, and only this batch's update changes its rows before
                 # this point), so the result is bitwise that of the buffered update.
                 with store.lock:
-                    apply_adagrad(store.weight, store.state, o.rows, g, cfg.lr, cfg.eps, self.sparse_momentum_scale,
+                    apply_adagrad(store.weight, store.state, o.rows, g, cfg.lr_of(store.name), cfg.eps,
+                                  self.sparse_momentum_scale,
                                   (o.seg_order, o.seg_offsets), o.inv, grad_pairs)
             else:
                 # in place into the batch's buffer, then written back to the store
                 buf_rows = torch.arange(len(o.rows), dtype=torch.int64)
-                apply_adagrad(o.buf_w, o.buf_s, buf_rows, g, cfg.lr, cfg.eps, self.sparse_momentum_scale,
+                apply_adagrad(o.buf_w, o.buf_s, buf_rows, g, cfg.lr_of(store.name), cfg.eps, self.sparse_momentum_scale,
                               (o.seg_order, o.seg_offsets), o.inv, grad_pairs)
                 t_wb = time.perf_counter()
                 store.write_back(o.rows, o.buf_w, o.buf_s)
@@ -743,11 +748,12 @@ class ShardedEmbeddingCollection:
         grad_output = g.unfold(0, dim, 1).index_select(0, o.bag_grad)
         if o.direct or o.update_in_store:
             with store.lock:
-                kernels.adagrad_bags(store.weight, store.state, o.bag_rows, o.bag_offsets, grad_output, self.cfg.lr,
-                                     self.cfg.eps)
+                kernels.adagrad_bags(store.weight, store.state, o.bag_rows, o.bag_offsets, grad_output,
+                                     self.cfg.lr_of(store.name), self.cfg.eps)
             return
         positions = torch.from_numpy(np.concatenate(o.fwd_pos))
-        kernels.adagrad_bags(o.buf_w, o.buf_s, positions, o.bag_offsets, grad_output, self.cfg.lr, self.cfg.eps)
+        kernels.adagrad_bags(o.buf_w, o.buf_s, positions, o.bag_offsets, grad_output, self.cfg.lr_of(store.name),
+                             self.cfg.eps)
         t_wb = time.perf_counter()
         store.write_back(o.rows, o.buf_w, o.buf_s)
         self.timer.add("update.write_back", time.perf_counter() - t_wb)
@@ -798,4 +804,4 @@ class ShardedEmbeddingCollection:
     @torch.no_grad()
     def update_replicated(self, grads: List[torch.Tensor]) -> None:
         for t, g in zip(sorted(self.replicated), grads):
-            self.replicated[t].update(g, self.cfg.lr, self.cfg.eps, self.cfg.momentum_scale_groups)
+            self.replicated[t].update(g, self.cfg.lr_of(t), self.cfg.eps, self.cfg.momentum_scale_groups)

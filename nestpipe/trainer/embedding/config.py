@@ -17,6 +17,10 @@ HUGE_PAGES = ("resident", "always", "never")
 class EmbeddingConfig:
     """Sparse tables: exchange kind per table, placement, optimizer, initialisation."""
 
+    def lr_of(self, table: str) -> float:
+        """The row-wise AdaGrad learning rate of ``table`` (``table_lr``, else ``lr``)."""
+        return float(self.table_lr.get(table, self.lr))
+
     kinds: Dict[str, str] = opt(
         factory=dict, help="exchange kind per table name (unique | reduction | replicated), overriding the automatic "
         "choice: tables of at most replicate_max_rows rows are replicated, pooled tables reduction-based, sequence "
@@ -40,6 +44,8 @@ class EmbeddingConfig:
                              minimum=1)
     init_scale: float = opt(0.05, help="rows are initialised uniform in [-init_scale, init_scale]", minimum=0)
     lr: float = opt(0.05, help="row-wise AdaGrad learning rate", minimum=0)
+    table_lr: Dict[str, float] = opt(factory=dict, help="row-wise AdaGrad learning rate per table name, overriding lr "
+                                     "for those tables")
     eps: float = opt(1e-8, help="row-wise AdaGrad epsilon", minimum=0)
     momentum_scale_groups: int = opt(
         1, help="explicit accumulator scale M of row-wise AdaGrad for every table: w -= lr * g / (sqrt(v / M) + eps); "

@@ -218,3 +218,36 @@ def _grad_without_pair(model, emb, dense):
     e = {t: v.clone().requires_grad_() for t, v in emb.items()}
     model.logits(e, dense).sum().backward()
     return e["last_video"].grad
+
+
+@pytest.mark.parametrize("lens", [[4, 3], [1, 5, 1, 2], [6, 6, 6], [2, 2, 31, 3, 2], [9]])
+def test_bucketed_history_lse_is_the_logsumexp_of_the_padded_history_logits(lens):
+    """The objective's history term, computed per length bucket, equals the padded definition's logsumexp (values
+    and gradients, float64), on length mixes with repeated items (a length-1 sample has no query)."""
+    from nestpipe.trainer.models.common import _history_logits, _history_lse
+
+    torch.manual_seed(1)
+    lengths = torch.tensor(lens)
+    T = int(lengths.sum())
+    item_ids = torch.randint(0, 6, (T,))  # few distinct ids: repeats and target hits everywhere
+    items = torch.randn(T, D, dtype=torch.float64, requires_grad=True)
+    ends = torch.cumsum(lengths, 0) - 1
+    is_q = torch.ones(T, dtype=torch.bool)
+    is_q[ends] = False
+    q_idx = torch.nonzero(is_q).flatten()
+    query = torch.randn(len(q_idx), D, dtype=torch.float64, requires_grad=True)
+    want = _history_logits(query, items, item_ids, lengths, q_idx, 0.3).logsumexp(-1)
+    got = _history_lse(query, items, item_ids, lengths, q_idx, 0.3)
+    # where nothing is kept both are about -1e9 (the term vanishes from the softmax); elsewhere equal
+    real = want > -1e8
+    assert torch.equal(real, got > -1e8) and bool((got[~real] < -1e8).all())
+    assert torch.allclose(got[real], want[real], rtol=0, atol=1e-12)
+    w = torch.randn(int(real.sum()), dtype=torch.float64)
+    ga = torch.autograd.grad((got[real] * w).sum(), (query, items))
+    gb = torch.autograd.grad((want[real] * w).sum(), (query, items))
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(ga, gb))
+    # negative control: the same items in reversed order within each sample (other prefixes) change the values,
+    # so the comparison sees which positions a query reads
+    flip = torch.cat([torch.arange(int(a), int(b)).flip(0) for a, b in zip(ends + 1 - lengths, ends + 1)])
+    other = _history_logits(query, items[flip], item_ids[flip], lengths, q_idx, 0.3).logsumexp(-1)
+    assert not torch.allclose(other, want)

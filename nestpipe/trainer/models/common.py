@@ -180,7 +180,7 @@ def next_item_loss(hidden: torch.Tensor, emb: Dict[str, torch.Tensor], feats: Di
     neg_lse = SharedNegativesLSE.apply(query / temperature, negs, float(sampled_log_weight), q_rows, n_cols)
     logits = [pos_logit, neg_lse[:, None]]
     if history_negatives:
-        logits.append(_history_logits(query, emb["item"], feats["item_ids"], lengths, q_idx, temperature))
+        logits.append(_history_lse(query, emb["item"], feats["item_ids"], lengths, q_idx, temperature)[:, None])
     logits = torch.cat(logits, dim=1)
     token_loss = torch.logsumexp(logits, dim=1) - logits[:, 0]
     q_sample = sample.index_select(0, q_idx)
@@ -236,10 +236,50 @@ class SharedNegativesLSE(torch.autograd.Function):
         return grad_q, grad_negs, None, None, None
 
 
+def _history_lse(query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor, lengths: torch.Tensor,
+                 q_idx: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[Q]``: per query, the logsumexp of the history logits :func:`_history_logits` keeps (-1e9 entries where it
+    keeps none, so the term vanishes from the token's softmax). Computed per bucket of samples whose lengths share a
+    power-of-two ceiling, each padded to its own longest: a micro-batch pays about its own ``sum(L^2)``, not
+    ``b x longest^2`` (a long sample among short ones no longer pads every sample to its length)."""
+    dev = lengths.device
+    normed = F.normalize(items, dim=-1)
+    starts = torch.cumsum(lengths, 0) - lengths
+    row_of = torch.full((len(items),), -1, dtype=torch.long, device=dev)  # token -> its query row
+    row_of[q_idx] = torch.arange(len(q_idx), device=dev)
+    lens = lengths.tolist()
+    buckets: Dict[int, List[int]] = {}
+    for s, n in enumerate(lens):
+        if n >= 2:
+            buckets.setdefault(1 << (n - 1).bit_length(), []).append(s)
+    out = query.new_full((len(q_idx),), -1e9)
+    for _, members in sorted(buckets.items()):
+        s = torch.tensor(members, dtype=torch.long, device=dev)
+        n = max(lens[m] for m in members)
+        j = torch.arange(n, device=dev)
+        ls = lengths.index_select(0, s)[:, None]
+        valid = j[None, :] < ls  # [B, n]: positions inside the sample
+        tok = torch.where(valid, starts.index_select(0, s)[:, None] + j[None, :], torch.zeros_like(valid, dtype=torch.long))
+        ids = item_ids[tok].masked_fill(~valid, -1)
+        is_q = j[None, :] < ls - 1  # the sample's queries: every position but its last
+        q_row = row_of[tok].clamp(min=0)
+        logit = (query[q_row] * is_q[..., None]) @ (normed[tok] * valid[..., None]).transpose(1, 2) / temperature
+        earlier = torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev), diagonal=-1)
+        first = ~((ids[:, :, None] == ids[:, None, :]) & earlier).any(-1)  # no earlier position has the item
+        target = torch.cat([ids[:, 1:], ids.new_full((len(members), 1), -2)], dim=1)  # query p's target: item p+1
+        keep = ((j[None, None, :] <= j[None, :, None]) & (first & valid)[:, None, :]
+                & (ids[:, None, :] != target[:, :, None]))
+        lse = logit.masked_fill(~keep, -1e9).logsumexp(-1)  # [B, n]
+        out = out.index_copy(0, q_row[is_q], lse[is_q])
+    return out
+
+
 def _history_logits(query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor, lengths: torch.Tensor,
                     q_idx: torch.Tensor, temperature: float) -> torch.Tensor:
     """``[Q, n]`` logits of every query against its sample's items at positions up to its own, masked (-1e9) where
-    the item is the query's target or repeats an earlier position of the sample."""
+    the item is the query's target or repeats an earlier position of the sample. The definition of the history
+    negatives, on the micro-batch padded to its longest sample: the reference :func:`_history_lse` is tested
+    against (the objective uses that one)."""
     b = len(lengths)
     sample, pos, flat, n = jagged_positions(lengths)
     d = items.shape[1]

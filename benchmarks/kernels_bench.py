@@ -32,6 +32,8 @@ import torch
 
 import nestpipe.kernels as K
 from nestpipe.kernels import reference as R
+
+from nestpipe.utils.host import describe_host, host_line
 from nestpipe.kernels import routing
 from nestpipe.kernels.memory import host_empty, host_zeros, huge_pages_mode
 
@@ -133,6 +135,7 @@ def bags_bench(reps: int, rows: int, dim: int, bags: int) -> None:
                 times[name].append(time.thread_time() - t0)
     same = torch.equal(weights["a"], weights["b"]) and torch.equal(state["a"], state["b"])
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    print(host_line(describe_host()))
     print(f"adagrad_bags, {rows:,} x {dim} table, {bags} bags of 15-25 ids, {reps} reps (thread CPU ms, median): "
           f"numba {med['numba']:.2f}, fbgemm TBE backward {med['fbgemm']:.2f}; fbgemm / numba "
           f"{med['fbgemm'] / med['numba']:.2f}; tables bitwise equal after {reps + 2} updates: {same}")

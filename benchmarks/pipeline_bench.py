@@ -48,6 +48,7 @@ import time
 import numpy as np
 
 from nestpipe.clustering import assign, table_fields
+from nestpipe.utils.host import describe_host, host_line
 from nestpipe.datasets.shards import Manifest, TableSpec, save_manifest, write_split_shards
 from nestpipe.measure.launcher import run_plan, write_run
 from nestpipe.measure.validate_local import make_gr_shards as make_gr_workload_shards
@@ -416,7 +417,9 @@ def main(argv=None):
         torchrec_gr_data(shards["gr"], shards["gr_data"], min(8, per_rank))
     import importlib.metadata as md
 
-    results = {"config": vars(args), "load_average_before": os.getloadavg(), "threads_per_rank": 1,
+    host = describe_host()
+    print(host_line(host))
+    results = {"config": vars(args), "load_average_before": os.getloadavg(), "threads_per_rank": 1, "host": host,
                "nestpipe_versions": {n: md.version(n) for n in ("torch", "fbgemm-gpu-cpu", "numba", "numpy")}}
     lo = run_network_repeated(args, shards, "loopback")
     results["loopback"] = lo

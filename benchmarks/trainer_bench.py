@@ -37,6 +37,8 @@ import time
 
 import numpy as np
 
+from nestpipe.utils.host import describe_host, host_line
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -445,9 +447,11 @@ def main(argv=None):
     a = p.parse_args(argv)
     # as `nestpipe train` does (launch.py): Numba's parallel kernels get the rank's one thread, not an all-core pool
     os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+    host = describe_host()
+    print(host_line(host))
     out = {"workload": {k: getattr(a, k) for k in ("tables", "rows", "dim", "batch", "dense", "min_len", "max_len",
                                                    "micro_batches", "steps", "warmup")},
-           "load_average_before": os.getloadavg()}
+           "load_average_before": os.getloadavg(), "host": host}
     if a.big:
         out["big"] = bench_big(a)
         print(json.dumps(out["big"], indent=1))

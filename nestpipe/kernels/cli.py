@@ -6,6 +6,7 @@ import json
 import os
 
 from nestpipe.kernels.select import FORCE_ENV, kernel_paths
+from nestpipe.utils.host import describe_host, host_line
 
 
 def add_parser(subparsers) -> None:
@@ -22,9 +23,12 @@ def add_parser(subparsers) -> None:
 
 def _run(args) -> int:
     paths = kernel_paths(args.device)
+    host = describe_host()
     if args.json:
-        print(json.dumps({"device": args.device, "paths": paths, FORCE_ENV: os.environ.get(FORCE_ENV, "")}))
+        print(json.dumps({"device": args.device, "paths": paths, FORCE_ENV: os.environ.get(FORCE_ENV, ""),
+                          "host": host}))
     else:
+        print(host_line(host))
         for op, path in paths.items():
             print(f"{op:18s} {path}")
     return 0

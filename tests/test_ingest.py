@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import polars as pl
@@ -623,3 +624,37 @@ def test_defaults_on_tiny_data_name_the_numbers_that_fit(raw, tmp_path):
         ingest(IngestConfig(raw=raw, out=out, task="gr", batch_size=fit, progress=False, workers=1))
     m = ingest(IngestConfig(raw=raw, out=out, task="gr", batch_size=fit, progress=False, workers=1, force=True))
     assert m.totals()["train"]["batches"] >= 8
+
+
+def test_workers_do_not_outlive_a_killed_driver(raw, tmp_path):
+    """SIGKILL of `nestpipe ingest` leaves nothing running: its spawn workers (which cannot be told: the driver is
+    gone) notice their parent changed and exit within a few seconds (before: they lived on, adopted by init).
+    The check sees them alive right after the kill (so they really outlived the driver), then gone."""
+    import signal
+
+    import psutil
+
+    cmd = [sys.executable, "-m", "nestpipe", "ingest", "--raw", raw, "--out", str(tmp_path / "o"), "--task", "gr",
+           "--batch-size", "64", "--micro-batches", "4", "--max-seq-len", "32", "--quiet", "--workers", "2"]
+    driver = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers = []
+    t0 = time.time()
+    while time.time() - t0 < 60:
+        # the pool's workers: python children of the driver that are not the resource tracker
+        kids = [p for p in psutil.Process(driver.pid).children()
+                if "resource_tracker" not in " ".join(p.cmdline())]
+        if len(kids) >= 2:
+            workers = kids
+            break
+        assert driver.poll() is None, "the ingest ended before its workers were seen"
+        time.sleep(0.01)
+    assert len(workers) == 2, "no worker pool seen"
+    everything = psutil.Process(driver.pid).children(recursive=True)
+    os.kill(driver.pid, signal.SIGKILL)
+    driver.wait()
+    alive_after_kill = [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    gone, alive = psutil.wait_procs(everything, timeout=10)
+    for p in alive:  # do not leave them behind if the check fails
+        p.kill()
+    assert alive_after_kill, "the workers died with the driver: nothing was checked"
+    assert not alive, f"processes outlived their driver by more than 10 s: {[p.pid for p in alive]}"

@@ -2,7 +2,8 @@
 
 Importing this module costs only the standard library, so a command can start the pool before it imports the
 ingest itself (Polars, NumPy, ...): the workers then import those at the same time as the parent process, instead
-of after it (about a quarter of a second of a short ingest on two cores).
+of after it (about a quarter of a second of a short ingest on two cores). Workers exit when their driver dies,
+even by SIGKILL (each watches its parent process).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import importlib
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -34,9 +36,25 @@ def _progress(total: int, desc: str, enabled: bool, unit: str = "unit"):
     return progress(total, desc, unit, enabled=enabled, file=sys.stderr)
 
 
-def _preload(polars_threads: int, modules: Tuple[str, ...]) -> None:
+# how often a worker checks that its driver is alive
+ORPHAN_CHECK_S = 0.5
+
+
+def _exit_with_driver(driver: int) -> None:
+    """A worker's watch (a daemon thread): exit as soon as the driver that started it is gone. A driver killed with
+    SIGKILL cannot stop its pool, and spawn workers would live on, adopted by init (or a subreaper), holding their
+    memory; the resource tracker exits by itself once no process holds its pipe."""
+    while True:
+        time.sleep(ORPHAN_CHECK_S)
+        if os.getppid() != driver:
+            os._exit(1)
+
+
+def _preload(polars_threads: int, modules: Tuple[str, ...], driver: int) -> None:
     """Worker initializer: import ``modules`` (the caller's stage functions) now, while the parent is still starting
-    up. The thread count is also set here, for a worker the pool launches later than :meth:`Executor.__enter__`."""
+    up. The thread count is also set here, for a worker the pool launches later than :meth:`Executor.__enter__`.
+    Starts the watch that ends the worker when its driver dies (:func:`_exit_with_driver`)."""
+    threading.Thread(target=_exit_with_driver, args=(driver,), name="driver-watch", daemon=True).start()
     os.environ.setdefault("POLARS_MAX_THREADS", str(polars_threads))
     for name in modules:
         importlib.import_module(name)
@@ -67,7 +85,8 @@ class Executor:
             os.environ["POLARS_MAX_THREADS"] = str(threads)
             try:
                 self.pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"),
-                                                   initializer=_preload, initargs=(threads, self.preload))
+                                                   initializer=_preload,
+                                                   initargs=(threads, self.preload, os.getpid()))
                 # Each submit launches one more worker until there are ``workers`` (the launch is synchronous, so
                 # they all see the variable); nothing waits for them here.
                 for i in range(self.workers):

@@ -807,23 +807,27 @@ class NextItemOracle:
                 self._mixed_asc, p, side="right")))
         return head + len(self._cat_asc) - int(np.searchsorted(self._cat_asc, p, side="right"))
 
+    def _context(self, history: np.ndarray) -> Tuple[Optional[int], np.ndarray]:
+        """(the history's community, the slot of its last item's successor as a 1-element array)."""
+        hs = self.layout.video_to_slot(np.asarray(history, dtype=np.int64))
+        return self._community(hs), _successor(self.cfg, hs[-1:])
+
+    def _probabilities(self, context, items: np.ndarray) -> np.ndarray:
+        community, succ = context
+        slots = self.layout.video_to_slot(np.asarray(items, dtype=np.int64))
+        return self._fresh(slots, community) + self.p_follow * (slots == succ[0])
+
     def probabilities(self, history: np.ndarray, items: np.ndarray) -> np.ndarray:
         """P(next item = each of ``items`` | the history), as the generator draws it (see the class docstring)."""
-        hs = self.layout.video_to_slot(np.asarray(history, dtype=np.int64))
-        community = self._community(hs)
-        slots = self.layout.video_to_slot(np.asarray(items, dtype=np.int64))
-        succ = _successor(self.cfg, hs[-1:])[0]
-        return self._fresh(slots, community) + self.p_follow * (slots == succ)
+        return self._probabilities(self._context(history), items)
 
     def rank(self, history: np.ndarray, target: int, negatives: Optional[np.ndarray] = None) -> int:
         """Items ranked strictly above ``target`` (among ``negatives`` when given, else the whole catalogue)."""
-        history = np.asarray(history, dtype=np.int64)
-        pt = float(self.probabilities(history, np.array([target]))[0])
+        context = self._context(history)
+        pt = float(self._probabilities(context, np.array([target]))[0])
         if negatives is not None:
-            return int((self.probabilities(history, negatives) > pt).sum())
-        hs = self.layout.video_to_slot(history)
-        community = self._community(hs)
-        succ = _successor(self.cfg, hs[-1:])
+            return int((self._probabilities(context, negatives) > pt).sum())
+        community, succ = context
         fresh_succ = float(self._fresh(succ, community)[0])
         above = self._count_above(pt, community) - int(fresh_succ > pt)  # the successor, counted by its full p
         return above + int(fresh_succ + self.p_follow > pt)

@@ -80,13 +80,21 @@ def _check_replicas(ckpt: str, rank_files: Dict[int, Dict]) -> None:
                          "single model to export")
 
 
-def _assemble(run, ckpt, stream_prefix, max_rows_in_memory):
+def _open_checkpoint(run: str, ckpt: str = None):
+    """(config, checkpoint directory, its meta, every rank's file) of ``run``'s latest (or the given) checkpoint,
+    after checking that the data-parallel replicas agree (:func:`_check_replicas`)."""
     cfg = load_run_config(run)
     ckpt = ckpt or checkpoint.latest(run)
     if ckpt is None:
         raise FileNotFoundError(f"{run}: no complete checkpoint (train first)")
     meta = checkpoint.read_meta(ckpt)
     rank_files = {r: checkpoint.load_rank_file(ckpt, r) for r in range(meta["world"])}
+    _check_replicas(ckpt, rank_files)
+    return cfg, ckpt, meta, rank_files
+
+
+def _assemble(run, ckpt, stream_prefix, max_rows_in_memory):
+    cfg, ckpt, meta, rank_files = _open_checkpoint(run, ckpt)
     out: Dict[str, torch.Tensor] = {}
     files = []
     for name, pm in sorted(meta["placement"].items()):
@@ -104,7 +112,6 @@ def _assemble(run, ckpt, stream_prefix, max_rows_in_memory):
             else:
                 out[f"embedding.{name}.weight"] = w
                 out[f"embedding.{name}.adagrad_state"] = s
-    _check_replicas(ckpt, rank_files)
     out.update(_replicated_and_dense(run, cfg, meta, rank_files[0]))
     return out, files
 
@@ -161,13 +168,7 @@ def export_safetensors(run: str, out_file: str, block_rows: int = 1_000_000) -> 
     renamed over ``out_file``."""
     if sys.byteorder != "little":
         raise RuntimeError("safetensors stores little-endian bytes; this host is big-endian")
-    cfg = load_run_config(run)
-    ckpt = checkpoint.latest(run)
-    if ckpt is None:
-        raise FileNotFoundError(f"{run}: no complete checkpoint (train first)")
-    meta = checkpoint.read_meta(ckpt)
-    rank_files = {r: checkpoint.load_rank_file(ckpt, r) for r in range(meta["world"])}
-    _check_replicas(ckpt, rank_files)
+    cfg, ckpt, meta, rank_files = _open_checkpoint(run)
     # (name, dtype, shape, chunks): chunks() yields the tensor's rows in order
     entries = []
     for name, pm in sorted(meta["placement"].items()):

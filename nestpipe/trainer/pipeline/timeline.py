@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from nestpipe.utils import gantt
 from nestpipe.utils.jsonio import read_json, write_json_atomic
@@ -121,36 +121,38 @@ def _stage_rank(stage: str) -> int:
     return STAGE_ORDER.index(stage) if stage in STAGE_ORDER else len(STAGE_ORDER)
 
 
-def gantt_lanes(spans: List[Span]) -> Dict[tuple, str]:
-    """One lane per rank and stage (``dense``, ``embed.a2a``, ...), in thread order; a stage whose spans overlap in
-    time (two micro-batches at once) gets as many numbered lanes as it needs. Returns {span id: lane name}."""
+def gantt_lanes(spans: List[Span]) -> Tuple[Dict[int, str], List[str]]:
+    """One lane per rank and stage (``dense``, ``embed.a2a``, ...), in :data:`STAGE_ORDER`; a stage whose spans
+    overlap in time (two micro-batches at once) gets as many numbered lanes as it needs. Returns ({span id: lane
+    name}, the lane names top to bottom)."""
     by_stage: Dict[tuple, List[Span]] = {}
     for s in spans:
         by_stage.setdefault((s["rank"], _stage_rank(s["stage"]), s["stage"]), []).append(s)
-    lane_of: Dict[tuple, str] = {}
+    lane_of: Dict[int, str] = {}
+    lanes: List[str] = []
     for (rank, _, stage), group in sorted(by_stage.items(), key=lambda kv: kv[0]):
         ends: List[float] = []  # greedy interval partitioning: the first sub-lane free at the span's start
         for s in sorted(group, key=lambda s: (s["t0"], s["t1"])):
             k = next((i for i, e in enumerate(ends) if e <= s["t0"] + 1e-6), len(ends))  # 1 us: clock rounding
+            lane = f"rank {rank} {stage}" + (f" #{k + 1}" if k else "")
             if k == len(ends):
                 ends.append(s["t1"])
+                lanes.append(lane)
             ends[k] = s["t1"]
-            lane_of[id(s)] = f"rank {rank} {stage}" + (f" #{k + 1}" if k else "")
-    return lane_of
+            lane_of[id(s)] = lane
+    return lane_of, lanes
 
 
 def write_gantt(path: str, spans: List[Span], steps: Iterable[int], title: str = "") -> Dict[str, object]:
     """A PNG Gantt chart of ``steps``: one lane per rank and stage, one colour per step, the x axis spanning only
     those steps, each bar labelled with its micro-batch (or stage) where the label fits inside the bar. Drawn by
     :func:`nestpipe.utils.gantt.draw`, as the simulator's predicted schedule is. Returns what was drawn (steps,
-    lanes, labelled bars) for tests and callers."""
+    lanes, bars, labelled bars, x span in ms) for tests and callers; nothing is written when no span is selected."""
     steps = sorted(set(steps))
     sel = [s for s in spans if s["step"] in steps and not s["stage"].startswith("wait.")]
     if not sel:
-        return {"steps": [], "lanes": [], "labelled": []}
-    lane_of = gantt_lanes(sel)
-    lanes = list(dict.fromkeys(lane_of[id(s)] for s in sorted(
-        sel, key=lambda s: (s["rank"], _stage_rank(s["stage"]), s["stage"], lane_of[id(s)]))))
+        return {"steps": [], "lanes": [], "bars": [], "labelled": [], "x_span": 0.0}
+    lane_of, lanes = gantt_lanes(sel)
     t_base = min(s["t0"] for s in sel)
     t_end = max(s["t1"] for s in sel)
     bars = [gantt.Bar(lane_of[id(s)], (s["t0"] - t_base) * 1e3, (s["t1"] - t_base) * 1e3,

@@ -9,7 +9,7 @@ Micro-batches come from ``nestpipe.clustering.assign`` and unique keys from ``un
 from __future__ import annotations
 
 import os
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -98,3 +98,34 @@ def make_shards(out: str, task: str, *, batch_size: int = 16, micro_batches: int
                    labels=["is_click", "is_like"] if task == "ctr" else [])
     save_manifest(out, man)
     return man
+
+
+def column_split_plan(shards: str, path: str, world: int, replicate_max_rows: int,
+                      splits: Dict[str, List[Tuple[int, ...]]]) -> Dict:
+    """Write to ``path`` a ``nestpipe plan`` document for ``shards`` at group size ``world`` in which each table of
+    ``splits`` is cut into ``len(splits[t])`` equal column ranges, range ``j`` held row-wise by the ranks
+    ``splits[t][j]`` (in row-shard order); the other tables as the planner places them (no column splits). The
+    replicated tables are those the trainer's rule replicates at ``replicate_max_rows``."""
+    import math
+
+    from nestpipe.datasets.shards import load_manifest
+    from nestpipe.planning.hardware import load_hardware
+    from nestpipe.planning.planner import PlannerConfig, make_plan, save_plan, tables_from_manifest
+
+    man = load_manifest(shards)
+    fixed = {t: s.vocab <= replicate_max_rows for t, s in man.tables.items()}
+    plan = make_plan(tables_from_manifest(man), PlannerConfig(workers=world, group_size=world, column_split=False,
+                                                             fixed_replicated=fixed), load_hardware("cpu-gloo"))
+    for t, cols in splits.items():
+        spec = plan["tables"][t]
+        assert spec["sharding"] != "replicated", t
+        c, dim, vocab = len(cols), spec["dim"], spec["vocab"]
+        shards_ = []
+        for j, ranks in enumerate(cols):
+            per = math.ceil(vocab / len(ranks))
+            shards_ += [{"rank": r, "rows": [i * per, min(vocab, (i + 1) * per)],
+                         "cols": [j * dim // c, (j + 1) * dim // c]} for i, r in enumerate(ranks)]
+        spec.update(sharding="column_wise" if all(len(r) == 1 for r in cols) else "table_row_wise",
+                    col_shards=c, row_shards=max(len(r) for r in cols), shards=shards_)
+    save_plan(plan, path)
+    return plan

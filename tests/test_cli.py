@@ -56,3 +56,14 @@ def test_every_command_explains_itself_in_help():
     assert "a100" in sub.choices["simulate"].format_help() and "paper-hstu" in sub.choices["simulate"].format_help()
     assert "h100" in sub.choices["plan"].format_help()
     assert "from the shards' task" in sub.choices["train"].format_help()
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`nestpipe plan ... | head -1`: the reader leaves after one line; the command stops without a traceback."""
+    tables = tmp_path / "t.json"
+    tables.write_text('{"tables": [' + ",".join(
+        f'{{"name": "t{i}", "vocab": 1000, "dim": 16, "kind": "single"}}' for i in range(400)) + "]}")
+    p = subprocess.run(f"{sys.executable} -m nestpipe plan --tables {tables} --workers 8 --json | head -1",
+                       shell=True, capture_output=True, text=True, timeout=60)
+    assert p.stdout.strip() == "{"
+    assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr[-2000:]

@@ -29,7 +29,7 @@ from nestpipe.trainer.export import assemble
 from nestpipe.trainer.pipeline import auto
 from nestpipe.trainer.pipeline import timeline as tl
 from nestpipe.measure.launcher import run_plan, write_run
-from shard_sets import make_shards
+from shard_sets import column_split_plan, make_shards
 
 pytestmark = pytest.mark.slow  # module fixtures train for a minute or more
 
@@ -109,6 +109,18 @@ def runs(tmp_path_factory):
     add(plan2, 2, "hstu", "nosync-wb", "nested", emb=wb, hooks=nosync)
     add(plan2, 2, "hstu", "per-mb", "nested", hooks={"update_per_micro_batch": True})
     add(plan2, 2, "hstu", "random-mb", "nested", micro_batching="random")
+    # column-wise shards (a plan file's column splits, executed as they are): GR's item table cut into two column
+    # ranges, the first row-wise over ranks (1, 0), the second table-wise on rank 0 (both also serve the negatives);
+    # DLRM's pooled history column-wise on ranks 1 and 0, video_id two column ranges each row-wise over both ranks
+    col_plans = {"hstu": str(base / "gr-colsplit.json"), "dlrm": str(base / "ctr-colsplit.json")}
+    column_split_plan(shards["hstu"], col_plans["hstu"], 2, SETS["hstu"]["embedding"]["replicate_max_rows"],
+                      {"item": [(1, 0), (0,)]})
+    column_split_plan(shards["dlrm"], col_plans["dlrm"], 2, SETS["dlrm"]["embedding"]["replicate_max_rows"],
+                      {"history": [(1,), (0,)], "video_id": [(0, 1), (1, 0)]})
+    for model in ("hstu", "dlrm"):
+        for mode in ("off", "nested", "dbp", "fwp"):
+            add(plan2, 2, model, f"colsplit-{mode}", mode, emb={"placement": col_plans[model]})
+    add(plan2, 2, "hstu", "colsplit-nosync", "nested", emb={"placement": col_plans["hstu"]}, hooks=nosync)
     # resume: 8 steps with checkpoints every 4, then resume the same run to 20 steps, all nested
     add(plan2, 2, "hstu", "resumed", "nested", steps=8, checkpoint_every=4)
     plan3 = []
@@ -471,3 +483,48 @@ def test_export_refuses_diverged_data_parallel_replicas(runs, tmp_path):
     torch.save(payload, path)
     with pytest.raises(ValueError, match=r"rank\(s\) \[0, 1\] differs from the one rank 0 saved"):
         _export(run)
+
+
+@pytest.mark.parametrize("model", ["hstu", "dlrm"])
+def test_column_wise_shards_train_bitwise_alike_in_every_schedule(runs, model):
+    """A plan file's column splits run as they are: every schedule exports bitwise the tensors of ``off``; the
+    checkpoint holds one store per column shard on the plan's owners; the export joins the columns back into whole
+    rows and keeps one row-wise AdaGrad state per column shard."""
+    from nestpipe.trainer import checkpoint
+
+    ref = _export(runs[(2, model, "colsplit-off")])
+    for mode in ("nested", "dbp", "fwp"):
+        assert _bitwise_diff(ref, _export(runs[(2, model, f"colsplit-{mode}")])) == [], mode
+    meta = checkpoint.read_meta(checkpoint.latest(runs[(2, model, "colsplit-nested")]))
+    split = {st: (pm["table"], pm["first_col"], pm["dim"], tuple(pm["owners"]))
+             for st, pm in meta["placement"].items() if pm["table"] != st}
+    whole = ref["embedding.item.weight"].shape[1] if model == "hstu" else ref["embedding.video_id.weight"].shape[1]
+    half = whole // 2
+    if model == "hstu":
+        assert split == {"item@c0": ("item", 0, half, (1, 0)), "item@c1": ("item", half, half, (0,))}, split
+        assert ref["embedding.item.adagrad_state"].shape == (400, 2)
+    else:
+        assert split == {"history@c0": ("history", 0, half, (1,)), "history@c1": ("history", half, half, (0,)),
+                         "video_id@c0": ("video_id", 0, half, ()), "video_id@c1": ("video_id", half, half, (1, 0))}
+        assert ref["embedding.history.adagrad_state"].shape == (400, 2)
+        assert ref["embedding.tag.adagrad_state"].dim() == 1  # an unsplit table keeps its [V] state
+    # both column shards of a table trained (a column shard that never received its gradients would stay zero)
+    state = ref[f"embedding.{'item' if model == 'hstu' else 'history'}.adagrad_state"]
+    assert bool((state[:, 0] > 0).any()) and bool((state[:, 1] > 0).any())
+
+
+def test_negative_control_column_shards_without_dual_buffer_sync_differ(runs):
+    assert _bitwise_diff(_export(runs[(2, "hstu", "colsplit-off")]), _export(runs[(2, "hstu", "colsplit-nosync")]))
+
+
+def _losses(run):
+    return [json.loads(x)["loss"] for x in open(os.path.join(run, "scalars.jsonl")) if '"loss"' in x]
+
+
+def test_column_shards_start_from_the_whole_tables_rows(runs):
+    """Step 1 (no update yet) of the column-split HSTU run has bitwise the loss of the run with whole rows: the column
+    shards' rows, joined in column order, are the whole table's initial rows (unique-based exchange: rows travel as
+    they are). From step 2 on they differ: each column shard keeps its own row-wise AdaGrad state."""
+    whole, split = _losses(runs[(2, "hstu", "off")]), _losses(runs[(2, "hstu", "colsplit-off")])
+    assert whole[0] == split[0]
+    assert whole[1] != split[1]

@@ -97,9 +97,7 @@ def test_plan_file_is_used_and_checked(ctr_manifest, tmp_path):
     split = make_plan(tables, PlannerConfig(workers=4, group_size=4, fixed_replicated=fixed, min_col_dim=2,
                                             batch_per_worker=100000), hw)
     save_plan(split, path)
-    if any(v["col_shards"] > 1 for v in split["tables"].values()):
-        with pytest.raises(ValueError, match="split by columns"):
-            _resolve(man, path, 4)
+    assert _resolve(man, path, 4)[1]["tables"] == split["tables"]  # column splits included (column_shards)
     rep = dict(good, tables={t: dict(v, sharding="replicated") for t, v in good["tables"].items()})
     save_plan(rep, path)
     with pytest.raises(ValueError, match="replicated in the plan"):
@@ -116,3 +114,40 @@ def test_column_split_off_never_splits_columns():
                                           column_split=False), hw)
     assert any(v["col_shards"] > 1 for v in on["tables"].values())  # the control: splits happen when allowed
     assert all(v["col_shards"] <= 1 for v in off["tables"].values())
+
+
+def test_column_shards_map_the_plans_columns_onto_the_run(ctr_manifest, tmp_path):
+    """A plan's column ranges become column shards in column order, scaled to the run's row width; ranges that do not
+    tile the row, land between columns, or put two row shards of one range on a rank are refused."""
+    from nestpipe.trainer.sharding_plan import column_shards
+
+    from shard_sets import column_split_plan
+
+    d, _ = ctr_manifest
+    plan = column_split_plan(d, str(tmp_path / "p.json"), 2, 256, {"history": [(1,), (0,)],
+                                                                   "video_id": [(0, 1), (1, 0)]})
+    cs = column_shards(plan, "history", 16)  # the plan says 8 columns; the run's rows are 16 wide
+    assert [(c.store, c.first_col, c.dim, c.owners) for c in cs] == [("history@c0", 0, 8, (1,)),
+                                                                     ("history@c1", 8, 8, (0,))]
+    assert [c.owners for c in column_shards(plan, "video_id", 8)] == [(0, 1), (1, 0)]
+    assert [(c.store, c.dim) for c in column_shards(plan, "tag", 8)] == [("tag", 8)]  # not split: whole rows
+    assert [(c.store, c.owners) for c in column_shards(None, "tag", 8)] == [("tag", ())]  # hashed
+    with pytest.raises(ValueError, match="whole columns"):
+        column_shards(plan, "history", 5)  # the plan's boundary at column 4 of 8 would be column 2.5 of 5
+    bad = json.loads(json.dumps(plan))
+    bad["tables"]["history"]["shards"][1]["cols"] = [5, 8]
+    with pytest.raises(ValueError, match="do not tile"):
+        column_shards(bad, "history", 8)
+    bad = json.loads(json.dumps(plan))
+    bad["tables"]["video_id"]["shards"][1]["rank"] = 0
+    with pytest.raises(ValueError, match="two row shards on one rank"):
+        column_shards(bad, "video_id", 8)
+
+
+def test_initial_rows_of_a_column_shard_are_the_whole_rows_columns():
+    from nestpipe.trainer.embedding.placement import init_rows
+
+    ids = np.array([0, 5, 399, 12345], dtype=np.int64)
+    whole = init_rows(7, 3, ids, 16, 0.1)
+    assert np.array_equal(np.concatenate([init_rows(7, 3, ids, 8, 0.1), init_rows(7, 3, ids, 8, 0.1, 8)], 1), whole)
+    assert not np.array_equal(init_rows(7, 3, ids, 8, 0.1), whole[:, 8:])  # the control: the offset matters

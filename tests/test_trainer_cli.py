@@ -429,6 +429,35 @@ def test_a_plan_from_plan_runs_in_train_as_it_is(ctr_ingested, tmp_path):
     assert p.returncode != 0 and "'tag' is replicated in the plan" in p.stderr, p.stderr[-2000:]
 
 
+@pytest.mark.slow
+def test_a_plan_with_column_splits_runs_in_train_eval_and_export(ctr_ingested, tmp_path):
+    """`nestpipe plan` at 4 workers cuts the pooled history table into two column ranges (column_wise 1x2); `train`
+    runs that plan as it is (one store per column shard), and `eval` and `export` read the run back with whole rows."""
+    plan = str(tmp_path / "p4.json")
+    p = run("plan", "--shards", ctr_ingested, "--workers", "4", "--hardware", "cpu-gloo", "--hbm-cap", "2e6",
+            "--out", plan)
+    assert p.returncode == 0, p.stderr[-2000:]
+    spec = json.load(open(plan))["tables"]["history"]
+    assert (spec["sharding"], spec["col_shards"]) == ("column_wise", 2), spec
+    out = str(tmp_path / "run")
+    p = run("train", "--shards", ctr_ingested, "--out", out, "--nproc-per-node", "4", "--steps", "2",
+            "--no-progress", "--set", f"embedding.placement={json.dumps(plan)}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    from nestpipe.trainer import checkpoint
+
+    meta = checkpoint.read_meta(checkpoint.latest(out))
+    cols = sorted((pm["first_col"], pm["dim"], tuple(pm["owners"])) for st, pm in meta["placement"].items()
+                  if pm["table"] == "history")
+    ranks = sorted(s["rank"] for s in spec["shards"])
+    assert [c[:2] for c in cols] == [(0, 32), (32, 32)] and sorted(c[2][0] for c in cols) == ranks, cols
+    p = run("eval", "--run", out)
+    assert p.returncode == 0, p.stderr[-2000:]
+    p = run("export", "--run", out, "--out", str(tmp_path / "m.pt"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    m = torch.load(str(tmp_path / "m.pt"), weights_only=True)
+    assert m["embedding.history.weight"].shape == (5000, 64) and m["embedding.history.adagrad_state"].shape == (5000, 2)
+
+
 def test_plan_replicates_tiny_tables():
     """A replicated table's gradients ride in the dense AllReduce: a 3-row table costs its bytes, not a collective's
     latency, so the planner replicates it (before: 5,000-row tables replicated, 3-row ones sharded)."""

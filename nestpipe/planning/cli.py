@@ -31,8 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--unique-ratio", type=float, default=1.0,
                    help="distinct / keys in a worker's batch for manifest tables (from cluster-report)")
     p.add_argument("--no-column-split", action="store_true",
-                   help="keep whole rows on one owner (what `nestpipe train` executes; its `embedding.placement` "
-                        "accepts such a plan file)")
+                   help="keep whole rows on one owner (no column-wise shards; `nestpipe train` runs either kind "
+                        "of plan file through --set embedding.placement=FILE)")
     p.add_argument("--out", help="write the JSON plan here")
     p.add_argument("--json", action="store_true", help="print the JSON plan instead of the table")
     p.set_defaults(func=_plan)

@@ -90,7 +90,8 @@ def save(run: str, state, step: int, sleep_s: float = 0.0) -> str:
                 "model": state.cfg.model,
                 "placement": {t: {"table_id": s.placement.table_id, "vocab": s.placement.vocab,
                                   "world": s.placement.world, "a": s.placement.a, "b": s.placement.b,
-                                  "owners": list(s.placement.owners), "dim": s.dim} for t, s in emb.stores.items()},
+                                  "owners": list(s.placement.owners), "dim": s.dim, "table": s.table,
+                                  "first_col": s.first_col} for t, s in emb.stores.items()},
                 "replicated": sorted(emb.replicated), "kinds": emb.kinds}
         write_json_atomic(os.path.join(tmp, "meta.json"), meta)
         if os.path.exists(final):

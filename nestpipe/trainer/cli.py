@@ -20,8 +20,8 @@ def add_parser(subparsers) -> None:
                     "Writes RUN/config.json, RUN/plan.json, RUN/checkpoints/, RUN/scalars.jsonl and "
                     "RUN/metrics.json. Sharded tables are laid out by the cost-driven planner (table-wise or "
                     "row-wise over chosen ranks, printed at start); --set embedding.placement=hashed spreads every "
-                    "table over all ranks, --set embedding.placement=FILE takes a `nestpipe plan "
-                    "--no-column-split` plan.")
+                    "table over all ranks, --set embedding.placement=FILE runs a `nestpipe plan --out FILE` plan as it is "
+                    "(its exchange kinds and its row and column splits).")
     p.add_argument("--shards", help="shard directory (with manifest.json); required unless --resume or --help-config")
     p.add_argument("--out", help="run directory (config, checkpoints, metrics, trace); required unless --resume")
     p.add_argument("--model", choices=MODELS,

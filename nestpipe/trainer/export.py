@@ -2,7 +2,9 @@
 
 Names
 - ``embedding.<table>.weight`` ``[V, D]`` and ``embedding.<table>.adagrad_state`` ``[V]``, rows indexed by the
-  in-vocabulary id (the placement is undone; rows never touched hold their deterministic initial value);
+  in-vocabulary id (the placement is undone; rows never touched hold their deterministic initial value); a table
+  trained split into ``c`` column shards has its columns joined back and ``adagrad_state`` ``[V, c]`` (each column
+  shard's own row-wise state, in column order);
 - ``dense.<parameter>``; ``optim.dense.<parameter>.{exp_avg,exp_avg_sq,step}`` (AdamW).
 
 The result does not depend on the world size that trained it. For tables above ``max_rows_in_memory`` rows,
@@ -15,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Dict, Iterator, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import numpy as np
 import torch
@@ -28,7 +30,28 @@ from nestpipe.trainer.run_files import run_manifest
 from nestpipe.utils.jsonio import write_json_atomic
 
 
-def _table_blocks(ckpt: str, name: str, pmeta: Dict, seed: int, rank_files: Dict[int, Dict],
+def _tables(placement: Dict[str, Dict]) -> Dict[str, List[Tuple[str, Dict]]]:
+    """A checkpoint's stores grouped by table: ``table -> [(store, its placement meta)]`` in column order (one store
+    per table unless it was split by columns)."""
+    out: Dict[str, List[Tuple[str, Dict]]] = {}
+    for store, pm in sorted(placement.items()):
+        out.setdefault(pm.get("table", store), []).append((store, pm))
+    return {t: sorted(v, key=lambda x: x[1].get("first_col", 0)) for t, v in sorted(out.items())}
+
+
+def _table_blocks(ckpt: str, parts: List[Tuple[str, Dict]], seed: int, rank_files: Dict[int, Dict],
+                  block: int) -> Iterator[Tuple[int, torch.Tensor, torch.Tensor]]:
+    """``(first id, weights [n, D], AdaGrad state [n] or [n, c])`` of one table, ``block`` ids at a time: its column
+    shards' blocks joined column-wise."""
+    gens = [_store_blocks(ckpt, name, pm, seed, rank_files, block) for name, pm in parts]
+    if len(gens) == 1:
+        yield from gens[0]
+        return
+    for blocks in zip(*gens):
+        yield blocks[0][0], torch.cat([w for _, w, _ in blocks], 1), torch.stack([st for _, _, st in blocks], 1)
+
+
+def _store_blocks(ckpt: str, name: str, pmeta: Dict, seed: int, rank_files: Dict[int, Dict],
                   block: int) -> Iterator[Tuple[int, torch.Tensor, torch.Tensor]]:
     pl = TablePlacement(pmeta["table_id"], pmeta["vocab"], pmeta["world"], pmeta["a"], pmeta["b"],
                         tuple(pmeta.get("owners", ())))
@@ -41,7 +64,8 @@ def _table_blocks(ckpt: str, name: str, pmeta: Dict, seed: int, rank_files: Dict
     for start in range(0, pl.vocab, block):
         ids = np.arange(start, min(pl.vocab, start + block), dtype=np.int64)
         dtype = rank_files[0]["tables"][name]["weight"].dtype
-        w = torch.from_numpy(init_rows(seed, pl.table_id, ids, dim, pmeta["init_scale"])).to(dtype)
+        w = torch.from_numpy(init_rows(seed, pl.table_id, ids, dim, pmeta["init_scale"],
+                                       pmeta.get("first_col", 0))).to(dtype)
         s = torch.zeros(len(ids), dtype=dtype)
         owner, local = pl.owner_and_row(ids)
         for r, (rows, rw, rs) in per_rank.items():
@@ -97,13 +121,14 @@ def _assemble(run, ckpt, stream_prefix, max_rows_in_memory):
     cfg, ckpt, meta, rank_files = _open_checkpoint(run, ckpt)
     out: Dict[str, torch.Tensor] = {}
     files = []
-    for name, pm in sorted(meta["placement"].items()):
-        pm = dict(pm, init_scale=cfg.embedding.init_scale)
-        big = pm["vocab"] > max_rows_in_memory
+    for name, parts in _tables(meta["placement"]).items():
+        parts = [(st, dict(pm, init_scale=cfg.embedding.init_scale)) for st, pm in parts]
+        vocab = parts[0][1]["vocab"]
+        big = vocab > max_rows_in_memory
         if big and stream_prefix is None:
-            raise ValueError(f"table {name}: {pm['vocab']} rows exceed max_rows_in_memory; export to a file to stream")
-        block = 1_000_000 if big else max(pm["vocab"], 1)
-        for bi, (start, w, s) in enumerate(_table_blocks(ckpt, name, pm, meta["seed"], rank_files, block)):
+            raise ValueError(f"table {name}: {vocab} rows exceed max_rows_in_memory; export to a file to stream")
+        block = 1_000_000 if big else max(vocab, 1)
+        for bi, (start, w, s) in enumerate(_table_blocks(ckpt, parts, meta["seed"], rank_files, block)):
             if big:
                 path = f"{stream_prefix}.{name}.{bi:05d}.pt"
                 torch.save({f"embedding.{name}.weight": w, f"embedding.{name}.adagrad_state": s,
@@ -171,13 +196,14 @@ def export_safetensors(run: str, out_file: str, block_rows: int = 1_000_000) -> 
     cfg, ckpt, meta, rank_files = _open_checkpoint(run)
     # (name, dtype, shape, chunks): chunks() yields the tensor's rows in order
     entries = []
-    for name, pm in sorted(meta["placement"].items()):
-        pm = dict(pm, init_scale=cfg.embedding.init_scale)
-        dtype = rank_files[0]["tables"][name]["weight"].dtype
+    for name, parts in _tables(meta["placement"]).items():
+        parts = [(st, dict(pm, init_scale=cfg.embedding.init_scale)) for st, pm in parts]
+        dtype = rank_files[0]["tables"][parts[0][0]]["weight"].dtype
+        vocab, dim = parts[0][1]["vocab"], sum(pm["dim"] for _, pm in parts)
         states: list = []  # the state blocks, kept while the weight blocks are written (the weight comes first)
 
-        def weights(name=name, pm=pm, states=states):
-            for _, w, st in _table_blocks(ckpt, name, pm, meta["seed"], rank_files, max(1, block_rows)):
+        def weights(parts=parts, states=states):
+            for _, w, st in _table_blocks(ckpt, parts, meta["seed"], rank_files, max(1, block_rows)):
                 states.append(st)
                 yield w
 
@@ -185,8 +211,9 @@ def export_safetensors(run: str, out_file: str, block_rows: int = 1_000_000) -> 
             while states:
                 yield states.pop(0)
 
-        entries.append((f"embedding.{name}.weight", dtype, [pm["vocab"], pm["dim"]], weights))
-        entries.append((f"embedding.{name}.adagrad_state", dtype, [pm["vocab"]], adagrad))
+        entries.append((f"embedding.{name}.weight", dtype, [vocab, dim], weights))
+        entries.append((f"embedding.{name}.adagrad_state", dtype, [vocab] + ([len(parts)] if len(parts) > 1 else []),
+                        adagrad))
     for key, t in sorted(_replicated_and_dense(run, cfg, meta, rank_files[0]).items()):
         entries.append((key, t.dtype, list(t.shape), lambda t=t: iter([t])))
     header, offset = {}, 0

@@ -6,11 +6,16 @@
   the ranks of one exchange group. The exchange kind of every table is fixed first by the trainer's rule
   (:func:`~nestpipe.trainer.embedding.collection.choose_kind`: replicated / reduction / unique, overridable per
   table), so the planner decides only the layout of the sharded tables: table-wise (one owner) or row-wise over
-  ``k`` ranks, and which ranks. Column-wise splits are not offered (the trainer keeps whole rows on one owner).
+  ``k`` ranks, and which ranks. It does not split tables by columns (a plan file may).
 - ``hashed``: every sharded table row-wise over all ranks of the group (the placement hash balances the rows).
 - a path to a ``nestpipe plan --out FILE`` document made for this group size; its exchange kinds (which tables
   are replicated, which exchanged by unique rows or by partial sums) are applied unless ``embedding.kinds`` asks
-  for another kind for a table (:func:`plan_kinds`).
+  for another kind for a table (:func:`plan_kinds`). Its column splits are executed as they are: a table cut into
+  ``c`` column ranges becomes ``c`` *column shards* (stores named ``table@c0`` .. ``table@c{c-1}``, each with its
+  own row layout and owners, :func:`column_shards`); a requester asks every column shard for its keys and
+  concatenates the parts into whole rows. Each column shard keeps its own row-wise AdaGrad state (over its columns,
+  as fbgemm's TBE does per shard), so a column-split table trains like ``c`` narrower tables, not bitwise like the
+  whole table; every schedule still trains it bitwise alike.
 
 The plan is a pure function of the manifest, the configuration, the group size and the device kind, so every
 rank computes the same plan without communicating; rank 0 saves it as ``RUN/plan.json``.
@@ -18,6 +23,7 @@ rank computes the same plan without communicating; rank 0 saves it as ``RUN/plan
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -66,10 +72,8 @@ def resolve_plan(manifest: Manifest, placement: str, kinds: Dict[str, str], tabl
         if spec["sharding"] == "replicated":
             raise ValueError(f"{placement}: table {t!r} is replicated in the plan but exchanged as {kinds[t]!r} by "
                              "the configuration; set embedding.kinds or re-plan")
-        if int(spec.get("col_shards", 1)) != 1:
-            raise ValueError(f"{placement}: table {t!r} is split by columns ({spec['col_shards']} column shards); "
-                             "the trainer keeps whole rows on one owner: re-plan with `nestpipe plan "
-                             "--no-column-split`")
+        if int(spec.get("col_shards", 1)) > 1:
+            column_shards(plan, t, dims[t], where=placement)  # the column ranges tile the row: checked here
     return plan
 
 
@@ -87,11 +91,57 @@ def _make(manifest, kinds, table_kind, dims, group, device_type) -> Dict[str, An
 
 
 def table_owners(plan: Optional[Dict[str, Any]], table: str) -> Tuple[int, ...]:
-    """Ranks holding ``table``'s row shards in shard order (``()``: all ranks, the ``hashed`` layout)."""
+    """Ranks holding ``table``'s row shards in shard order (``()``: all ranks, the ``hashed`` layout), for a table
+    not split by columns (:func:`column_shards` gives each column shard's)."""
     if plan is None:
         return ()
     shards: List[Dict[str, Any]] = sorted(plan["tables"][table]["shards"], key=lambda s: s["rows"][0])
     return tuple(int(s["rank"]) for s in shards)
 
 
-__all__ = ["HARDWARE_OF_DEVICE", "plan_kinds", "resolve_plan", "table_owners"]
+@dataclasses.dataclass(frozen=True)
+class ColumnShard:
+    """Columns ``[first_col, first_col + dim)`` of a table's rows, held row-wise by ``owners`` (in row-shard order;
+    ``()``: every rank) in the store named ``store``."""
+
+    table: str
+    store: str
+    first_col: int
+    dim: int
+    owners: Tuple[int, ...]
+
+
+def column_store_name(table: str, j: int) -> str:
+    return f"{table}@c{j}"
+
+
+def column_shards(plan: Optional[Dict[str, Any]], table: str, dim: int, where: str = "plan") -> List[ColumnShard]:
+    """The column shards of ``table`` (row width ``dim``) in column order: one store named ``table`` holding whole
+    rows unless the plan splits the table by columns. The plan's column ranges are in its own ``dim``; they are
+    scaled to ``dim`` (each boundary must land on a whole column) and must tile the row, and every column range's
+    row shards must sit on distinct ranks."""
+    spec = plan["tables"].get(table) if plan is not None else None
+    if spec is None or int(spec.get("col_shards", 1)) <= 1:
+        return [ColumnShard(table, table, 0, dim, table_owners(plan, table))]
+    pdim = int(spec["dim"])
+    groups: Dict[Tuple[int, int], List[Dict[str, Any]]] = {}
+    for s in spec["shards"]:
+        groups.setdefault((int(s["cols"][0]), int(s["cols"][1])), []).append(s)
+    ranges = sorted(groups)
+    if ranges[0][0] != 0 or ranges[-1][1] != pdim or any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
+        raise ValueError(f"{where}: table {table!r}: the column ranges {ranges} do not tile its {pdim} columns")
+    out = []
+    for j, (lo, hi) in enumerate(ranges):
+        if (lo * dim) % pdim or (hi * dim) % pdim:
+            raise ValueError(f"{where}: table {table!r}: columns [{lo}, {hi}) of the plan's {pdim} do not map onto "
+                             f"whole columns of the run's {dim}; re-plan with the run's embedding.dim")
+        owners = tuple(int(s["rank"]) for s in sorted(groups[(lo, hi)], key=lambda s: s["rows"][0]))
+        if len(set(owners)) != len(owners):
+            raise ValueError(f"{where}: table {table!r}: columns [{lo}, {hi}) place two row shards on one rank "
+                             f"({list(owners)})")
+        out.append(ColumnShard(table, column_store_name(table, j), lo * dim // pdim, (hi - lo) * dim // pdim, owners))
+    return out
+
+
+__all__ = ["HARDWARE_OF_DEVICE", "ColumnShard", "column_shards", "column_store_name", "plan_kinds", "resolve_plan",
+           "table_owners"]

@@ -3,8 +3,10 @@
 Who owns what
 - Every sharded table's row belongs to exactly one rank (:mod:`nestpipe.trainer.embedding.placement`); that rank's
   :class:`~nestpipe.trainer.embedding.store.RowStore` holds it with its AdaGrad state. Replicated tables live on
-  every rank. A *slot* is one request stream into a store: one per sharded table, plus ``item#neg`` (the GR
-  negatives) served by the ``item`` store.
+  every rank. A table split by columns in a plan file has one store per column shard (``table@cJ``, each with
+  its own owners; :func:`~nestpipe.trainer.sharding_plan.column_shards`). A *slot* is one request stream into a
+  store: one per store, plus ``item#neg`` (the GR negatives) served by the ``item`` store (``item@cJ#neg`` per
+  column shard). The requester concatenates a table's column shards in column order into whole rows.
 
 Per batch (each step is a method, called in this order by :mod:`nestpipe.trainer.step`)
 1. :meth:`input_dist` (key routing): the requester maps its batch keys to (owner, local row); one
@@ -54,9 +56,12 @@ from nestpipe.trainer.embedding.replicated import ReplicatedTable, owner_bounds,
 from nestpipe.trainer.embedding.store import RowStore, apply_adagrad
 from nestpipe.trainer.embedding.unique_based import UniqueBased
 from nestpipe.trainer.embedding.placement import make_placement
-from nestpipe.trainer.sharding_plan import plan_kinds, resolve_plan, table_owners
+from nestpipe.trainer.sharding_plan import column_shards, plan_kinds, resolve_plan
 from nestpipe.utils.timing import StageTimer
 from nestpipe import kernels
+
+
+_NEG_SUFFIX = NEG_SLOT[len("item"):]  # "#neg": the negatives' slot of an item store (``item#neg``, ``item@c0#neg``)
 
 
 def choose_kind(name: str, vocab: int, table_kind: str, cfg: EmbeddingConfig) -> str:
@@ -217,7 +222,10 @@ class ShardedEmbeddingCollection:
         self.kinds = plan_kinds(cfg.placement, {t: choose_kind(t, manifest.tables[t].vocab, self.table_kind[t], cfg)
                                                 for t in names}, cfg.kinds)
         self.plan = resolve_plan(manifest, cfg.placement, self.kinds, self.table_kind, self.dims, world, device.type)
+        # a sharded table is held by one store (whole rows) or, split by columns in a plan file, by one store per
+        # column shard (``table@cJ``, in column order); a slot is one request stream into one store
         self.stores: Dict[str, RowStore] = {}
+        self.store_dims: Dict[str, int] = {}
         self.replicated: Dict[str, ReplicatedTable] = {}
         self.req_placement = {}
         for t in names:
@@ -225,14 +233,16 @@ class ShardedEmbeddingCollection:
             if self.kinds[t] == "replicated":
                 self.replicated[t] = ReplicatedTable(t, self.table_ids[t], v, self.dims[t], seed, cfg.init_scale, device,
                                                      dtype)
-            else:
-                owners = table_owners(self.plan, t)
-                pl = make_placement(self.table_ids[t], v, world, owners=owners)
-                self.stores[t] = RowStore(t, pl, rank, self.dims[t], seed, cfg.init_scale, dtype,
-                                          eager_rows=cfg.eager_init_max_rows, huge_pages=cfg.huge_pages)
-                self.req_placement[t] = make_placement(self.table_ids[t], v, world, salt=testing_hooks.active().requester_salt,
-                                                       owners=owners)
-        self.slots = [t for t in names if t in self.stores]
+                continue
+            for cs in column_shards(self.plan, t, self.dims[t]):
+                pl = make_placement(self.table_ids[t], v, world, owners=cs.owners)
+                self.stores[cs.store] = RowStore(cs.store, pl, rank, cs.dim, seed, cfg.init_scale, dtype,
+                                                 eager_rows=cfg.eager_init_max_rows, huge_pages=cfg.huge_pages,
+                                                 table=t, first_col=cs.first_col)
+                self.store_dims[cs.store] = cs.dim
+                self.req_placement[cs.store] = make_placement(
+                    self.table_ids[t], v, world, salt=testing_hooks.active().requester_salt, owners=cs.owners)
+        self.slots = list(self.stores)
         # 2D sparse parallelism (nestpipe.trainer.distributed.sparse_groups): the sharded tables' accumulator scale and the
         # cross-group replica synchronisation run by update(); None / the config's scale in plain training
         self.sparse_momentum_scale = cfg.momentum_scale_groups
@@ -243,17 +253,29 @@ class ShardedEmbeddingCollection:
         # are unique in-vocabulary ids) and sample indices (< the batch size): int32 when all of these fit (the
         # same static rule on every rank, so both sides of the All2All agree), which halves its bytes.
         self.manifest_batch_size = manifest.batch_size
-        bound = max([manifest.batch_size] + [manifest.tables[t].vocab for t in self.stores])
+        bound = max([manifest.batch_size] + [manifest.tables[s.table].vocab for s in self.stores.values()])
         self.route_dtype = np.int32 if bound < 2 ** 31 else np.int64
-        if negatives and "item" in self.stores:
-            self.slots.append(NEG_SLOT)
+        if negatives and "item" in self.kinds and self.kinds["item"] != "replicated":
+            self.slots += [st + _NEG_SUFFIX for st in self.stores if self.stores[st].table == "item"]
 
     # -- helpers -------------------------------------------------------------------------------------------------
+    @staticmethod
+    def is_negatives(slot: str) -> bool:
+        return slot.endswith(_NEG_SUFFIX)
+
     def store_of(self, slot: str) -> str:
-        return "item" if slot == NEG_SLOT else slot
+        return slot[:-len(_NEG_SUFFIX)] if self.is_negatives(slot) else slot
+
+    def table_of(self, slot: str) -> str:
+        return self.stores[self.store_of(slot)].table
+
+    def output_of(self, slot: str) -> str:
+        """The model input a slot's output belongs to: its table, or ``item#neg`` for the negatives (column shards
+        of one table are concatenated in column order)."""
+        return NEG_SLOT if self.is_negatives(slot) else self.table_of(slot)
 
     def slot_exchange(self, slot: str) -> str:
-        return "unique" if slot == NEG_SLOT else self.kinds[slot]
+        return "unique" if self.is_negatives(slot) else self.kinds[self.table_of(slot)]
 
     def _a2a(self, send: torch.Tensor, send_splits: List[int], recv_splits: List[int], stage: str,
              group=None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -267,9 +289,9 @@ class ShardedEmbeddingCollection:
         return out
 
     def _slot_keys(self, batch: PreparedBatch, slot: str) -> np.ndarray:
-        if slot == NEG_SLOT:
+        if self.is_negatives(slot):
             return np.unique(batch.negatives)
-        return batch.keys[slot]
+        return batch.keys[self.table_of(slot)]
 
     # -- stage: key routing --------------------------------------------------------------------------------------
     def input_dist(self, batch: PreparedBatch, group=None) -> Routing:
@@ -314,13 +336,14 @@ class ShardedEmbeddingCollection:
             pos_in_dest[order] = np.arange(len(keys)) - np.repeat(bounds[:-1], np.diff(bounds))
             send_rows = [local[order[bounds[r]:bounds[r + 1]]] for r in range(W)]
         mb_lists, unperm = [], []
+        t = self.table_of(slot)
         for mbd in batch.micro:
             if self.slot_exchange(slot) == "unique":
-                mk = np.arange(len(keys), dtype=np.int64) if slot == NEG_SLOT else mbd.mb_keys[slot]
+                mk = np.arange(len(keys), dtype=np.int64) if self.is_negatives(slot) else mbd.mb_keys[t]
                 lists, up = UniqueBased.plan(dest, pos_in_dest, mk, W)
                 unperm.append(torch.from_numpy(up).to(self.device))
             else:
-                lists = ReductionBased.plan(dest, pos_in_dest, mbd.value_key[slot], mbd.value_sample[slot], W,
+                lists = ReductionBased.plan(dest, pos_in_dest, mbd.value_key[t], mbd.value_sample[t], W,
                                             one, num_samples=len(mbd.samples))
                 unperm.append(None)
             mb_lists.append(lists)
@@ -399,7 +422,7 @@ class ShardedEmbeddingCollection:
             offs, at = {}, 0
             for r in range(W):
                 for slot in self.slots:
-                    dim = self.dims[self.store_of(slot)]
+                    dim = self.store_dims[self.store_of(slot)]
                     offs[(r, slot)] = at
                     if self.slot_exchange(slot) == "unique":
                         n_send = len(raw_mb[i][r][slot]) * dim
@@ -430,7 +453,7 @@ class ShardedEmbeddingCollection:
         dedup into rows (:meth:`_OwnStore.dedup`: the buffered schedules and the entry update)."""
 
         W, N = self.world, len(raw_mb)
-        dim = self.dims[st]
+        dim = self.store_dims[st]
         rows_all = np.concatenate(entries).astype(np.int64, copy=False) if entries else np.zeros(0, np.int64)
         if len(rows_all) and (int(rows_all.min()) < 0 or int(rows_all.max()) >= self.stores[st].num_rows):
             raise RuntimeError(f"table {st}: rank {self.rank} received a request for a row it does not own")
@@ -627,7 +650,7 @@ class ShardedEmbeddingCollection:
         b = len(mbd.samples)
         for r in range(W):
             for slot in self.slots:
-                dim = self.dims[self.store_of(slot)]
+                dim = self.store_dims[self.store_of(slot)]
                 if self.slot_exchange(slot) == "unique":
                     n = len(routing.req[slot].mb_lists[i][r])
                     pieces[slot].append(leaf[off:off + n * dim].view(n, dim))
@@ -642,14 +665,15 @@ class ShardedEmbeddingCollection:
         for slot in self.slots:
             if self.slot_exchange(slot) == "unique":
                 unperm = routing.req[slot].unperm[i]
-                if slot == NEG_SLOT:
+                if self.is_negatives(slot):
                     rows = torch.cat(pieces[slot], 0).index_select(0, unperm)
                     out[slot] = rows.index_select(0, routing.neg_inv)
                 else:
+                    t = self.table_of(slot)
                     out[slot] = UniqueBased.unpack(
-                        pieces[slot], unperm, self._t(mbd.value_pos[slot]), self._t(mbd.value_sample[slot]), b,
-                        pooled=self.table_kind[slot] != "sequence")
-        out = {slot: out[slot] for slot in self.slots}  # slot order
+                        pieces[slot], unperm, self._t(mbd.value_pos[t]), self._t(mbd.value_sample[t]), b,
+                        pooled=self.table_kind[t] != "sequence")
+        out = self._whole_rows(out)
         batch = routing.batch
         for t, tab in self.replicated.items():
             ids = self._t(batch.keys[t][mbd.value_key[t]])
@@ -658,6 +682,14 @@ class ShardedEmbeddingCollection:
             out[NEG_SLOT] = self.replicated["item"].lookup(self._t(batch.negatives), None, 0, pooled=False)
         self.timer.add("embed.requester", time.perf_counter() - t1)
         return out, leaf
+
+    def _whole_rows(self, out: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Slot outputs -> model inputs in slot order: a table's column shards concatenated in column order (the
+        slots of one table are consecutive and in column order), every other slot as it is."""
+        parts: Dict[str, List[torch.Tensor]] = {}
+        for slot in self.slots:
+            parts.setdefault(self.output_of(slot), []).append(out[slot])
+        return {k: v[0] if len(v) == 1 else torch.cat(v, -1) for k, v in parts.items()}
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
@@ -716,13 +748,13 @@ class ShardedEmbeddingCollection:
                 # buffer was final when it served the batch, and only this batch's update changes its rows before
                 # this point), so the result is bitwise that of the buffered update.
                 with store.lock:
-                    apply_adagrad(store.weight, store.state, o.rows, g, cfg.lr_of(store.name), cfg.eps,
+                    apply_adagrad(store.weight, store.state, o.rows, g, cfg.lr_of(store.table), cfg.eps,
                                   self.sparse_momentum_scale,
                                   (o.seg_order, o.seg_offsets), o.inv, grad_pairs)
             else:
                 # in place into the batch's buffer, then written back to the store
                 buf_rows = torch.arange(len(o.rows), dtype=torch.int64)
-                apply_adagrad(o.buf_w, o.buf_s, buf_rows, g, cfg.lr_of(store.name), cfg.eps, self.sparse_momentum_scale,
+                apply_adagrad(o.buf_w, o.buf_s, buf_rows, g, cfg.lr_of(store.table), cfg.eps, self.sparse_momentum_scale,
                               (o.seg_order, o.seg_offsets), o.inv, grad_pairs)
                 t_wb = time.perf_counter()
                 store.write_back(o.rows, o.buf_w, o.buf_s)
@@ -742,17 +774,17 @@ class ShardedEmbeddingCollection:
         back."""
         if len(o.bag_grad) == 0:
             return
-        dim = self.dims[store.name]
+        dim = store.dim
         # each bag's gradient row, gathered from the payload at its element offset (blocks of different dims
         # share the payload, so the rows are taken from its length-dim windows)
         grad_output = g.unfold(0, dim, 1).index_select(0, o.bag_grad)
         if o.direct or o.update_in_store:
             with store.lock:
                 kernels.adagrad_bags(store.weight, store.state, o.bag_rows, o.bag_offsets, grad_output,
-                                     self.cfg.lr_of(store.name), self.cfg.eps)
+                                     self.cfg.lr_of(store.table), self.cfg.eps)
             return
         positions = torch.from_numpy(np.concatenate(o.fwd_pos))
-        kernels.adagrad_bags(o.buf_w, o.buf_s, positions, o.bag_offsets, grad_output, self.cfg.lr_of(store.name),
+        kernels.adagrad_bags(o.buf_w, o.buf_s, positions, o.bag_offsets, grad_output, self.cfg.lr_of(store.table),
                              self.cfg.eps)
         t_wb = time.perf_counter()
         store.write_back(o.rows, o.buf_w, o.buf_s)

@@ -27,7 +27,8 @@ class EmbeddingConfig:
         "and single tables unique-based")
     placement: str = opt(
         "planned", help="which ranks hold each sharded table's rows: planned (cost-driven planner) | hashed (row-wise "
-        "over every rank) | path to a `nestpipe plan --no-column-split --out FILE` document")
+        "over every rank) | path to a `nestpipe plan --out FILE` document (its column splits included: a column shard "
+        "keeps its own row-wise AdaGrad state)")
     replicate_max_rows: int = opt(1024, help="tables with at most this many rows are replicated on every rank",
                                   minimum=0)
     eager_init_max_rows: int = opt(

@@ -122,13 +122,15 @@ def _owners(owners: Sequence[int], world: int) -> Tuple[int, ...]:
     return () if own == tuple(range(world)) else own
 
 
-def init_rows(seed: int, table_id: int, ids: np.ndarray, dim: int, scale: float) -> np.ndarray:
-    """float32 [n, dim] initial rows, uniform in ``[-scale, scale)``, a pure function of (seed, table, id, column)."""
+def init_rows(seed: int, table_id: int, ids: np.ndarray, dim: int, scale: float, first_col: int = 0) -> np.ndarray:
+    """float32 [n, dim] initial rows, uniform in ``[-scale, scale)``, a pure function of (seed, table, id, column):
+    columns ``first_col .. first_col + dim - 1`` of the full rows (a column shard starts where its columns start, so
+    a table split by columns starts from the same values as the whole table)."""
     ids = np.asarray(ids, dtype=np.int64).view(np.uint64)
     base = splitmix64(splitmix64(np.array([seed & ((1 << 64) - 1)], dtype=np.uint64)) ^ np.uint64(table_id))
     h = splitmix64(base ^ ids)  # [n]
     with np.errstate(over="ignore"):
-        cols = np.arange(dim, dtype=np.uint64) * _GOLDEN
+        cols = np.arange(first_col, first_col + dim, dtype=np.uint64) * _GOLDEN
         z = splitmix64(h[:, None] + cols[None, :])
     u = (z >> np.uint64(40)).astype(np.float64) * (1.0 / (1 << 24))  # exact in float32
     return ((2.0 * u - 1.0) * scale).astype(np.float32)

@@ -77,7 +77,7 @@ class ReplicaSync:
         names = list(routing.own)
         G = self.num_groups
         group = self.get_group()
-        dims = [emb.dims[st] for st in names]
+        dims = [emb.stores[st].dim for st in names]
         mine_rows = [routing.own[st].rows.to(torch.int64) for st in names]
         counts = torch.tensor([len(r) for r in mine_rows], dtype=torch.int64)
         all_counts = self._all_gather(counts, group).view(G, len(names))  # [G, S]

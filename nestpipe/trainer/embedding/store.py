@@ -6,6 +6,9 @@ Invariants
   truth between batches: a batch's rows are gathered from it (retrieval) and written back after the update.
 - :meth:`RowStore.gather` and :meth:`RowStore.write_back` hold the store's lock: the retrieval stage (its own
   thread in the pipelined modes) never reads a half-written batch of rows while the compute thread writes back.
+- A store holds whole rows of its table, or one column range of them when the table is split by columns (a
+  *column shard*, named ``table@cJ``, with its own row-wise AdaGrad state over its columns, as fbgemm's TBE keeps
+  per shard).
 - A row is materialised on first touch from ``init_rows(seed, table, id)``; until then its memory is never read
   (``host_empty``/``host_zeros`` pages are not touched, so a 32M-row table costs nothing until used). Stores
   initialised whole (below) sit on transparent huge pages where Linux offers them (``embedding.huge_pages``, see
@@ -29,8 +32,11 @@ from nestpipe import kernels
 
 class RowStore:
     def __init__(self, name: str, placement: TablePlacement, rank: int, dim: int, seed: int, init_scale: float,
-                 dtype: torch.dtype = torch.float32, eager_rows: int = 0, huge_pages: str = "resident"):
-        self.name = name
+                 dtype: torch.dtype = torch.float32, eager_rows: int = 0, huge_pages: str = "resident",
+                 table: str = "", first_col: int = 0):
+        self.name = name  # the store: the table's name, or ``table@cJ`` for column shard J of a column-split table
+        self.table = table or name
+        self.first_col = first_col  # the store holds columns [first_col, first_col + dim) of the table's rows
         self.placement = placement
         self.rank = rank
         self.dim = dim
@@ -58,7 +64,7 @@ class RowStore:
         new = rows[~self.materialized[rows]]
         if len(new):
             ids = self.placement.ids_of_rows(self.rank, new.numpy())
-            vals = init_rows(self.seed, self.placement.table_id, ids, self.dim, self.init_scale)
+            vals = init_rows(self.seed, self.placement.table_id, ids, self.dim, self.init_scale, self.first_col)
             self.weight.index_copy_(0, new, torch.from_numpy(vals).to(self.weight.dtype))
             self.materialized[new] = True
             self.num_materialized += len(new)

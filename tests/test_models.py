@@ -251,3 +251,58 @@ def test_bucketed_history_lse_is_the_logsumexp_of_the_padded_history_logits(lens
     flip = torch.cat([torch.arange(int(a), int(b)).flip(0) for a, b in zip(ends + 1 - lengths, ends + 1)])
     other = _history_logits(query, items[flip], item_ids[flip], lengths, q_idx, 0.3).logsumexp(-1)
     assert not torch.allclose(other, want)
+
+
+def test_in_batch_negatives_count_every_distinct_item_once():
+    """With every target row taken (limit >= Q), the logQ-corrected in-batch term of a query is the logsumexp over
+    the DISTINCT target items other than its own: item j's c_j copies, each corrected by -log(c_j), weigh one item.
+    Negative control: without the correction (weights 0) the copies count c_j times and the values differ. Gradients
+    match the composed reference; a limit below Q takes evenly spaced positions."""
+    from nestpipe.trainer.models.common import SharedNegativesLSE, _collisions, _in_batch_lse
+
+    g = torch.Generator().manual_seed(5)
+    Q = 30
+    ids = torch.randint(0, 7, (Q,), generator=g)  # many repeats
+    table = torch.randn(7, D, dtype=torch.float64, generator=g)
+    targets = table[ids].clone().requires_grad_(True)  # a repeated item has the same row (one embedding row)
+    q = torch.randn(Q, D, dtype=torch.float64, generator=g, requires_grad=True)
+    got = _in_batch_lse(q, targets, ids, limit=1000)
+    uniq = torch.unique(ids)
+    want = torch.stack([torch.logsumexp(torch.stack([q[i] @ targets[int(torch.nonzero(ids == j)[0])]
+                                                     for j in uniq if j != ids[i]]), 0) for i in range(Q)])
+    torch.testing.assert_close(got, want)
+    up = torch.randn(Q, dtype=torch.float64, generator=g)
+    gq, gt = torch.autograd.grad((got * up).sum(), (q, targets))
+    wq, wt = torch.autograd.grad((want * up).sum(), (q, targets))
+    torch.testing.assert_close(gq, wq)
+    # per item, the gradient of its copies sums to that of the one row the reference used
+    for j in uniq:
+        torch.testing.assert_close(gt[ids == j].sum(0), wt[ids == j].sum(0))
+    # negative control: the same negatives without the logQ weights count each item c_j times
+    rows, cols = _collisions(ids, ids)
+    raw = SharedNegativesLSE.apply(q, targets, 0.0, rows, cols)
+    assert not torch.allclose(raw, got)
+    # a limit below Q: N evenly spaced positions, the first included
+    part = _in_batch_lse(q, targets, ids, limit=4)
+    pick = torch.tensor([0, 7, 15, 22])
+    counts = torch.stack([(ids == ids[p]).sum() for p in pick]).to(torch.float64)
+    r4, c4 = _collisions(ids, ids[pick])
+    torch.testing.assert_close(part, SharedNegativesLSE.apply(q, targets[pick], -torch.log(counts * 4 / Q), r4, c4))
+
+
+def test_bfloat16_negative_logits_stay_close_to_float32():
+    from nestpipe.trainer.models.common import SharedNegativesLSE, _collisions
+
+    g = torch.Generator().manual_seed(7)
+    q = torch.nn.functional.normalize(torch.randn(64, D, generator=g), dim=-1).requires_grad_(True)
+    negs = torch.nn.functional.normalize(torch.randn(50, D, generator=g), dim=-1).requires_grad_(True)
+    r, c = _collisions(torch.arange(64), torch.arange(50))
+    full = SharedNegativesLSE.apply(q / 0.1, negs, 2.0, r, c)
+    low = SharedNegativesLSE.apply(q / 0.1, negs, 2.0, r, c, torch.bfloat16)
+    assert low.dtype == torch.float32 and not torch.equal(low, full)  # computed differently ...
+    torch.testing.assert_close(low, full, rtol=0, atol=0.05)  # ... within bfloat16's 8 mantissa bits
+    ga = torch.autograd.grad(full.sum(), (q, negs))
+    gb = torch.autograd.grad(low.sum(), (q, negs))
+    for a, b in zip(ga, gb):
+        assert b.dtype == torch.float32
+        torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)

@@ -121,6 +121,11 @@ def runs(tmp_path_factory):
         for mode in ("off", "nested", "dbp", "fwp"):
             add(plan2, 2, model, f"colsplit-{mode}", mode, emb={"placement": col_plans[model]})
     add(plan2, 2, "hstu", "colsplit-nosync", "nested", emb={"placement": col_plans["hstu"]}, hooks=nosync)
+    # the micro-batch's own targets as negatives (they depend on the micro-batch partition, which every schedule
+    # shares), in every schedule
+    in_batch = {"hstu": dict(SETS["hstu"]["hstu"], in_batch_negatives=16)}
+    for mode in ("off", "nested", "dbp", "fwp"):
+        add(plan2, 2, "hstu", f"inbatch-{mode}", mode, top=in_batch)
     # resume: 8 steps with checkpoints every 4, then resume the same run to 20 steps, all nested
     add(plan2, 2, "hstu", "resumed", "nested", steps=8, checkpoint_every=4)
     plan3 = []
@@ -528,3 +533,11 @@ def test_column_shards_start_from_the_whole_tables_rows(runs):
     whole, split = _losses(runs[(2, "hstu", "off")]), _losses(runs[(2, "hstu", "colsplit-off")])
     assert whole[0] == split[0]
     assert whole[1] != split[1]
+
+
+def test_in_batch_negatives_train_bitwise_alike_in_every_schedule(runs):
+    ref = _export(runs[(2, "hstu", "inbatch-off")])
+    for mode in ("nested", "dbp", "fwp"):
+        assert _bitwise_diff(ref, _export(runs[(2, "hstu", f"inbatch-{mode}")])) == [], mode
+    # the option changed the objective (the control: the same run without it differs)
+    assert _losses(runs[(2, "hstu", "inbatch-off")])[0] != _losses(runs[(2, "hstu", "off")])[0]

@@ -108,7 +108,18 @@ class SequentialModel(nn.Module):
         w = math.log(self.num_items / k) if self.cfg.logq_correction and k and self.num_items > k else 0.0
         hidden = self.encode(self.token_inputs(emb), feats["lengths"])
         out = {"item": self.candidates(emb["item"]), NEG: self.candidates(emb[NEG])}
-        return next_item_loss(hidden, out, feats, self.cfg.temperature, self.cfg.history_negatives, w)
+        return next_item_loss(hidden, out, feats, self.cfg.temperature, self.cfg.history_negatives, w,
+                              in_batch=self.cfg.in_batch_negatives, logit_dtype=NEGATIVE_DTYPES[self.cfg.negatives_dtype])
+
+
+NEGATIVE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
+IN_BATCH_HELP = (
+    "up to this many of the micro-batch's own targets (every ceil(Q / N)-th of its Q positions, a sample of the "
+    "items in proportion to their frequency) join every position's negatives through one GEMM, the position's own "
+    "target masked, each logit corrected by -log(N_used x count / Q) (the expected number of copies among them); "
+    "0: off")
+NEGATIVES_DTYPE_HELP = ("dtype of the query x negative logits (the shared and in-batch GEMMs; the softmax sums in "
+                        "float32): bfloat16 halves their bytes")
 
 
 def jagged_positions(lengths: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -153,7 +164,8 @@ def padded_tokens(emb: Dict[str, torch.Tensor], tables: List[str], pos_table: to
 
 def next_item_loss(hidden: torch.Tensor, emb: Dict[str, torch.Tensor], feats: Dict[str, torch.Tensor],
                    temperature: float, history_negatives: bool = False,
-                   sampled_log_weight: float = 0.0) -> torch.Tensor:
+                   sampled_log_weight: float = 0.0, in_batch: int = 0,
+                   logit_dtype: torch.dtype = None) -> torch.Tensor:
     """Per-sample loss ``[b]``: the mean over the sample's positions of the next-item sampled softmax (cosine
     similarity of the query and the candidate embeddings ``emb["item"]`` / ``emb[NEG]`` / ``temperature``; the
     target against the batch's shared negatives, negatives equal to the target masked). A per-sample mean, so the
@@ -164,7 +176,11 @@ def next_item_loss(hidden: torch.Tensor, emb: Dict[str, torch.Tensor], feats: Di
     items, so without them nothing teaches the model that the next item is usually not one it just read, and the
     query, built from those items, scores them high. ``sampled_log_weight``: added to every uniform negative's logit;
     ``log(V / K)`` makes each of the K uniform draws stand for V / K catalog items (the sampled-softmax logQ
-    correction), so that the prefix items, present once each, weigh what they weigh in the full softmax."""
+    correction), so that the prefix items, present once each, weigh what they weigh in the full softmax.
+
+    ``in_batch``: up to this many of the micro-batch's targets serve as further negatives of every position
+    (:func:`_in_batch_negatives`: a frequency-proportional sample, the logQ-corrected logit of each, the position's
+    own target masked). ``logit_dtype`` (e.g. bfloat16): the query x negative GEMMs in that dtype."""
     lengths = feats["lengths"]
     b = len(lengths)
     sample = torch.repeat_interleave(torch.arange(b, device=lengths.device), lengths)
@@ -177,8 +193,12 @@ def next_item_loss(hidden: torch.Tensor, emb: Dict[str, torch.Tensor], feats: Di
     negs = F.normalize(emb[NEG], dim=-1)
     pos_logit = (query * target).sum(-1, keepdim=True) / temperature
     q_rows, n_cols = _collisions(feats["item_ids"].index_select(0, q_idx + 1), feats["neg_ids"])
-    neg_lse = SharedNegativesLSE.apply(query / temperature, negs, float(sampled_log_weight), q_rows, n_cols)
+    q_scaled = query / temperature
+    neg_lse = SharedNegativesLSE.apply(q_scaled, negs, float(sampled_log_weight), q_rows, n_cols, logit_dtype)
     logits = [pos_logit, neg_lse[:, None]]
+    if in_batch:
+        logits.append(_in_batch_lse(q_scaled, target, feats["item_ids"].index_select(0, q_idx + 1), in_batch,
+                                    logit_dtype)[:, None])
     if history_negatives:
         logits.append(_history_lse(query, emb["item"], feats["item_ids"], lengths, q_idx, temperature)[:, None])
     logits = torch.cat(logits, dim=1)
@@ -205,18 +225,50 @@ def _collisions(targets: torch.Tensor, neg_ids: torch.Tensor) -> Tuple[torch.Ten
     return rows, order.index_select(0, first + within)
 
 
+def _in_batch_lse(q_scaled: torch.Tensor, targets: torch.Tensor, target_ids: torch.Tensor, limit: int,
+                  logit_dtype: torch.dtype = None) -> torch.Tensor:
+    """``[Q]``: per query, the logsumexp over the in-batch negatives of ``q . t_j - log(N x c_j / Q)``, the query's
+    own target item left out.
+
+    The negatives are ``N = min(limit, Q)`` of the micro-batch's ``Q`` target rows, taken at evenly spaced positions
+    (a deterministic systematic sample: the same in every schedule, and an item appears about in proportion to its
+    frequency ``c_j / Q`` among the targets). The expected number of copies of item ``j`` among them is
+    ``N c_j / Q``; subtracting its log (the logQ correction) makes the copies stand for one catalog item each, as the
+    uniform negatives' ``log(V / K)`` does. Without it the frequent items, drawn many times, would be pushed down
+    in proportion to their popularity. Gradients reach the sampled target rows as well as the queries."""
+    n_q = len(target_ids)
+    if n_q == 0:
+        return q_scaled.new_zeros(0)
+    n = min(int(limit), n_q)
+    pick = (torch.arange(n, device=target_ids.device) * n_q) // n  # evenly spaced positions, the first included
+    ids = target_ids.index_select(0, pick)
+    _, inv, counts = torch.unique(target_ids, return_inverse=True, return_counts=True)
+    freq = counts.index_select(0, inv.index_select(0, pick)).to(q_scaled.dtype)  # c_j of every sampled row
+    weight = -torch.log(freq * (n / n_q))
+    rows, cols = _collisions(target_ids, ids)
+    return SharedNegativesLSE.apply(q_scaled, targets.index_select(0, pick), weight, rows, cols, logit_dtype)
+
+
 class SharedNegativesLSE(torch.autograd.Function):
-    """``logsumexp_j(q_i . n_j + w)`` per query row over the batch's shared negatives, the pairs ``(rows, cols)``
-    left out; one ``[Q, K]`` buffer, exponentiated in place and kept for the backward.
+    """``logsumexp_j(q_i . n_j + w_j)`` per query row over the batch's shared negatives, the pairs ``(rows, cols)``
+    left out; ``w`` one number for every column or one per column (``[K]``); one ``[Q, K]`` buffer, exponentiated
+    in place and kept for the backward. ``logit_dtype`` (bfloat16): the two GEMMs of the forward and the backward
+    take their operands in that dtype; the buffer, the sums and the gradients stay in the inputs' dtype.
 
     Written by hand because the composed ops (matmul, add, masked fill, max, subtract, exp, sum, and their backward)
     stream the ``[Q, K]`` logits through memory a dozen times; this takes five passes and two matmuls, the gradient
     being ``softmax * g`` on the rows. Deterministic (no atomics), the same on every device and in every schedule."""
 
     @staticmethod
-    def forward(ctx, q, negs, log_weight: float, rows, cols):
-        scores = q @ negs.t()
-        if log_weight:
+    def forward(ctx, q, negs, log_weight, rows, cols, logit_dtype=None):
+        ctx.logit_dtype = logit_dtype
+        if logit_dtype is None:
+            scores = q @ negs.t()
+        else:
+            scores = (q.to(logit_dtype) @ negs.to(logit_dtype).t()).to(q.dtype)
+        if torch.is_tensor(log_weight):
+            scores.add_(log_weight[None, :])
+        elif log_weight:
             scores.add_(log_weight)
         if len(rows):
             scores.index_put_((rows, cols), scores.new_tensor(float("-inf")))
@@ -231,9 +283,15 @@ class SharedNegativesLSE(torch.autograd.Function):
     def backward(ctx, grad):
         probs, total, q, negs = ctx.saved_tensors
         g = probs * (grad[:, None] / total.clamp(min=torch.finfo(total.dtype).tiny))  # 0, not nan, on empty rows
+        low = ctx.logit_dtype
+        if low is not None:
+            g16, q, negs = g.to(low), q.to(low), negs.to(low)
+            grad_q = (g16 @ negs).to(g.dtype) if ctx.needs_input_grad[0] else None
+            grad_negs = (g16.t() @ q).to(g.dtype) if ctx.needs_input_grad[1] else None
+            return grad_q, grad_negs, None, None, None, None
         grad_q = g @ negs if ctx.needs_input_grad[0] else None
         grad_negs = g.t() @ q if ctx.needs_input_grad[1] else None
-        return grad_q, grad_negs, None, None, None
+        return grad_q, grad_negs, None, None, None, None
 
 
 def _history_lse(query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor, lengths: torch.Tensor,

@@ -20,7 +20,8 @@ from torch import nn
 
 from nestpipe.datasets.shards import Manifest
 from nestpipe.trainer.models import hstu
-from nestpipe.trainer.models.common import (OUTPUT_EMBEDDING_HELP, OUTPUT_EMBEDDINGS, SequentialModel,
+from nestpipe.trainer.models.common import (IN_BATCH_HELP, NEGATIVE_DTYPES, NEGATIVES_DTYPE_HELP,
+                                             OUTPUT_EMBEDDING_HELP, OUTPUT_EMBEDDINGS, SequentialModel,
                                              padded_tokens, sequential_table_widths, sequential_token_dim)
 from nestpipe.trainer.models.spec import ModelSpec
 from nestpipe.utils.options import opt
@@ -43,6 +44,8 @@ class SASRecConfig:
     logq_correction: bool = opt(
         True, help="weigh each uniform negative as V / K catalog items (log(V / K) added to its logit)")
     output_embedding: str = opt("untied", help=OUTPUT_EMBEDDING_HELP, choices=OUTPUT_EMBEDDINGS)
+    in_batch_negatives: int = opt(0, help=IN_BATCH_HELP, minimum=0)
+    negatives_dtype: str = opt("float32", help=NEGATIVES_DTYPE_HELP, choices=tuple(NEGATIVE_DTYPES))
 
 
 class SASRecBlock(nn.Module):

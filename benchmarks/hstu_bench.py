@@ -22,6 +22,11 @@ the machine hits all alike):
 End to end (``--e2e-steps`` > 0): ``nestpipe train`` on the longest L's shards, world 2, ``--pipeline off``, with
 ``hstu.attention=jagged`` and ``padded`` in turn; the run's ``step_s`` from ``metrics.json``.
 
+``--negatives``: instead, the end-to-end step time (world 2, ``--pipeline off``, jagged attention, ``--e2e-steps``
+steps) on the longest L's shards of each negatives setting of :data:`NEGATIVE_SETTINGS` (the sampled-softmax
+negatives: the default 4096 uniform + 1024 of the micro-batch's targets, in-batch off, 128 uniform, bfloat16 logits),
+in one run; quality of the same settings: ``benchmarks/quality_bench.py --set ...``.
+
 ``--cpu-paths``: instead, the CPU paths of the attention alone on micro-batches of 16 sequences with lengths drawn
 uniformly from 1..L (L = 16, 64, 256, 1024; seed 0; forward + backward with a relative bias, best of 3): the exact
 Numba loops, the blocked tiles at 16, 32 and 64 tokens, and the padded reference. This is what the CPU rule in
@@ -168,17 +173,41 @@ def layer_benchmark(shards: str, batches: int, repeats: int):
 
 
 def end_to_end(shards: str, work: str, steps: int):
-    out = {}
-    for attention in ("jagged", "padded"):
-        run = os.path.join(work, f"e2e-{attention}")
-        cmd = [sys.executable, "-m", "nestpipe", "train", "--shards", shards, "--out", run, "--model", "hstu",
-               "--nproc-per-node", "2", "--pipeline", "off", "--steps", str(steps), "--no-progress",
-               "--set", f"hstu.attention=\"{attention}\""]
-        subprocess.run(["rm", "-rf", run], check=True)
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        m = json.load(open(os.path.join(run, "metrics.json")))
-        out[attention] = {"step_s": m["step_s"], "samples_per_s": m["samples_per_s"], "command": " ".join(cmd[1:])}
+    out = {attention: train_step(shards, os.path.join(work, f"e2e-{attention}"), steps,
+                                 [f"hstu.attention=\"{attention}\""]) for attention in ("jagged", "padded")}
     out["speedup"] = out["padded"]["step_s"] / out["jagged"]["step_s"]
+    return out
+
+
+def train_step(shards: str, run: str, steps: int, sets) -> dict:
+    """``nestpipe train`` of hstu at world 2, ``--pipeline off``, with ``sets``: the run's step time."""
+    cmd = [sys.executable, "-m", "nestpipe", "train", "--shards", shards, "--out", run, "--model", "hstu",
+           "--nproc-per-node", "2", "--pipeline", "off", "--steps", str(steps), "--no-progress"]
+    for kv in sets:
+        cmd += ["--set", kv]
+    subprocess.run(["rm", "-rf", run], check=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    m = json.load(open(os.path.join(run, "metrics.json")))
+    return {"step_s": m["step_s"], "samples_per_s": m["samples_per_s"], "command": " ".join(cmd[1:])}
+
+
+# the sampled-softmax negatives settings compared by --negatives (hstu config keys)
+NEGATIVE_SETTINGS = {
+    "default (4096 uniform + 1024 in-batch)": [],
+    "4096 uniform (in-batch off)": ["hstu.in_batch_negatives=0"],
+    "128 uniform + 1024 in-batch": ["hstu.num_random_negatives=128"],
+    "default, bfloat16 logits": ['hstu.negatives_dtype="bfloat16"'],
+}
+
+
+def negatives(shards: str, work: str, steps: int) -> dict:
+    out = {}
+    for i, (name, sets) in enumerate(NEGATIVE_SETTINGS.items()):
+        out[name] = dict(train_step(shards, os.path.join(work, f"neg-{i}"), steps, sets), sets=sets)
+        print(f"{name}: step {out[name]['step_s'] * 1e3:.0f} ms", flush=True)
+    base = out["default (4096 uniform + 1024 in-batch)"]["step_s"]
+    for r in out.values():
+        r["step_ratio_to_default"] = r["step_s"] / base
     return out
 
 
@@ -218,9 +247,21 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds (after one warm-up round)")
     ap.add_argument("--e2e-steps", type=int, default=12, help="training steps per end-to-end run (0: skip)")
     ap.add_argument("--cpu-paths", action="store_true", help="time the CPU attention paths alone (see above)")
+    ap.add_argument("--negatives", action="store_true",
+                    help="end-to-end step time of each negatives setting on the longest length's shards (see above)")
     args = ap.parse_args(argv)
     os.makedirs(args.work, exist_ok=True)
     torch.set_num_threads(1)
+    if args.negatives:
+        L = max(args.lengths)
+        load = os.getloadavg()
+        res = {"max_seq_len": L, "steps": args.e2e_steps, "torch": torch.__version__, "load_before": load,
+               "settings": negatives(shards_for(args.work, L), args.work, args.e2e_steps), "load_after": os.getloadavg()}
+        with open(os.path.join(args.work, "negatives.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"load average {load[0]:.2f} before / {res['load_after'][0]:.2f} after; "
+              f"{os.path.join(args.work, 'negatives.json')}")
+        return
     if args.cpu_paths:
         with open(os.path.join(args.work, "cpu_paths.json"), "w") as f:
             json.dump({"seconds": cpu_paths(), "torch": torch.__version__}, f, indent=1)

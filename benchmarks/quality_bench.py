@@ -55,31 +55,39 @@ def one_seed(args, seed: int) -> dict:
         shards[task] = os.path.join(root, f"shards-{task}")
         ingest(IngestConfig(raw=raw, out=shards[task], task=task, seed=seed, workers=2, progress=False,
                             validation=True, **opts))
-    out = {"train_s": {}}
-    for model in GR_MODELS:
-        run = os.path.join(root, model)
-        out["train_s"][model] = train(shards["gr"], run, model, args.epochs, args.nproc, args.set)
+    out = {"train_s": {}, "step_s": {}}
+    for model in args.models:
+        run = os.path.join(root, args.tag + model if args.tag else model)
+        if model in GR_MODELS:
+            out["train_s"][model] = train(shards["gr"], run, model, args.epochs, args.nproc, args.set)
+        else:
+            out["train_s"][model] = train(shards["ctr"], run, model, args.dlrm_epochs, args.nproc, args.set_dlrm)
+        out["step_s"][model] = json.load(open(os.path.join(run, "metrics.json")))["step_s"]
         out[model] = evaluate_run(run, split=args.split)
-    run = os.path.join(root, "dlrm")
-    out["train_s"]["dlrm"] = train(shards["ctr"], run, "dlrm", args.dlrm_epochs, args.nproc, args.set_dlrm)
-    out["dlrm"] = evaluate_run(run, split=args.split)
     return out
 
 
-def summary(per_seed) -> dict:
+def summary(per_seed, models=GR_MODELS + ("dlrm",)) -> dict:
     rows = {}
 
     def add(name, values):
         rows[name] = {"mean": statistics.mean(values), "min": min(values), "max": max(values), "values": values}
 
-    for metric in ("HR@10", "NDCG@10"):
+    for model in models:
+        add(f"{model} step s", [s["step_s"][model] for s in per_seed])
+    if "hstu" not in models:
+        return rows
+    for metric in ("HR@10", "NDCG@10", "HR@50", "NDCG@50"):
         for model in GR_MODELS:
-            add(f"{model} {metric}", [s[model]["model"][metric] for s in per_seed])
+            if model in models:
+                add(f"{model} {metric}", [s[model]["model"][metric] for s in per_seed])
         for base in ("successor_counts", "most_popular"):
             add(f"{base} {metric}", [s["hstu"][f"baseline_{base}"][metric] for s in per_seed])
         add(f"hstu / successor_counts {metric}",
             [s["hstu"]["model"][metric] / s["hstu"]["baseline_successor_counts"][metric] for s in per_seed])
-        add(f"hstu / sasrec {metric}", [s["hstu"]["model"][metric] / s["sasrec"]["model"][metric] for s in per_seed])
+        if "sasrec" in models:
+            add(f"hstu / sasrec {metric}",
+                [s["hstu"]["model"][metric] / s["sasrec"]["model"][metric] for s in per_seed])
         if all("generator_oracle" in s["hstu"] for s in per_seed):
             # the ceiling of this data: the generator's own next-item probabilities, on the same protocol
             add(f"generator_oracle {metric}", [s["hstu"]["generator_oracle"][metric] for s in per_seed])
@@ -88,6 +96,8 @@ def summary(per_seed) -> dict:
                  for s in per_seed])
             add(f"hstu / generator_oracle {metric}",
                 [s["hstu"]["model"][metric] / s["hstu"]["generator_oracle"][metric] for s in per_seed])
+    if "dlrm" not in models:
+        return rows
     for metric in ("AUC", "logloss"):
         add(f"dlrm {metric}", [s["dlrm"]["model"][metric] for s in per_seed])
         add(f"logistic_regression {metric}", [s["dlrm"]["baseline_logistic_regression"][metric] for s in per_seed])
@@ -114,6 +124,9 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], help="KEY=VALUE for the gr models' runs")
     ap.add_argument("--set-dlrm", action="append", default=[], help="KEY=VALUE for the dlrm runs")
     ap.add_argument("--out", default="/tmp/nestpipe-quality")
+    ap.add_argument("--models", nargs="+", default=list(GR_MODELS) + ["dlrm"], choices=list(GR_MODELS) + ["dlrm"],
+                    help="the models trained and scored (default: all three)")
+    ap.add_argument("--tag", default="", help="prefix of the run directories (several settings on the same shards)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     load0 = os.getloadavg()
@@ -122,7 +135,7 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         per_seed.append(one_seed(args, seed))
         print(f"seed {seed} done ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
-    rows = summary(per_seed)
+    rows = summary(per_seed, tuple(args.models))
     print(f"{args.scale}, split {args.split}, seeds {args.seeds}, {args.epochs} epochs (gr), {args.dlrm_epochs} (dlrm)")
     print(f"{'figure':45s} {'mean':>8s}   spread over seeds")
     for name, r in rows.items():
@@ -136,9 +149,10 @@ def main(argv=None) -> int:
     res = {"command": " ".join(sys.argv), "args": vars(args), "summary": rows, "per_seed": per_seed,
            "versions": versions, "load_average": {"before": load0, "after": os.getloadavg()},
            "seconds": round(time.time() - t0, 1)}
-    with open(os.path.join(args.out, "results.json"), "w") as f:
+    path = os.path.join(args.out, f"results-{args.tag.strip('-')}.json" if args.tag else "results.json")
+    with open(path, "w") as f:
         json.dump(res, f, indent=1, default=str)
-    print(f"results: {os.path.join(args.out, 'results.json')}")
+    print(f"results: {path}")
     return 0
 
 

@@ -38,9 +38,11 @@ STEPS_2DSP = 10  # world 4 on a 2-core machine: fewer steps
 MB = 4  # micro-batches per batch
 SETS = {
     "hstu": {"embedding": {"replicate_max_rows": 300, "lr": 0.05}, "optim": {"lr": 0.01, "weight_decay": 0.01},
-             "hstu": {"num_layers": 1, "num_random_negatives": 8, "num_popular_negatives": 8}},
+             "hstu": {"num_layers": 1, "num_random_negatives": 8, "num_popular_negatives": 8,
+                      "in_batch_negatives": 0}},  # the partition-invariant objective (clustering on vs off)
     "sasrec": {"embedding": {"replicate_max_rows": 300, "lr": 0.05}, "optim": {"lr": 0.01, "weight_decay": 0.01},
-               "sasrec": {"num_layers": 1, "num_random_negatives": 8, "num_popular_negatives": 8}},
+               "sasrec": {"num_layers": 1, "num_random_negatives": 8, "num_popular_negatives": 8,
+                      "in_batch_negatives": 0}},  # the partition-invariant objective (clustering on vs off)
     "dlrm": {"embedding": {"replicate_max_rows": 256, "lr": 0.05}, "optim": {"lr": 0.01, "weight_decay": 0.01},
              "dlrm": {"bottom_mlp": [16, 8], "top_mlp": [16], "cross_rank": 4}},
 }

@@ -60,7 +60,7 @@ class HSTUConfig:
     logq_correction: bool = opt(
         True, help="weigh each uniform negative as V / K catalog items (log(V / K) added to its logit)")
     output_embedding: str = opt("untied", help=OUTPUT_EMBEDDING_HELP, choices=OUTPUT_EMBEDDINGS)
-    in_batch_negatives: int = opt(0, help=IN_BATCH_HELP, minimum=0)
+    in_batch_negatives: int = opt(1024, help=IN_BATCH_HELP, minimum=0)
     negatives_dtype: str = opt("float32", help=NEGATIVES_DTYPE_HELP, choices=tuple(NEGATIVE_DTYPES))
     attention: str = opt(
         "jagged", help="jagged: the samples' tokens back to back, only the causal triangle of each computed "

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from nestpipe.ingest.config import CLUSTERING_METHODS, TASKS, IngestConfig
+from nestpipe.ingest.config import BALANCE_MODES, CLUSTERING_METHODS, TASKS, IngestConfig
 from nestpipe.ingest.executor import Executor, usable_cores
 from nestpipe.utils.options import DefaultsHelpFormatter  # standard library only: the pool starts before Polars
 
@@ -50,6 +50,13 @@ def add_parser(sub) -> None:
                    help="micro-batch clustering: default (= minhash: rarity-weighted MinHash order, a few ms per "
                    "batch), random (no clustering), kmeans (spherical k-means + refinement, tens of ms per batch, "
                    "a little better); compare them with `nestpipe cluster-report`")
+    p.add_argument("--balance", choices=BALANCE_MODES, default=None,
+                   help="gr: tokens (the default) composes every training batch, and the micro-batches of each, so "
+                   "that their attention cost a n^2 + b n over the sequences is nearly equal (ranks then wait less "
+                   "for each other at every step); off: batches in the seeded sample order. ctr: always off")
+    p.add_argument("--sequence-cost", default=None, metavar="A,B",
+                   help="gr: the per-sequence cost model c(n) = A n^2 + B n in seconds the balancing uses (default: "
+                   "the HSTU layer's, fitted by benchmarks/sequence_cost.py; only B / A matters)")
     p.add_argument("--dim", type=int, default=64, help="default embedding dim recorded in the manifest")
     p.add_argument("--ctr-eval-days", type=int, default=3, help="ctr: the last D dates form the eval set")
     p.add_argument("--validation", action="store_true",
@@ -79,6 +86,7 @@ def run_ingest(args) -> int:
         workers=args.workers, force=args.force, seed=args.seed, partitions=args.partitions, chunk_mb=args.chunk_mb,
         batches_per_shard=args.batches_per_shard, clustering=args.clustering, dim=args.dim,
         ctr_eval_days=args.ctr_eval_days, validation=args.validation, release=args.release, keep_work=args.keep_work, progress=not args.quiet,
+        balance=args.balance, sequence_cost=args.sequence_cost,
     )
     cfg.validate()
     # Start-up time: the pool starts before this process imports the stages (Polars, NumPy), so the spawned workers

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Any, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -112,8 +112,9 @@ def batch_seed(opts: Dict[str, Any], split: str, bi: int) -> int:
 
 
 def cluster_fields(batch: Dict[str, Any], tables: Sequence[str], cluster_tables: Sequence[str], n: int,
-                   method: str, seed: int) -> Dict[str, Any]:
-    """Add the micro-batch partition and per-table unique keys to a batch."""
+                   method: str, seed: int, sample_costs: Optional[np.ndarray] = None) -> Dict[str, Any]:
+    """Add the micro-batch partition and per-table unique keys to a batch. With ``sample_costs``, the clustering's
+    partition is then balanced by cost (:func:`nestpipe.ingest.balance.balance_micro_batches`)."""
     from nestpipe import clustering  # here, not at import: parse and join workers never load scipy
 
     offs = [shards.table_offsets(batch, t) for t in cluster_tables]
@@ -136,6 +137,11 @@ def cluster_fields(batch: Dict[str, Any], tables: Sequence[str], cluster_tables:
             values[dst] = v
             cursor += ln
     mb = clustering.assign(values, offsets, n, method=method, seed=seed).astype(np.int32)
+    if sample_costs is not None:
+        from nestpipe.ingest.balance import balance_micro_batches
+
+        mb, _ = balance_micro_batches(mb, sample_costs, n)
+        mb = mb.astype(np.int32)
     batch["mb"] = mb
     fields = clustering.tables_fields(
         {t: (batch[f"{t}.values"], np.diff(shards.table_offsets(batch, t))) for t in tables}, mb, num_micro_batches=n)

@@ -11,6 +11,8 @@ TASKS = ("gr", "ctr")
 # The ``--clustering`` names (``nestpipe.clustering.method_names()``, named here for the same reason; a test keeps
 # the two equal): checked before any work starts.
 CLUSTERING_METHODS = ("default", "random", "minhash", "kmeans")
+BALANCE_MODES = ("tokens", "off")  # nestpipe.ingest.balance.BALANCE_MODES (a test keeps the two equal)
+WINDOW_BATCHES, BATCH_TOLERANCE, MICRO_TOLERANCE = 64, 0.005, 0.02  # nestpipe.ingest.balance's (fingerprinted)
 
 # Options that do not change the output bytes (excluded from the run's fingerprint).
 NON_SEMANTIC = ("raw", "out", "workers", "force", "progress", "keep_work")
@@ -40,6 +42,8 @@ class IngestConfig:
     ctr_eval_days: int = 3
     validation: bool = False  # a "valid" split carved from the training data (see ``splits``)
     release: Optional[str] = None
+    balance: Optional[str] = None  # gr: cost-balanced batches ("tokens", the default) or "off"; ctr: always off
+    sequence_cost: Optional[str] = None  # "A,B": c(n) = A n^2 + B n seconds (default: balance.DEFAULT_COST)
     progress: bool = True
     keep_work: bool = False
 
@@ -64,6 +68,22 @@ class IngestConfig:
             raise ValueError(f"--clustering must be one of {', '.join(CLUSTERING_METHODS)}, got {self.clustering!r}")
         if self.batches_per_shard is not None and self.batches_per_shard < 1:
             raise ValueError(f"--batches-per-shard must be >= 1, got {self.batches_per_shard}")
+        if self.balance is not None and self.balance not in BALANCE_MODES:
+            raise ValueError(f"--balance must be one of {', '.join(BALANCE_MODES)}, got {self.balance!r}")
+        if self.task != "gr" and self.balance == "tokens":
+            raise ValueError("--balance tokens is for gr samples (sequences of different lengths); ctr samples all "
+                             "cost the same: leave --balance out")
+        if self.sequence_cost is not None:
+            self.cost()  # parse errors now, before any work
+
+    def balanced(self) -> bool:
+        """Cost-balanced batches: gr unless ``--balance off``."""
+        return self.task == "gr" and self.balance != "off"
+
+    def cost(self):
+        from nestpipe.datasets.sequence_cost import DEFAULT_COST, SequenceCost
+
+        return SequenceCost.parse(self.sequence_cost) if self.sequence_cost else DEFAULT_COST
 
     def splits(self) -> Tuple[str, ...]:
         """The output splits. ``validation``: ``valid`` is carved from what would be training data, for choosing
@@ -77,4 +97,8 @@ class IngestConfig:
             d.pop(k)
         if not d["validation"]:  # outputs written before the option existed keep their fingerprint
             d.pop("validation")
+        d.pop("balance"), d.pop("sequence_cost")
+        if self.balanced():  # resolved: the method and the cost model the batches were balanced with
+            d["balance"] = {"method": "tokens", **self.cost().to_dict(), "window_batches": WINDOW_BATCHES,
+                            "batch_tolerance": BATCH_TOLERANCE, "micro_tolerance": MICRO_TOLERANCE}
         return d

@@ -24,6 +24,7 @@ import polars as pl
 
 from nestpipe.datasets import kuairand, shards
 from nestpipe.datasets.kuairand import ACTION_FLAGS
+from nestpipe.datasets.sequence_cost import SequenceCost
 from nestpipe.ingest.common import IngestTask, PartitionCache, batch_seed, cluster_fields, crash_point, runs
 from nestpipe.ingest.spill import read_partition
 from nestpipe.utils.jsonio import read_json, write_json_atomic
@@ -232,8 +233,11 @@ def shard_records(cache: "PartitionCache", parts: np.ndarray, idxs: np.ndarray, 
         sl = slice(j * B, (j + 1) * B)
         pieces = runs(cache, parts[sl], idxs[sl])
         batch = assemble([(a, a[key][ix], a[kend][ix]) for a, ix in pieces])
+        costs = None
+        if opts.get("balance"):  # micro-batches of equal attention cost (nestpipe.ingest.balance)
+            costs = SequenceCost(**opts["balance"]).units(batch["item.lengths"])
         batch = cluster_fields(batch, tables, ["item"], opts["micro_batches"], opts["clustering"],
-                               batch_seed(opts, split, bi))
+                               batch_seed(opts, split, bi), sample_costs=costs)
         batch["meta"] = {"index": bi, "split": split, "task": "gr", "samples": B,
                          "micro_batches": opts["micro_batches"]}
         # one packed group: values are not stored; readers rebuild them from unique[inverse]

@@ -36,7 +36,8 @@ import polars as pl
 
 from nestpipe.datasets import kuairand, shards
 from nestpipe.datasets.synth import TRUTH_FILE
-from nestpipe.ingest.common import WORK, IngestTask, PartitionCache, crash_point
+from nestpipe.ingest.balance import balanced_order
+from nestpipe.ingest.common import WORK, IngestTask, PartitionCache, crash_point, runs
 from nestpipe.ingest.config import IngestConfig
 from nestpipe.ingest.ctr import CTRTask
 from nestpipe.ingest.executor import Executor
@@ -170,6 +171,18 @@ def _batch_order(counts: Sequence[int], seed: int, split: str) -> Tuple[np.ndarr
     if not parts:
         return np.zeros(0, np.int32), np.zeros(0, np.int64)
     return np.concatenate(parts), np.concatenate(idxs).astype(np.int64)
+
+
+def _sample_lengths(work: str, split: str, parts: np.ndarray, idxs: np.ndarray) -> np.ndarray:
+    """The token count of every sample of a split's order (gr windows: end - start), read partition by partition
+    from the memory-mapped stage-3 arrays."""
+    cache = PartitionCache(work, keep=1)
+    out = np.empty(len(parts), dtype=np.int64)
+    at = 0
+    for arrays, ix in runs(cache, parts, idxs):
+        out[at:at + len(ix)] = arrays[f"{split}_end"][ix] - arrays[f"{split}_start"][ix]
+        at += len(ix)
+    return out
 
 
 def _unit_shard(args: Tuple[str, str, str, int, int, int, Dict[str, Any]]) -> Dict[str, Any]:
@@ -336,6 +349,9 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
     for split in cfg.splits():
         counts = [s[f"{split}_samples"] for s in s3]
         parts, idxs = _batch_order(counts, cfg.seed, split)
+        if split == "train" and cfg.balanced():  # cost-balanced batches (nestpipe.ingest.balance)
+            perm = balanced_order(_sample_lengths(work, split, parts, idxs), B, cfg.cost())
+            parts, idxs = parts[perm], idxs[perm]
         for name, arr in (("parts", parts), ("idxs", idxs)):
             np.save(os.path.join(work, f"order-{split}-{name}.tmp.npy"), arr, allow_pickle=False)
             os.replace(os.path.join(work, f"order-{split}-{name}.tmp.npy"),
@@ -406,6 +422,7 @@ def _shard_opts(cfg: IngestConfig, tables: Dict[str, shards.TableSpec]) -> Dict[
         "task": cfg.task, "batch_size": cfg.batch_size, "micro_batches": cfg.micro_batches, "seed": cfg.seed,
         "clustering": cfg.clustering, "tables": list(tables), "history_len": cfg.history_len,
         "cluster_tables": TASKS[cfg.task].cluster_tables,
+        "balance": cfg.cost().to_dict() if cfg.balanced() else None,
     }
 
 

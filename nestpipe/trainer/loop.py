@@ -18,6 +18,7 @@ import os
 import time
 from typing import Iterator, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -213,6 +214,7 @@ def report(run: RankRun, runner: PipelineRunner, start: int, progress: Progress,
             **replica_sync.metrics(state.emb),
             "network_bytes": dict(t.bytes),
             "kernel_paths": taken_paths(),  # {op: {path: calls}} this rank executed (noted at every call)
+            "batch_costs": {str(k): v for k, v in sorted(state.batch_costs.items())},
             "timeline": state.timeline.export()}
     gathered = [None] * world
     if world > 1:
@@ -237,7 +239,7 @@ def report(run: RankRun, runner: PipelineRunner, start: int, progress: Progress,
                    "kernel_paths": _union_paths(gathered), "kernel_rule": kernel_paths(run.device.torch),
                    "store_huge_pages": _huge_pages(cfg),
                    "flush_denormal": run.flush_denormal, "testing_hooks": run.hooks.changed(),
-                   **exposure_summary(gathered, cfg.pipe.baseline_metrics)}
+                   **exposure_summary(gathered, cfg.pipe.baseline_metrics), **balance_summary(gathered)}
         write_json_atomic(os.path.join(cfg.out, "metrics.json"), metrics)
         progress.log.write(run.steps, event="end", final_loss=loss, samples_per_s=total_sps)
         progress.log.close()
@@ -246,6 +248,27 @@ def report(run: RankRun, runner: PipelineRunner, start: int, progress: Progress,
         for g in gathered:
             g.pop("timeline", None)
     return result
+
+
+def balance_summary(gathered) -> dict:
+    """How evenly the ranks' batches cost (gr), from what each rank processed: ``token_imbalance``, the mean over
+    steps of max / mean - 1 of the ranks' attention costs (``a n^2 + b n`` summed over the batch's sequences, the
+    manifest's cost model), ``token_count_imbalance`` the same of plain token counts; and every rank's wait per
+    steady-state step at the two collectives where ranks meet after their dense work (the gradient All2All and the
+    dense AllReduce). Pops the per-step costs from ``gathered``."""
+    per = [g.pop("batch_costs", {}) for g in gathered]
+    out = {"collective_wait_s_per_step": [
+        {"grad_all2all": g["stages_s"].get("grad.comm", 0.0) / max(g["measured_steps"], 1),
+         "dense_allreduce": g["stages_s"].get("dense.allreduce.comm", 0.0) / max(g["measured_steps"], 1)}
+        for g in gathered]}
+    steps = sorted(set.intersection(*(set(p) for p in per)), key=int) if per and all(per) else []
+    if steps and len(per) > 1:
+        for key, col in (("token_imbalance", 1), ("token_count_imbalance", 0)):
+            x = np.array([[p[s][col] for p in per] for s in steps], dtype=np.float64)
+            mean = x.mean(1)
+            out[key] = float(np.mean(np.where(mean > 0, x.max(1) / np.where(mean > 0, mean, 1) - 1, 0.0)))
+        out["token_imbalance_steps"] = len(steps)
+    return out
 
 
 def _union_paths(gathered) -> dict:

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from nestpipe.datasets.sequence_cost import DEFAULT_COST, SequenceCost
 from nestpipe.datasets.shards import Manifest
 from nestpipe.trainer import testing_hooks
 from nestpipe.trainer.config import TrainConfig
@@ -56,6 +58,15 @@ class StepState:
     group: Optional[object] = None  # the default group: checkpoints and metrics, only while nothing is in flight
     groups: Optional[object] = None  # StageGroups: one process group per concurrent stage
     timeline: Optional[object] = None  # pipeline.timeline.Timeline
+    # GR: step -> (tokens, attention cost a n^2 + b n summed over the batch's sequences) of this rank's batch, for
+    # metrics.json's token_imbalance across ranks
+    batch_costs: Dict[int, Tuple[int, float]] = dataclasses.field(default_factory=dict)
+
+
+def sequence_cost(manifest: Manifest) -> SequenceCost:
+    """The per-sequence cost model the shards were balanced with (the default one for unbalanced shards)."""
+    bal = (manifest.options or {}).get("balance")
+    return SequenceCost(bal["a"], bal["b"]) if isinstance(bal, dict) else DEFAULT_COST
 
 
 def num_negatives(cfg: TrainConfig):
@@ -72,8 +83,12 @@ def model_feats(cfg: TrainConfig, manifest: Manifest, batch: PreparedBatch, i: i
 # -- stage 1: data prefetch ---------------------------------------------------------------------------------------
 def stage_prefetch(state: StepState, step: int, record: Dict, where: str) -> PreparedBatch:
     with state.timer.span("prefetch"):
-        return prepare_batch(record, state.manifest, step, state.rank, state.cfg.seed,
-                             num_negatives(state.cfg), where=where, micro_batching=state.cfg.pipe.micro_batching)
+        batch = prepare_batch(record, state.manifest, step, state.rank, state.cfg.seed,
+                              num_negatives(state.cfg), where=where, micro_batching=state.cfg.pipe.micro_batching)
+        if state.manifest.task == "gr":
+            lens = np.concatenate([m.lengths["item"] for m in batch.micro]) if batch.micro else np.zeros(0)
+            state.batch_costs[step] = (int(lens.sum()), float(sequence_cost(state.manifest)(lens).sum()))
+        return batch
 
 
 # -- stage 2: H2D ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,103 @@
+"""Cost-balanced GR batches: every training batch costs about the same attention time, whatever its samples.
+
+Ranks read their own batches and meet at every step's collectives, so a step lasts as long as its costliest batch.
+A sequence of ``n`` tokens costs ``c(n) = a n^2 + b n`` (attention's causal triangle, and everything done per token;
+:class:`SequenceCost`, fitted by ``benchmarks/sequence_cost.py`` on the HSTU layer stack). The ingest composes the
+training batches so that their costs are nearly equal (:func:`balanced_order`) and then the micro-batches of each
+batch (:func:`balance_micro_batches`), both deterministic functions of the samples' lengths and the sample order.
+
+Batches: the split's sample order (partitions in order, each shuffled by its keyed generator) is cut into windows of
+``window`` batches (``window x B`` consecutive samples, so that a batch still reads one or two partitions); inside a
+window the samples are dealt in decreasing cost, ``window`` at a time, the costliest of each round to the batch that
+is cheapest so far (longest-processing-time with equal counts), then swaps of one sample between the costliest and
+the cheapest batch (as for micro-batches, below) until they differ by at most ``BATCH_TOLERANCE`` of the mean:
+the rounds alone leave the batches that drew the few longest sequences above the rest. Windows differ only by their
+mean sample cost (a mean over ``window x B`` samples).
+Each batch keeps its samples in their sample order, and the batches of a window keep the order of their first sample.
+
+Micro-batches: the clustering chooses the partition; then, while the costliest and the cheapest micro-batch differ
+by more than ``tolerance`` of the mean, the one swap of a sample between them that brings their costs closest is
+made (counts stay equal). The clustering's grouping is kept except for those few swaps.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import numpy as np
+
+from nestpipe.datasets.sequence_cost import DEFAULT_COST, SequenceCost  # noqa: F401  (the ingest's names)
+from nestpipe.ingest.config import BALANCE_MODES, BATCH_TOLERANCE, MICRO_TOLERANCE, WINDOW_BATCHES  # noqa: F401
+
+
+
+
+def balanced_order(lengths: np.ndarray, batch_size: int, cost: SequenceCost,
+                   window: int = WINDOW_BATCHES) -> np.ndarray:
+    """A permutation of the sample positions ``0 .. len(lengths) - 1``: consecutive runs of ``batch_size`` are the
+    balanced batches (see the module docstring); the samples after the last whole batch stay last, in order."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    B = int(batch_size)
+    n_batches = len(lengths) // B
+    out = [np.zeros(0, np.int64)]
+    for w0 in range(0, n_batches, window):
+        w = min(window, n_batches - w0)
+        pos = np.arange(w0 * B, (w0 + w) * B, dtype=np.int64)
+        out.append(pos[_deal(cost.units(lengths[pos]), w, B)])
+    out.append(np.arange(n_batches * B, len(lengths), dtype=np.int64))
+    return np.concatenate(out)
+
+
+def _deal(c: np.ndarray, w: int, B: int) -> np.ndarray:
+    """Positions 0 .. w B - 1 with costs ``c`` -> an order whose consecutive runs of B are the balanced batches."""
+    order = np.argsort(-c, kind="stable")  # decreasing cost; equal costs in sample order
+    load = np.zeros(w, dtype=c.dtype)
+    members = np.empty((w, B), dtype=np.int64)
+    for r in range(B):
+        take = order[r * w:(r + 1) * w]
+        cheapest = np.argsort(load, kind="stable")  # the costliest sample of the round to the cheapest batch
+        members[cheapest, r] = take
+        load[cheapest] += c[take]
+    # the heavy tail (a few very long sequences) leaves some batches above the rest: swaps between the costliest and
+    # the cheapest batch close the gap (the micro-batch rule, here over the window's batches)
+    assign = np.empty(w * B, dtype=np.int64)
+    assign[members.reshape(-1)] = np.repeat(np.arange(w), B)
+    assign, _ = balance_micro_batches(assign, c, w, tolerance=BATCH_TOLERANCE, max_swaps=4 * w)
+    members = np.argsort(assign, kind="stable").reshape(w, B)  # each batch's samples, in sample order
+    return members[np.argsort(members[:, 0], kind="stable")].reshape(-1)
+
+
+def balance_micro_batches(mb: np.ndarray, costs: np.ndarray, n: int,
+                          tolerance: float = MICRO_TOLERANCE, max_swaps: int = 256) -> Tuple[np.ndarray, int]:
+    """``(mb', swaps)``: the micro-batch of every sample after the balancing swaps (see the module docstring)."""
+    mb = np.asarray(mb).copy()
+    costs = np.asarray(costs)  # integer units (exact sums) or floats
+    swaps = 0
+    mean = costs.sum() / max(n, 1)
+    for _ in range(max_swaps):
+        load = np.zeros(n, dtype=costs.dtype)
+        np.add.at(load, mb, costs)
+        hi, lo = int(np.argmax(load)), int(np.argmin(load))
+        gap = load[hi] - load[lo]
+        if gap <= tolerance * mean:
+            break
+        i_hi, i_lo = np.flatnonzero(mb == hi), np.flatnonzero(mb == lo)
+        d = costs[i_hi][:, None] - costs[i_lo][None, :]  # moving a cost-d difference changes the gap by 2 d
+        after = np.abs(gap - 2 * d)
+        ok = d > 0
+        if not ok.any():
+            break
+        after = np.where(ok, after, gap)  # a swap that moves nothing (or the wrong way) never wins
+        k = int(np.argmin(after))  # the first of equal gaps: deterministic
+        if after.flat[k] >= gap:
+            break
+        a, b = divmod(k, len(i_lo))
+        mb[i_hi[a]], mb[i_lo[b]] = lo, hi
+        swaps += 1
+    return mb, swaps
+
+
+def imbalance(batch_costs: np.ndarray) -> float:
+    """``max / mean - 1`` of a set of costs (0 when all are equal)."""
+    c = np.asarray(batch_costs, dtype=np.float64)
+    return float(c.max() / c.mean() - 1.0) if len(c) and c.mean() > 0 else 0.0

@@ -10,6 +10,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from nestpipe.ingest.balance import balance_micro_batches
 from nestpipe.datasets import shards
 from nestpipe.ingest.executor import Executor
 from nestpipe.ingest.parse import ColumnSpec
@@ -138,8 +139,6 @@ def cluster_fields(batch: Dict[str, Any], tables: Sequence[str], cluster_tables:
             cursor += ln
     mb = clustering.assign(values, offsets, n, method=method, seed=seed).astype(np.int32)
     if sample_costs is not None:
-        from nestpipe.ingest.balance import balance_micro_batches
-
         mb, _ = balance_micro_batches(mb, sample_costs, n)
         mb = mb.astype(np.int32)
     batch["mb"] = mb

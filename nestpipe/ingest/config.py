@@ -81,7 +81,7 @@ class IngestConfig:
         return self.task == "gr" and self.balance != "off"
 
     def cost(self):
-        from nestpipe.datasets.sequence_cost import DEFAULT_COST, SequenceCost
+        from nestpipe.datasets.sequence_cost import DEFAULT_COST, SequenceCost  # NumPy: the CLI parses without it
 
         return SequenceCost.parse(self.sequence_cost) if self.sequence_cost else DEFAULT_COST
 

@@ -16,15 +16,14 @@ import numpy as np
 import torch
 
 from nestpipe.datasets.sequence_cost import SequenceCost
+from nestpipe.trainer.config import TrainConfig
+from nestpipe.trainer.models.hstu import HSTU
 
 
 def sequence_seconds(lengths: Sequence[int], dim: int = 64, tokens_per_call: int = 4096,
                      repeats: int = 3) -> Dict[int, float]:
     """Seconds per sequence of each length: the best of ``repeats`` timings of micro-batches holding about
     ``tokens_per_call`` tokens of sequences of that length (one thread)."""
-    from nestpipe.trainer.config import TrainConfig
-    from nestpipe.trainer.models.hstu import HSTU
-
     cfg = TrainConfig().hstu
     top = max(lengths)
     model = HSTU(cfg, dim, ["action", "author", "item"], int(top), 1000)

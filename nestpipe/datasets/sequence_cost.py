@@ -48,5 +48,5 @@ class SequenceCost:
 
 # The default HSTU (2 layers, 2 heads x 16, dim 64), jagged attention, one thread, forward + backward of the layer
 # stack per sequence: `python benchmarks/sequence_cost.py` (docs/benchmarks.md). Only the ratio b / a (here about
-# 420 tokens: below that length the per-token work dominates) changes which samples share a batch.
-DEFAULT_COST = SequenceCost(a=1.6e-7, b=6.7e-5)
+# 208 tokens: below that length the per-token work dominates) changes which samples share a batch.
+DEFAULT_COST = SequenceCost(a=2.4e-8, b=5.0e-6)

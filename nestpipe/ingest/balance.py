@@ -15,14 +15,17 @@ the rounds alone leave the batches that drew the few longest sequences above the
 mean sample cost (a mean over ``window x B`` samples).
 Each batch keeps its samples in their sample order, and the batches of a window keep the order of their first sample.
 
-Micro-batches: the clustering chooses the partition; then, while the costliest and the cheapest micro-batch differ
-by more than ``tolerance`` of the mean, the one swap of a sample between them that brings their costs closest is
-made (counts stay equal). The clustering's grouping is kept except for those few swaps.
+Micro-batches (``--balance tokens``; ``batches`` leaves them as the clustering made them): the clustering chooses the
+partition; then, while the costliest and the cheapest micro-batch differ by more than ``MICRO_TOLERANCE`` of the
+mean, one sample of each is swapped (counts stay equal): among the swaps that at least halve the gap, the one that
+adds the fewest distinct keys to the two micro-batches. The clustering groups users with similar (so often similarly
+long) histories, so its micro-batches can differ twofold in cost; evening them out costs exchanged rows
+(docs/benchmarks.md, cost-balanced batches).
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -67,13 +70,32 @@ def _deal(c: np.ndarray, w: int, B: int) -> np.ndarray:
     return members[np.argsort(members[:, 0], kind="stable")].reshape(-1)
 
 
-def balance_micro_batches(mb: np.ndarray, costs: np.ndarray, n: int,
-                          tolerance: float = MICRO_TOLERANCE, max_swaps: int = 256) -> Tuple[np.ndarray, int]:
-    """``(mb', swaps)``: the micro-batch of every sample after the balancing swaps (see the module docstring)."""
+HALVING = 0.5  # a keyed swap must at least halve the gap (or reach the tolerance)
+
+
+def balance_micro_batches(mb: np.ndarray, costs: np.ndarray, n: int, tolerance: float = MICRO_TOLERANCE,
+                          max_swaps: int = 256, keys: Optional[Tuple[np.ndarray, np.ndarray]] = None
+                          ) -> Tuple[np.ndarray, int]:
+    """``(mb', swaps)``: the micro-batch (or batch) of every sample after the balancing swaps.
+
+    Each swap exchanges one sample of the costliest group with one of the cheapest. Without ``keys`` it is the swap
+    that brings their costs closest. With ``keys = (values, offsets)`` (every sample's keys, CSR), the swaps that at
+    least halve the gap (or reach the tolerance) compete on the rows they add: the one that adds the fewest distinct
+    keys to the two groups (each sample's keys it no longer shares in its old group against those it does not find
+    in its new one) is made, so the balancing undoes as little of the clustering as it can."""
     mb = np.asarray(mb).copy()
     costs = np.asarray(costs)  # integer units (exact sums) or floats
     swaps = 0
     mean = costs.sum() / max(n, 1)
+    key_of = counts = None
+    if keys is not None:
+        values, offsets = keys
+        _, codes = np.unique(np.asarray(values), return_inverse=True)
+        sample_of = np.repeat(np.arange(len(mb)), np.diff(offsets))
+        pairs = np.unique(np.stack([sample_of, codes.reshape(-1)], 1), axis=0)  # (sample, key) once each
+        key_of = (pairs[:, 0], pairs[:, 1])
+        counts = np.zeros((n, int(codes.max()) + 1 if len(codes) else 0), dtype=np.int64)
+        np.add.at(counts, (mb[pairs[:, 0]], pairs[:, 1]), 1)  # samples of group g holding key k
     for _ in range(max_swaps):
         load = np.zeros(n, dtype=costs.dtype)
         np.add.at(load, mb, costs)
@@ -83,18 +105,40 @@ def balance_micro_batches(mb: np.ndarray, costs: np.ndarray, n: int,
             break
         i_hi, i_lo = np.flatnonzero(mb == hi), np.flatnonzero(mb == lo)
         d = costs[i_hi][:, None] - costs[i_lo][None, :]  # moving a cost-d difference changes the gap by 2 d
-        after = np.abs(gap - 2 * d)
-        ok = d > 0
-        if not ok.any():
+        after = np.where(d > 0, np.abs(gap - 2 * d), gap)  # a swap that moves nothing (or the wrong way) never wins
+        if after.min() >= gap:
             break
-        after = np.where(ok, after, gap)  # a swap that moves nothing (or the wrong way) never wins
-        k = int(np.argmin(after))  # the first of equal gaps: deterministic
-        if after.flat[k] >= gap:
-            break
+        if key_of is None:
+            k = int(np.argmin(after))  # the first of equal gaps: deterministic
+        else:
+            good = after <= max(tolerance * mean, gap * HALVING)
+            if not good.any():
+                good = after == after.min()
+            added = (_moved_keys(key_of, counts, i_hi, hi, lo)[:, None]
+                     + _moved_keys(key_of, counts, i_lo, lo, hi)[None, :])
+            k = int(np.argmin(np.where(good, added, np.iinfo(np.int64).max)))
         a, b = divmod(k, len(i_lo))
-        mb[i_hi[a]], mb[i_lo[b]] = lo, hi
+        i, j = i_hi[a], i_lo[b]
+        if counts is not None:
+            for s_, src, dst in ((i, hi, lo), (j, lo, hi)):
+                ks = key_of[1][key_of[0] == s_]
+                counts[src, ks] -= 1
+                counts[dst, ks] += 1
+        mb[i], mb[j] = lo, hi
         swaps += 1
     return mb, swaps
+
+
+def _moved_keys(key_of, counts: np.ndarray, samples: np.ndarray, src: int, dst: int) -> np.ndarray:
+    """Per sample of group ``src``: distinct rows added by moving it to ``dst``: its keys absent from ``dst`` minus
+    its keys no other sample of ``src`` holds (those leave ``src``)."""
+    sample, key = key_of
+    sel = np.isin(sample, samples)
+    s_, k_ = sample[sel], key[sel]
+    gain = (counts[dst, k_] == 0).astype(np.int64) - (counts[src, k_] == 1).astype(np.int64)
+    per = np.zeros(len(samples), dtype=np.int64)
+    np.add.at(per, np.searchsorted(samples, s_), gain)
+    return per
 
 
 def imbalance(batch_costs: np.ndarray) -> float:

@@ -53,7 +53,8 @@ def add_parser(sub) -> None:
     p.add_argument("--balance", choices=BALANCE_MODES, default=None,
                    help="gr: tokens (the default) composes every training batch, and the micro-batches of each, so "
                    "that their attention cost a n^2 + b n over the sequences is nearly equal (ranks then wait less "
-                   "for each other at every step); off: batches in the seeded sample order. ctr: always off")
+                   "for each other at every step); batches: the batches only (the micro-batches as the clustering "
+                   "made them: fewer rows exchanged); off: batches in the seeded sample order. ctr: always off")
     p.add_argument("--sequence-cost", default=None, metavar="A,B",
                    help="gr: the per-sequence cost model c(n) = A n^2 + B n in seconds the balancing uses (default: "
                    "the HSTU layer's, fitted by benchmarks/sequence_cost.py; only B / A matters)")

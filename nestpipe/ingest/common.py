@@ -139,7 +139,7 @@ def cluster_fields(batch: Dict[str, Any], tables: Sequence[str], cluster_tables:
             cursor += ln
     mb = clustering.assign(values, offsets, n, method=method, seed=seed).astype(np.int32)
     if sample_costs is not None:
-        mb, _ = balance_micro_batches(mb, sample_costs, n)
+        mb, _ = balance_micro_batches(mb, sample_costs, n, keys=(values, offsets))
         mb = mb.astype(np.int32)
     batch["mb"] = mb
     fields = clustering.tables_fields(

@@ -11,8 +11,9 @@ TASKS = ("gr", "ctr")
 # The ``--clustering`` names (``nestpipe.clustering.method_names()``, named here for the same reason; a test keeps
 # the two equal): checked before any work starts.
 CLUSTERING_METHODS = ("default", "random", "minhash", "kmeans")
-BALANCE_MODES = ("tokens", "off")  # nestpipe.ingest.balance.BALANCE_MODES (a test keeps the two equal)
-WINDOW_BATCHES, BATCH_TOLERANCE, MICRO_TOLERANCE = 64, 0.005, 0.02  # nestpipe.ingest.balance's (fingerprinted)
+# ``--balance``: tokens (batches and micro-batches), batches (the micro-batches left as the clustering made them), off
+BALANCE_MODES = ("tokens", "batches", "off")
+WINDOW_BATCHES, BATCH_TOLERANCE, MICRO_TOLERANCE = 64, 0.005, 0.05  # nestpipe.ingest.balance's (fingerprinted)
 
 # Options that do not change the output bytes (excluded from the run's fingerprint).
 NON_SEMANTIC = ("raw", "out", "workers", "force", "progress", "keep_work")
@@ -70,8 +71,8 @@ class IngestConfig:
             raise ValueError(f"--batches-per-shard must be >= 1, got {self.batches_per_shard}")
         if self.balance is not None and self.balance not in BALANCE_MODES:
             raise ValueError(f"--balance must be one of {', '.join(BALANCE_MODES)}, got {self.balance!r}")
-        if self.task != "gr" and self.balance == "tokens":
-            raise ValueError("--balance tokens is for gr samples (sequences of different lengths); ctr samples all "
+        if self.task != "gr" and self.balance in ("tokens", "batches"):
+            raise ValueError(f"--balance {self.balance} is for gr samples (sequences of different lengths); ctr samples all "
                              "cost the same: leave --balance out")
         if self.sequence_cost is not None:
             self.cost()  # parse errors now, before any work
@@ -99,6 +100,8 @@ class IngestConfig:
             d.pop("validation")
         d.pop("balance"), d.pop("sequence_cost")
         if self.balanced():  # resolved: the method and the cost model the batches were balanced with
-            d["balance"] = {"method": "tokens", **self.cost().to_dict(), "window_batches": WINDOW_BATCHES,
-                            "batch_tolerance": BATCH_TOLERANCE, "micro_tolerance": MICRO_TOLERANCE}
+            d["balance"] = {"method": self.balance or "tokens", **self.cost().to_dict(),
+                            "window_batches": WINDOW_BATCHES, "batch_tolerance": BATCH_TOLERANCE}
+            if d["balance"]["method"] == "tokens":
+                d["balance"]["micro_tolerance"] = MICRO_TOLERANCE
         return d

@@ -422,7 +422,8 @@ def _shard_opts(cfg: IngestConfig, tables: Dict[str, shards.TableSpec]) -> Dict[
         "task": cfg.task, "batch_size": cfg.batch_size, "micro_batches": cfg.micro_batches, "seed": cfg.seed,
         "clustering": cfg.clustering, "tables": list(tables), "history_len": cfg.history_len,
         "cluster_tables": TASKS[cfg.task].cluster_tables,
-        "balance": cfg.cost().to_dict() if cfg.balanced() else None,
+        # micro-batches balanced by cost after the clustering (--balance tokens)
+        "balance": cfg.cost().to_dict() if cfg.balanced() and cfg.balance != "batches" else None,
     }
 
 

@@ -20,7 +20,7 @@ LAYERS = [
     ["clustering"],
     ["ingest", "planning"],
     ["trainer"],
-    ["measure"],
+    ["measure", "serving"],
     ["demo", "cli"],
     ["api"],
     ["__main__"],

@@ -1,0 +1,34 @@
+"""``nestpipe serve``: the ranking service of a trained HSTU run."""
+
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="serve a trained hstu run over HTTP, each user's prefix K/V kept resident",
+        description="Rank candidates for users with a trained hstu run (RUN's latest checkpoint). POST /v1/prefill "
+                    "stores a user's events and computes the K/V of their history once; POST /v1/rank appends new "
+                    "events and scores candidates computing only the new tokens (cache hit) or the whole window "
+                    "(miss); GET /v1/stats. Scores are nestpipe eval's: cosine of the last hidden state and the "
+                    "candidate's output embedding over the temperature. Needs the 'serve' extra (FastAPI, uvicorn).")
+    p.add_argument("--run", required=True, help="a `nestpipe train` run directory of the hstu model")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=8080, help="port to bind")
+    p.add_argument("--cache-mb", type=float, default=1024.0,
+                   help="bytes of prefix K/V kept resident, least recently used evicted first")
+    p.add_argument("--shards", default=None, help="where the run's shards are now, if they moved")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args) -> int:
+    try:
+        import uvicorn  # the optional 'serve' extra: imported only by this command
+    except ImportError:
+        raise RuntimeError("nestpipe serve needs FastAPI and uvicorn: pip install 'nestpipe[serve]'")
+    from nestpipe.serving.ranker import Ranker  # torch and the model: only when serving
+    from nestpipe.serving.server import create_app  # FastAPI: only when serving
+
+    ranker = Ranker.from_run(args.run, cache_mb=args.cache_mb, shards=args.shards)
+    print(f"serving {args.run} (hstu, window {ranker.window} events) on http://{args.host}:{args.port}", flush=True)
+    uvicorn.run(create_app(ranker), host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,344 @@
+"""Online ranking with a trained HSTU: each user's prefix K/V kept resident, only new tokens computed (RelayGR).
+
+Scoring is ``nestpipe eval``'s: the user's history (the last ``max_seq_len`` events at most: the *window*) is read
+by the model, and a candidate's score is the cosine similarity of the last position's hidden state with the
+candidate's output embedding, divided by the model's temperature (the training logit, without the logQ term).
+
+Why a prefix can be cached exactly: an HSTU layer computes every token's ``u, v, q, k`` from that token alone, a
+token attends to the tokens at or before it with ``SiLU(q . k / sqrt(d) + bias(i - j)) / max_seq_len`` (a constant
+divisor and a bias of the distance only: nothing depends on the sequence's length), and the residual stream is
+per token. So the K/V of a prefix, per layer, never change when tokens are appended, and a new token's hidden state
+needs only the prefix's K/V and the new tokens themselves. Positions are absolute within the window: when appending
+would push the window past ``max_seq_len`` events it is *rebased* to its last ``max_seq_len // 2`` events and
+recomputed (a miss), which leaves room for the next events to hit.
+
+State per user: the stored history (item, author, action, time per event; small, never evicted) in
+:class:`Ranker`; the window's K/V per layer and the last hidden state in the :class:`PrefixCache`, an LRU bounded
+in bytes. A request that finds no cached window, or one that no longer matches the stored history, recomputes it
+(``cache: "miss"``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import os
+import threading
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from nestpipe.datasets.shards import table_offsets
+from nestpipe.trainer.config import load_run_config
+from nestpipe.trainer.data import ShardStream, iter_shard
+from nestpipe.trainer.embedding.placement import to_vocab
+from nestpipe.trainer.export import assemble
+from nestpipe.trainer.models import build_model, model_table_dims
+from nestpipe.trainer.models.hstu import HSTU, HSTULayer
+from nestpipe.trainer.run_files import run_manifest
+
+EVENT_FIELDS = ("item_id", "action", "time_ms")
+
+
+@dataclasses.dataclass
+class Events:
+    """A user's events, oldest first: item id, author id (-1: unknown), action bitmask, time in ms."""
+
+    item: np.ndarray
+    author: np.ndarray
+    action: np.ndarray
+    time: np.ndarray
+
+    @classmethod
+    def empty(cls) -> "Events":
+        z = np.zeros(0, np.int64)
+        return cls(z, z.copy(), z.copy(), z.copy())
+
+    def __len__(self) -> int:
+        return len(self.item)
+
+    def __getitem__(self, sl: slice) -> "Events":
+        return Events(self.item[sl], self.author[sl], self.action[sl], self.time[sl])
+
+    def concat(self, other: "Events") -> "Events":
+        return Events(*(np.concatenate([a, b]) for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+@dataclasses.dataclass
+class CachedPrefix:
+    """The K/V of every layer for the first ``length`` events of a user's window starting at history event
+    ``start``, and the hidden state of the window's last event."""
+
+    start: int
+    length: int
+    kv: List[Tuple[torch.Tensor, torch.Tensor]]  # per layer: k, v [length, heads, head_dim]
+    last_hidden: torch.Tensor  # [D]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv) + \
+            self.last_hidden.numel() * self.last_hidden.element_size()
+
+
+class PrefixCache:
+    """LRU of :class:`CachedPrefix` per user, at most ``capacity_bytes`` in all (a prefix larger than the whole
+    capacity is not kept). Thread-safe."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity = int(capacity_bytes)
+        self.items: "collections.OrderedDict[int, CachedPrefix]" = collections.OrderedDict()
+        self.bytes = 0
+        self.evictions = 0
+        self.lock = threading.Lock()
+
+    def get(self, user: int) -> Optional[CachedPrefix]:
+        with self.lock:
+            entry = self.items.get(user)
+            if entry is not None:
+                self.items.move_to_end(user)
+            return entry
+
+    def put(self, user: int, entry: CachedPrefix) -> None:
+        with self.lock:
+            old = self.items.pop(user, None)
+            if old is not None:
+                self.bytes -= old.nbytes
+            if entry.nbytes > self.capacity:
+                return
+            self.items[user] = entry
+            self.bytes += entry.nbytes
+            while self.bytes > self.capacity:
+                _, gone = self.items.popitem(last=False)
+                self.bytes -= gone.nbytes
+                self.evictions += 1
+
+    def stats(self) -> Dict[str, int]:
+        with self.lock:
+            return {"users": len(self.items), "bytes": self.bytes, "capacity_bytes": self.capacity,
+                    "evictions": self.evictions}
+
+
+class Ranker:
+    """Scores candidates for users from a trained HSTU run, keeping each user's prefix K/V resident.
+
+    ``prefill(user, events)`` appends events to the user's stored history and computes its window's K/V (RelayGR's
+    pre-inference); ``rank(user, events, candidates)`` appends the new events (possibly none), computes only what
+    the cache does not hold, and returns one score per candidate and whether the cached prefix served (``"hit"``)
+    or the window was recomputed (``"miss"``)."""
+
+    def __init__(self, model: HSTU, item_rows: torch.Tensor, tables: Dict[str, torch.Tensor],
+                 vocabs: Dict[str, int], item_author: np.ndarray, cache_mb: float = 1024.0,
+                 temperature: float = 0.1):
+        if not isinstance(model, HSTU):
+            raise ValueError(f"serving ranks with an HSTU run; this run's model is {type(model).__name__}")
+        self.model = model.eval()
+        self.tables = tables  # table -> full weight [V, width] (float32)
+        self.vocabs = vocabs
+        self.candidates = F.normalize(model.candidates(item_rows), dim=-1)  # [V, D] unit output embeddings
+        self.item_author = item_author
+        self.temperature = temperature
+        self.cache = PrefixCache(int(cache_mb * (1 << 20)))
+        self.history: Dict[int, Events] = {}
+        self.lock = threading.Lock()  # the stored histories
+        self.compute_lock = threading.Lock()
+        self.counts = collections.Counter()
+
+    # -- construction -----------------------------------------------------------------------------------------
+    @classmethod
+    def from_run(cls, run: str, cache_mb: float = 1024.0, shards: Optional[str] = None) -> "Ranker":
+        """The latest checkpoint of ``run`` (an ``hstu`` run), assembled into full tables as ``nestpipe export``
+        writes them; the item -> author map from the run's training shards (cached as
+        ``RUN/serving/item_author.npy``)."""
+        cfg = load_run_config(run)
+        if cfg.model != "hstu":
+            raise ValueError(f"{run}: serving ranks with hstu runs; this run trained {cfg.model!r}")
+        man, cfg.shards = run_manifest(run, cfg, shards, need_data=False)
+        full = assemble(run)
+        model = build_model(cfg, man, model_table_dims(cfg, man))
+        model.load_state_dict({k[len("dense."):]: v.float() for k, v in full.items() if k.startswith("dense.")})
+        seq = sorted(t for t, s in man.tables.items() if s.kind == "sequence")
+        tables = {t: full[f"embedding.{t}.weight"].float() for t in seq}
+        vocabs = {t: int(man.tables[t].vocab) for t in seq}
+        return cls(model, tables["item"], tables, vocabs, item_authors(run, cfg.shards, vocabs["item"]), cache_mb,
+                   cfg.hstu.temperature)
+
+    @property
+    def window(self) -> int:
+        return int(self.model.max_len)
+
+    # -- the API ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, user: int, events) -> Dict[str, object]:
+        """Store ``events`` (appended to the user's history) and compute the window's K/V."""
+        hist = self._append(user, self._events(events))
+        if not len(hist):
+            raise KeyError(f"user {user}: no stored history and no events: send events")
+        with self.compute_lock:
+            _, how = self._hidden(user, hist)
+        return {"cache": how, "events": len(hist)}
+
+    @torch.no_grad()
+    def rank(self, user: int, events, candidates: Sequence[int]) -> Tuple[np.ndarray, str]:
+        """Scores of ``candidates`` (item ids) after appending ``events`` to the user's history, and ``"hit"`` /
+        ``"miss"``."""
+        hist = self._append(user, self._events(events))
+        if not len(hist):
+            raise KeyError(f"user {user}: no stored history and no events: send events")
+        with self.compute_lock:  # one request of a user at a time sees and extends its cached prefix
+            hidden, how = self._hidden(user, hist)
+        return self._score(hidden, candidates), how
+
+    def window_events(self, user: int) -> Events:
+        """The events of the user's current window (what the cached prefix covers after a request)."""
+        cached = self.cache.get(user)
+        hist = self.history.get(user, Events.empty())
+        return hist[cached.start:] if cached is not None else hist[self._window_start(len(hist), 0):]
+
+    @torch.no_grad()
+    def full_scores(self, events, candidates: Sequence[int]) -> np.ndarray:
+        """The reference: ``events`` (at most ``max_seq_len``: a window) through ``model.encode`` from scratch, the
+        way ``nestpipe eval`` reads a sample; no cache involved."""
+        ev = self._events(events)
+        if not 0 < len(ev) <= self.window:
+            raise ValueError(f"full_scores reads one window: 1 to {self.window} events, got {len(ev)}")
+        hidden = self.model.encode(self.model.token_inputs(self._token_rows(ev)),
+                                   torch.tensor([len(ev)], dtype=torch.int64))
+        return self._score(hidden[-1], candidates)
+
+    def stats(self) -> Dict[str, object]:
+        return {"users": len(self.history), "requests": dict(self.counts), "cache": self.cache.stats()}
+
+    # -- internals ----------------------------------------------------------------------------------------------
+    def _events(self, events) -> Events:
+        if isinstance(events, Events):
+            return events
+        events = list(events or [])
+        cols = {f: np.zeros(len(events), np.int64) for f in EVENT_FIELDS}
+        author = np.full(len(events), -2, np.int64)  # -2: look the author up
+        for i, e in enumerate(events):
+            for f in EVENT_FIELDS:
+                if f not in e:
+                    raise ValueError(f"event {i}: missing {f!r} (an event is {{item_id, action, time_ms}})")
+                v = e[f]
+                if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+                    raise ValueError(f"event {i}: {f} must be an integer, got {v!r}")
+                cols[f][i] = int(v)
+            if e.get("author_id") is not None:
+                author[i] = int(e["author_id"])
+        look = author == -2
+        item_in = to_vocab(cols["item_id"][look], self.vocabs["item"])
+        author[look] = self.item_author[item_in] if len(item_in) else author[look]
+        return Events(cols["item_id"], author, cols["action"], cols["time_ms"])
+
+    def _append(self, user: int, ev: Events) -> Events:
+        with self.lock:
+            hist = self.history.get(user, Events.empty())
+            if len(ev):
+                hist = hist.concat(ev)
+                self.history[user] = hist
+            return hist
+
+    def _window_start(self, n: int, start: int) -> int:
+        """The window of a history of ``n`` events whose current window starts at ``start``: kept while it holds at
+        most ``max_seq_len`` events, else rebased to the last ``max_seq_len // 2`` (at least 1)."""
+        if n - start <= self.window:
+            return start
+        return n - max(1, self.window // 2)
+
+    def _hidden(self, user: int, hist: Events) -> Tuple[torch.Tensor, str]:
+        cached = self.cache.get(user)
+        n = len(hist)
+        if cached is not None and self._window_start(n, cached.start) == cached.start:
+            new = hist[cached.start + cached.length:]
+            if not len(new):
+                self.counts["hit"] += 1
+                return cached.last_hidden, "hit"
+            kv, last = self._extend(cached, new)
+            self.cache.put(user, CachedPrefix(cached.start, cached.length + len(new), kv, last))
+            self.counts["hit"] += 1
+            return last, "hit"
+        start = self._window_start(n, 0 if cached is None else cached.start)
+        empty = CachedPrefix(start, 0, [(None, None)] * len(self.model.layers), torch.zeros(0))
+        kv, last = self._extend(empty, hist[start:])
+        self.cache.put(user, CachedPrefix(start, n - start, kv, last))
+        self.counts["miss"] += 1
+        return last, "miss"
+
+    def _token_rows(self, ev: Events) -> Dict[str, torch.Tensor]:
+        ids = {"item": ev.item, "author": ev.author, "action": ev.action}
+        return {t: self.tables[t].index_select(0, torch.from_numpy(to_vocab(ids[t], self.vocabs[t])))
+                for t in self.tables}
+
+    def _extend(self, cached: CachedPrefix, new: Events):
+        """Hidden states of ``new`` at positions ``cached.length ..``: every layer's new tokens attend to the cached
+        K/V and to each other (causal). Returns the extended K/V per layer and the last hidden state."""
+        model = self.model
+        p0 = cached.length
+        emb = model.token_inputs(self._token_rows(new))
+        pos = torch.arange(p0, p0 + len(new))
+        x = sum(emb[t] for t in model.tables) + model.pos.index_select(0, pos.clamp(max=model.max_len - 1))
+        kv_out = []
+        for layer, (k_old, v_old) in zip(model.layers, cached.kv):
+            x, k_all, v_all = _layer_step(layer, x, k_old, v_old, p0)
+            kv_out.append((k_all, v_all))
+        return kv_out, model.norm_out(x)[-1]
+
+    def _score(self, hidden: torch.Tensor, candidates: Sequence[int]) -> np.ndarray:
+        cand = np.asarray(list(candidates), dtype=np.int64)
+        if cand.ndim != 1:
+            raise ValueError("candidates must be a list of item ids")
+        rows = self.candidates.index_select(0, torch.from_numpy(to_vocab(cand, self.vocabs["item"])))
+        q = F.normalize(hidden, dim=-1)
+        return (rows @ q / self.temperature).numpy()
+
+
+def _layer_step(layer: HSTULayer, x: torch.Tensor, k_old: Optional[torch.Tensor], v_old: Optional[torch.Tensor],
+                p0: int):
+    """One HSTU layer on the ``m`` new tokens ``x`` ``[m, D]`` at positions ``p0 .. p0 + m - 1``, given the K/V
+    ``[p0, heads, head_dim]`` of the positions before them (``None`` when ``p0 == 0``): the layer's own formula
+    (:meth:`HSTULayer.forward_padded`) restricted to the new queries."""
+    h, d = layer.heads, layer.head_dim
+    u, v, q, k = layer._uvqk(x)
+    q, k, v = (y.reshape(-1, h, d) for y in (q, k, v))
+    k_all = k if k_old is None else torch.cat([k_old, k])
+    v_all = v if v_old is None else torch.cat([v_old, v])
+    m, n = len(x), len(k_all)
+    z = torch.einsum("ihd,jhd->hij", q, k_all) * d ** -0.5  # [h, m, n]
+    qi = torch.arange(p0, p0 + m)[:, None]
+    kj = torch.arange(n)[None, :]
+    if layer.pos_bias is not None:
+        z = z + layer.pos_bias[:, (qi - kj).clamp(0, layer.max_len - 1)]
+    attn = F.silu(z) / layer.max_len * (kj <= qi).to(z.dtype)[None]
+    av = torch.einsum("hij,jhd->ihd", attn, v_all).reshape(m, h * d)
+    return x + layer.out(layer.norm_attn(av) * u), k_all, v_all
+
+
+def item_authors(run: str, shards: str, vocab: int) -> np.ndarray:
+    """``[vocab]`` int64: the author of every in-vocabulary item as the training shards record it (-1 where no
+    training token names one), built once and kept in ``RUN/serving/item_author.npy``."""
+    path = os.path.join(run, "serving", "item_author.npy")
+    if os.path.exists(path):
+        out = np.load(path, allow_pickle=False)
+        if len(out) == vocab:
+            return out
+    out = np.full(vocab, -1, dtype=np.int64)
+    stream = ShardStream(shards, "train", 0, 1, verify=False)
+    for e in stream.entries:
+        for rec in iter_shard(os.path.join(shards, e.path)):
+            items = to_vocab(np.asarray(rec["item.values"], np.int64), vocab)
+            out[items] = np.asarray(rec["author.values"], np.int64)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp.npy"
+    np.save(tmp, out, allow_pickle=False)
+    os.replace(tmp, path)
+    return out
+
+
+def events_from_rows(items: Iterable[int], actions: Iterable[int], times: Iterable[int]) -> List[Dict[str, int]]:
+    return [{"item_id": int(i), "action": int(a), "time_ms": int(t)} for i, a, t in zip(items, actions, times)]
+
+
+__all__ = ["CachedPrefix", "Events", "PrefixCache", "Ranker", "events_from_rows", "item_authors", "math"]

@@ -8,6 +8,8 @@ positions are off by one fails the same comparison.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -35,8 +37,12 @@ def run(tmp_path_factory):
     return out
 
 
+_CLOCK = itertools.count(1)
+
+
 def _events(rng, n):
-    return events_from_rows(rng.integers(0, 300, n), rng.integers(0, 64, n), np.arange(n) * 1000)
+    """``n`` events later than every event made before (a user's events arrive oldest first)."""
+    return events_from_rows(rng.integers(0, 300, n), rng.integers(0, 64, n), [next(_CLOCK) * 1000 for _ in range(n)])
 
 
 def _close(a, b):
@@ -135,3 +141,96 @@ def test_http_service_prefill_rank_and_errors(run):
     assert r.status_code == 422 and "item_id" in r.text
     stats = client.get("/v1/stats").json()
     assert stats["requests"] == {"miss": 1, "hit": 1} and stats["cache"]["users"] == 1
+
+
+def test_bad_requests_are_refused_naming_the_rule(run):
+    from fastapi.testclient import TestClient
+
+    from nestpipe.serving.server import MAX_CANDIDATES, create_app
+
+    ranker = Ranker.from_run(run)
+    client = TestClient(create_app(ranker))
+    ok = {"item_id": 1, "action": 0, "time_ms": 10}
+    cases = [
+        ({"user_id": 1, "events": [ok], "candidates": [1], "extra": 1}, "extra"),
+        ({"user_id": 1, "events": [dict(ok, item_id=1.5)], "candidates": [1]}, "item_id"),
+        ({"user_id": "1", "events": [ok], "candidates": [1]}, "user_id"),
+        ({"user_id": 1, "events": [ok], "candidates": []}, "candidates"),
+        ({"user_id": 1, "events": [ok], "candidates": list(range(MAX_CANDIDATES + 1))}, "candidates"),
+        ({"user_id": 1, "events": [dict(ok, action=-1)], "candidates": [1]}, "action"),
+        ({"user_id": 1, "events": [ok, dict(ok, time_ms=5)], "candidates": [1]}, "out of time order"),
+    ]
+    for body, word in cases:
+        r = client.post("/v1/rank", json=body)
+        assert r.status_code == 422 and word in r.text, (body, r.status_code, r.text[:300])
+    r = client.post("/v1/rank", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    # nothing of the refused requests was stored, and the service still answers
+    assert ranker.history == {}
+    r = client.post("/v1/rank", json={"user_id": 1, "events": [ok], "candidates": [1, 2]})
+    assert r.status_code == 200 and len(r.json()["scores"]) == 2
+    r = client.post("/v1/rank", json={"user_id": 1, "events": [dict(ok, time_ms=9)], "candidates": [1]})
+    assert r.status_code == 422 and "before the previous event's 10" in r.text
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url, body):
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_serve_command_end_to_end(run):
+    """`nestpipe serve` as a subprocess on a free port: prefill and rank over HTTP give the offline model's scores,
+    the 4xx paths answer, and SIGTERM stops it cleanly."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "nestpipe", "serve", "--run", run, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/healthz", timeout=2) as r:
+                    assert r.status == 200
+                    break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise AssertionError(f"server did not start: {proc.stderr.read()[-2000:]}")
+                time.sleep(0.3)
+        rng = np.random.default_rng(9)
+        first, new = _events(rng, 5), _events(rng, 2)
+        assert _post(base + "/v1/prefill", {"user_id": 3, "events": first}) == (200, {"cache": "miss", "events": 5})
+        code, body = _post(base + "/v1/rank", {"user_id": 3, "events": new, "candidates": [4, 40, 140]})
+        assert code == 200 and body["cache"] == "hit"
+        _close(body["scores"], Ranker.from_run(run).full_scores(first + new, [4, 40, 140]))
+        assert _post(base + "/v1/rank", {"user_id": 4, "events": [], "candidates": [1]})[0] == 404
+        assert _post(base + "/v1/rank", {"user_id": 3, "events": [], "candidates": ["a"]})[0] == 422
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert rc == 0, proc.stderr.read()[-2000:]

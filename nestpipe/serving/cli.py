@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import sys
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -30,5 +33,9 @@ def run_serve(args) -> int:
 
     ranker = Ranker.from_run(args.run, cache_mb=args.cache_mb, shards=args.shards)
     print(f"serving {args.run} (hstu, window {ranker.window} events) on http://{args.host}:{args.port}", flush=True)
+    # uvicorn shuts down gracefully on SIGTERM and then raises the signal again for the previous handler: this
+    # one makes that a normal exit (status 0) instead of death by the signal
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(create_app(ranker), host=args.host, port=args.port, log_level="warning")
+    print("stopped", flush=True)
     return 0

@@ -237,6 +237,12 @@ class Ranker:
         with self.lock:
             hist = self.history.get(user, Events.empty())
             if len(ev):
+                t = np.concatenate([hist.time[-1:], ev.time])  # the stored last event first, if any
+                bad = np.flatnonzero(np.diff(t) < 0)
+                if len(bad):
+                    k = int(bad[0]) + (0 if len(hist) else 1)  # the offending event's index in this request
+                    raise ValueError(f"events out of time order: event {k} has time_ms {int(t[bad[0] + 1])}, "
+                                     f"before the previous event's {int(t[bad[0]])}; send events oldest first")
                 hist = hist.concat(ev)
                 self.history[user] = hist
             return hist

@@ -15,27 +15,33 @@ from __future__ import annotations
 from typing import List, Optional
 
 from fastapi import FastAPI, HTTPException
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from nestpipe.serving.ranker import Ranker
 
-
-class Event(BaseModel):
-    item_id: int
-    action: int = 0
-    time_ms: int = 0
-    author_id: Optional[int] = None
+MAX_CANDIDATES = 10_000  # per request: a larger list is a 422 (score it in several requests)
 
 
-class PrefillRequest(BaseModel):
-    user_id: int
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown field is a 422 that names it
+
+
+class Event(_Strict):
+    item_id: StrictInt
+    action: StrictInt = Field(ge=0)
+    time_ms: StrictInt
+    author_id: Optional[StrictInt] = None
+
+
+class PrefillRequest(_Strict):
+    user_id: StrictInt
     events: List[Event] = Field(default_factory=list)
 
 
-class RankRequest(BaseModel):
-    user_id: int
+class RankRequest(_Strict):
+    user_id: StrictInt
     events: List[Event] = Field(default_factory=list)
-    candidates: List[int]
+    candidates: List[StrictInt] = Field(min_length=1, max_length=MAX_CANDIDATES)
 
 
 def create_app(ranker: Ranker) -> FastAPI:

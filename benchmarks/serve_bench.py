@@ -5,7 +5,8 @@
 
 RUN: an hstu run trained with the history length to serve (`--max-seq-len 1024` shards; its shape is printed;
 the weights do not matter for timing). For each server, cached (`--cache-mb 1024`) and uncached (`--cache-mb 0`:
-every request recomputes the user's stored window), started as a subprocess on a free loopback port, and for every
+every request recomputes the user's stored window), each with a fresh `--history` file (the default: every accepted
+event written to SQLite), started as a subprocess on a free loopback port, and for every
 (history length H, candidates K, concurrency C): C users are prefilled with H - R events (R = --requests), then a
 load generator in its own process runs C closed-loop clients, each sending its own user R rank requests of one
 new event and K candidates, so the window grows from H - R to H without a rebase. Per point: p50 / p99 latency,
@@ -24,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -43,10 +45,11 @@ def post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def start_server(run: str, cache_mb: float):
+def start_server(run: str, cache_mb: float, history: str):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "nestpipe", "serve", "--run", run, "--port", str(port),
-                             "--cache-mb", str(cache_mb)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             "--cache-mb", str(cache_mb), "--history", history],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
@@ -126,8 +129,10 @@ def main(argv=None) -> int:
     load0 = os.getloadavg()
     results = {}
     user0 = 1
+    work = tempfile.mkdtemp(prefix="serve-bench-")
     for name, cache_mb in (("cached", 1024.0), ("uncached", 0.0)):
-        proc, base = start_server(args.run, cache_mb)
+        # a fresh history file per server: the default configuration (every accepted event written to SQLite)
+        proc, base = start_server(args.run, cache_mb, os.path.join(work, f"{name}.sqlite"))
         rows = []
         try:
             for H in args.lengths:

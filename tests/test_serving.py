@@ -68,7 +68,7 @@ def test_cached_prefix_scores_equal_a_full_recompute(run):
     scores, how = ranker.rank(7, _events(rng, 2), cands)
     assert how == "hit"
     _close(scores, ranker.full_scores(ranker.window_events(7), cands))
-    assert ranker.stats()["requests"] == {"miss": 2, "hit": 5}
+    assert ranker.stats()["requests"] == {"miss": 2, "hit": 5, "rebase": 1}
 
 
 def test_negative_control_a_cache_off_by_one_token_breaks_equality(run):
@@ -234,3 +234,41 @@ def test_serve_command_end_to_end(run):
             proc.kill()
             raise
     assert rc == 0, proc.stderr.read()[-2000:]
+
+
+def test_history_survives_a_restart(run, tmp_path):
+    """With a history file, a new server process (here: a new Ranker) knows the user's events: its first request
+    is a miss that rebuilds the window, with the scores of the first process."""
+    rng = np.random.default_rng(4)
+    path = str(tmp_path / "history.sqlite")
+    first = Ranker.from_run(run, history=path)
+    first.prefill(11, _events(rng, 3))
+    before, _ = first.rank(11, _events(rng, 2), [5, 6, 7])
+    again = Ranker.from_run(run, history=path)
+    after, how = again.rank(11, [], [5, 6, 7])
+    assert how == "miss"
+    _close(after, before)
+    assert len(again.window_events(11)) == 5
+    # the control: without the file the restarted ranker knows nothing of the user
+    with pytest.raises(KeyError, match="send events"):
+        Ranker.from_run(run).rank(11, [], [5])
+
+
+def test_metrics_endpoint_speaks_prometheus(run):
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from nestpipe.serving.server import create_app
+
+    client = TestClient(create_app(Ranker.from_run(run)))
+    rng = np.random.default_rng(5)
+    client.post("/v1/prefill", json={"user_id": 1, "events": _events(rng, 3)})
+    client.post("/v1/rank", json={"user_id": 1, "events": [], "candidates": [1]})
+    text = client.get("/metrics").text
+    fam = {f.name: f for f in text_string_to_metric_families(text)}
+    req = {s.labels["cache"]: s.value for s in fam["nestpipe_rank_requests"].samples if s.name.endswith("_total")}
+    assert req == {"hit": 1.0, "miss": 1.0, "rebase": 0.0}
+    assert fam["nestpipe_cache_bytes"].samples[0].value > 0
+    counts = {s.labels["endpoint"]: s.value for s in fam["nestpipe_request_seconds"].samples
+              if s.name.endswith("_count")}
+    assert counts["/v1/prefill"] == 1 and counts["/v1/rank"] == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -19,6 +20,9 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8080, help="port to bind")
     p.add_argument("--cache-mb", type=float, default=1024.0,
                    help="bytes of prefix K/V kept resident, least recently used evicted first")
+    p.add_argument("--history", default=None,
+                   help="SQLite file keeping every user's events across restarts (default: RUN/serving/history.sqlite;"
+                   " 'none': in memory only)")
     p.add_argument("--shards", default=None, help="where the run's shards are now, if they moved")
     p.set_defaults(func=run_serve)
 
@@ -31,7 +35,9 @@ def run_serve(args) -> int:
     from nestpipe.serving.ranker import Ranker  # torch and the model: only when serving
     from nestpipe.serving.server import create_app  # FastAPI: only when serving
 
-    ranker = Ranker.from_run(args.run, cache_mb=args.cache_mb, shards=args.shards)
+    history = args.history or os.path.join(args.run, "serving", "history.sqlite")
+    ranker = Ranker.from_run(args.run, cache_mb=args.cache_mb, shards=args.shards,
+                             history=None if history == "none" else history)
     print(f"serving {args.run} (hstu, window {ranker.window} events) on http://{args.host}:{args.port}", flush=True)
     # uvicorn shuts down gracefully on SIGTERM and then raises the signal again for the previous handler: this
     # one makes that a normal exit (status 0) instead of death by the signal

@@ -24,6 +24,7 @@ import collections
 import dataclasses
 import math
 import os
+import sqlite3
 import threading
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -121,6 +122,38 @@ class PrefixCache:
                     "evictions": self.evictions}
 
 
+class HistoryStore:
+    """Every user's events in an SQLite file (standard library; one row per event, appended in one transaction per
+    request), so that a restarted server rebuilds any user's window from what it was sent: the first request after a
+    restart is a miss, never a lost history."""
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+        self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("CREATE TABLE IF NOT EXISTS events (user INTEGER, seq INTEGER, item INTEGER, author INTEGER, "
+                        "action INTEGER, time INTEGER, PRIMARY KEY (user, seq))")
+        self.lock = threading.Lock()
+
+    def load(self, user: int) -> Events:
+        with self.lock:
+            rows = self.db.execute("SELECT item, author, action, time FROM events WHERE user = ? ORDER BY seq",
+                                   (int(user),)).fetchall()
+        if not rows:
+            return Events.empty()
+        a = np.asarray(rows, dtype=np.int64)
+        return Events(a[:, 0].copy(), a[:, 1].copy(), a[:, 2].copy(), a[:, 3].copy())
+
+    def append(self, user: int, first_seq: int, ev: Events) -> None:
+        rows = [(int(user), first_seq + i, int(ev.item[i]), int(ev.author[i]), int(ev.action[i]), int(ev.time[i]))
+                for i in range(len(ev))]
+        with self.lock:
+            self.db.execute("BEGIN")
+            self.db.executemany("INSERT INTO events VALUES (?, ?, ?, ?, ?, ?)", rows)
+            self.db.execute("COMMIT")
+
+
 class Ranker:
     """Scores candidates for users from a trained HSTU run, keeping each user's prefix K/V resident.
 
@@ -131,7 +164,7 @@ class Ranker:
 
     def __init__(self, model: HSTU, item_rows: torch.Tensor, tables: Dict[str, torch.Tensor],
                  vocabs: Dict[str, int], item_author: np.ndarray, cache_mb: float = 1024.0,
-                 temperature: float = 0.1):
+                 temperature: float = 0.1, store: Optional[HistoryStore] = None):
         if not isinstance(model, HSTU):
             raise ValueError(f"serving ranks with an HSTU run; this run's model is {type(model).__name__}")
         self.model = model.eval()
@@ -141,17 +174,20 @@ class Ranker:
         self.item_author = item_author
         self.temperature = temperature
         self.cache = PrefixCache(int(cache_mb * (1 << 20)))
-        self.history: Dict[int, Events] = {}
+        self.history: Dict[int, Events] = {}  # users seen by this process (the store holds every user's)
+        self.store = store
         self.lock = threading.Lock()  # the stored histories
         self.compute_lock = threading.Lock()
         self.counts = collections.Counter()
 
     # -- construction -----------------------------------------------------------------------------------------
     @classmethod
-    def from_run(cls, run: str, cache_mb: float = 1024.0, shards: Optional[str] = None) -> "Ranker":
+    def from_run(cls, run: str, cache_mb: float = 1024.0, shards: Optional[str] = None,
+                 history: Optional[str] = None) -> "Ranker":
         """The latest checkpoint of ``run`` (an ``hstu`` run), assembled into full tables as ``nestpipe export``
         writes them; the item -> author map from the run's training shards (cached as
-        ``RUN/serving/item_author.npy``)."""
+        ``RUN/serving/item_author.npy``). ``history``: an SQLite file keeping every user's events across restarts
+        (:class:`HistoryStore`; None: in memory only)."""
         cfg = load_run_config(run)
         if cfg.model != "hstu":
             raise ValueError(f"{run}: serving ranks with hstu runs; this run trained {cfg.model!r}")
@@ -163,7 +199,7 @@ class Ranker:
         tables = {t: full[f"embedding.{t}.weight"].float() for t in seq}
         vocabs = {t: int(man.tables[t].vocab) for t in seq}
         return cls(model, tables["item"], tables, vocabs, item_authors(run, cfg.shards, vocabs["item"]), cache_mb,
-                   cfg.hstu.temperature)
+                   cfg.hstu.temperature, HistoryStore(history) if history else None)
 
     @property
     def window(self) -> int:
@@ -235,7 +271,11 @@ class Ranker:
 
     def _append(self, user: int, ev: Events) -> Events:
         with self.lock:
-            hist = self.history.get(user, Events.empty())
+            hist = self.history.get(user)
+            if hist is None:
+                hist = self.store.load(user) if self.store is not None else Events.empty()
+                if len(hist):
+                    self.history[user] = hist
             if len(ev):
                 t = np.concatenate([hist.time[-1:], ev.time])  # the stored last event first, if any
                 bad = np.flatnonzero(np.diff(t) < 0)
@@ -243,6 +283,8 @@ class Ranker:
                     k = int(bad[0]) + (0 if len(hist) else 1)  # the offending event's index in this request
                     raise ValueError(f"events out of time order: event {k} has time_ms {int(t[bad[0] + 1])}, "
                                      f"before the previous event's {int(t[bad[0]])}; send events oldest first")
+                if self.store is not None:
+                    self.store.append(user, len(hist), ev)
                 hist = hist.concat(ev)
                 self.history[user] = hist
             return hist
@@ -267,6 +309,8 @@ class Ranker:
             self.counts["hit"] += 1
             return last, "hit"
         start = self._window_start(n, 0 if cached is None else cached.start)
+        if cached is not None:
+            self.counts["rebase"] += 1
         empty = CachedPrefix(start, 0, [(None, None)] * len(self.model.layers), torch.zeros(0))
         kv, last = self._extend(empty, hist[start:])
         self.cache.put(user, CachedPrefix(start, n - start, kv, last))
@@ -347,4 +391,4 @@ def events_from_rows(items: Iterable[int], actions: Iterable[int], times: Iterab
     return [{"item_id": int(i), "action": int(a), "time_ms": int(t)} for i, a, t in zip(items, actions, times)]
 
 
-__all__ = ["CachedPrefix", "Events", "PrefixCache", "Ranker", "events_from_rows", "item_authors", "math"]
+__all__ = ["CachedPrefix", "Events", "HistoryStore", "PrefixCache", "Ranker", "events_from_rows", "item_authors", "math"]

@@ -7,14 +7,20 @@ and maintained, so the service needs no HTTP code of its own. Endpoints:
 - ``POST /v1/prefill`` ``{"user_id", "events": [{"item_id", "action", "time_ms"}, ...]}`` -> ``{"cache", "events"}``
 - ``POST /v1/rank`` ``{"user_id", "events": [...new events, may be empty...], "candidates": [item ids]}`` ->
   ``{"scores": [...], "cache": "hit" | "miss"}``; 404 for a user with no stored history and no events
-- ``GET /v1/stats``: users, hits and misses, the cache's bytes and evictions; ``GET /healthz``.
+- ``GET /v1/stats``: users, hits and misses, the cache's bytes and evictions; ``GET /healthz``;
+- ``GET /metrics``: the same in Prometheus text format (prometheus_client), with latency histograms per endpoint.
 """
 
 from __future__ import annotations
 
 from typing import List, Optional
 
+import time
+
 from fastapi import FastAPI, HTTPException
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from nestpipe.serving.ranker import Ranker
@@ -44,8 +50,45 @@ class RankRequest(_Strict):
     candidates: List[StrictInt] = Field(min_length=1, max_length=MAX_CANDIDATES)
 
 
+class _RankerCollector:
+    """The ranker's counters and the cache's gauges, read at every scrape."""
+
+    def __init__(self, ranker: Ranker):
+        self.ranker = ranker
+
+    def collect(self):
+        st = self.ranker.stats()
+        req = CounterMetricFamily("nestpipe_rank_requests", "prefill and rank requests by cache outcome",
+                                  labels=["cache"])
+        for outcome in ("hit", "miss", "rebase"):
+            req.add_metric([outcome], st["requests"].get(outcome, 0))
+        yield req
+        c = st["cache"]
+        yield CounterMetricFamily("nestpipe_cache_evictions", "prefixes evicted from the cache", value=c["evictions"])
+        yield GaugeMetricFamily("nestpipe_cache_bytes", "bytes of prefix K/V resident", value=c["bytes"])
+        yield GaugeMetricFamily("nestpipe_cache_capacity_bytes", "the cache's budget", value=c["capacity_bytes"])
+        yield GaugeMetricFamily("nestpipe_cache_users", "users with a resident prefix", value=c["users"])
+        yield GaugeMetricFamily("nestpipe_users", "users with a stored history seen by this process",
+                                value=st["users"])
+
+
 def create_app(ranker: Ranker) -> FastAPI:
     app = FastAPI(title="NestPipe ranking", description="HSTU scores with each user's prefix K/V kept resident")
+    registry = CollectorRegistry()
+    latency = Histogram("nestpipe_request_seconds", "request latency by endpoint", ["endpoint"], registry=registry,
+                        buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0))
+    registry.register(_RankerCollector(ranker))
+
+    @app.middleware("http")
+    async def timed(request, call_next):
+        t = time.perf_counter()
+        response = await call_next(request)
+        latency.labels(request.url.path).observe(time.perf_counter() - t)
+        return response
+
+    @app.get("/metrics")
+    def metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     def events(req) -> list:
         return [e.model_dump() for e in req.events]

@@ -9,6 +9,8 @@ positions are off by one fails the same comparison.
 from __future__ import annotations
 
 import itertools
+import json
+import os
 
 import numpy as np
 import pytest
@@ -272,3 +274,98 @@ def test_metrics_endpoint_speaks_prometheus(run):
     counts = {s.labels["endpoint"]: s.value for s in fam["nestpipe_request_seconds"].samples
               if s.name.endswith("_count")}
     assert counts["/v1/prefill"] == 1 and counts["/v1/rank"] == 1
+
+
+def test_jump_hash_is_balanced_and_moves_few_users():
+    from nestpipe.serving.front import jump_hash
+
+    users = range(20000)
+    four = np.array([jump_hash(u, 4) for u in users])
+    assert set(four) == {0, 1, 2, 3} and np.bincount(four).min() > 4500
+    five = np.array([jump_hash(u, 5) for u in users])
+    moved = four != five
+    assert (five[moved] == 4).all() and 0.15 < moved.mean() < 0.25  # only to the new replica, about 1/5 of users
+
+
+def test_replicas_keep_users_on_one_cache_and_survive_a_replica_dying(run):
+    """`nestpipe serve --replicas 2`: a user's second request is a hit (affinity); after its replica is killed the
+    front's watcher restarts it, and the user's next request is a miss rebuilt from the history with the same
+    scores; the replicas share one memory-mapped copy of the model."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from nestpipe.serving.front import jump_hash
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "nestpipe", "serve", "--run", run, "--port", str(port),
+                             "--replicas", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(base + "/healthz", timeout=2).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise AssertionError(f"front did not start: {proc.stderr.read()[-2000:]}")
+                time.sleep(0.3)
+        rng = np.random.default_rng(12)
+        users = [1, 2, 3, 4]
+        assert {jump_hash(u, 2) for u in users} == {0, 1}  # both replicas serve someone
+        first = {}
+        for u in users:
+            assert _post(base + "/v1/prefill", {"user_id": u, "events": _events(rng, 4)})[1]["cache"] == "miss"
+            code, body = _post(base + "/v1/rank", {"user_id": u, "events": [], "candidates": [3, 4, 5]})
+            assert code == 200 and body["cache"] == "hit", body
+            first[u] = body["scores"]
+        stats = json.loads(urllib.request.urlopen(base + "/v1/stats").read())
+        n = [sum(jump_hash(u, 2) == i for u in users) for i in range(2)]
+        assert [s["requests"] for s in stats["replicas"]] == [{"miss": k, "hit": k} for k in n]
+        shared = [d for d in os.listdir(os.path.join(run, "serving")) if d.startswith("shared-step-")]
+        assert len(shared) == 1
+        # kill the replica of user 1: the watcher restarts it; the user's history is in its file
+        pid = [p for p in _children(proc.pid)]
+        victim = _replica_pid(base, jump_hash(1, 2), pid)
+        os.kill(victim, signal.SIGKILL)
+        code, body = _post(base + "/v1/rank", {"user_id": 1, "events": [], "candidates": [3, 4, 5]})
+        assert code == 200 and body["cache"] == "miss", body
+        _close(body["scores"], first[1])
+        stats = json.loads(urllib.request.urlopen(base + "/v1/stats").read())
+        assert stats["restarts"] == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert rc == 0, proc.stderr.read()[-2000:]
+
+
+def _children(pid):
+    """``(pid, command line)`` of the processes whose parent is ``pid`` (Linux /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                if ppid == pid:
+                    with open(f"/proc/{d}/cmdline", "rb") as f:
+                        out.append((int(d), f.read().replace(b"\0", b" ").decode()))
+            except OSError:
+                continue
+    return out
+
+
+def _replica_pid(base, index, children):
+    """The pid of replica ``index``: the child whose --history names history-INDEX.sqlite."""
+    for pid, args in children:
+        if f"history-{index}.sqlite" in args:
+            return pid
+    raise AssertionError(f"no replica {index} among {children}")

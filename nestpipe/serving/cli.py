@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
@@ -23,7 +24,13 @@ def add_parser(sub) -> None:
     p.add_argument("--history", default=None,
                    help="SQLite file keeping every user's events across restarts (default: RUN/serving/history.sqlite;"
                    " 'none': in memory only)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="ranking processes behind one front on --port that routes each user to one of them (jump "
+                   "consistent hashing), so a user's requests meet the cache that holds its prefix; they share one "
+                   "memory-mapped copy of the model, each has its own --cache-mb and history file, and one that "
+                   "exits is restarted")
     p.add_argument("--shards", default=None, help="where the run's shards are now, if they moved")
+    p.add_argument("--shared", default=None, help=argparse.SUPPRESS)  # a replica: the model files of save_shared
     p.set_defaults(func=run_serve)
 
 
@@ -35,13 +42,34 @@ def run_serve(args) -> int:
     from nestpipe.serving.ranker import Ranker  # torch and the model: only when serving
     from nestpipe.serving.server import create_app  # FastAPI: only when serving
 
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     history = args.history or os.path.join(args.run, "serving", "history.sqlite")
-    ranker = Ranker.from_run(args.run, cache_mb=args.cache_mb, shards=args.shards,
-                             history=None if history == "none" else history)
-    print(f"serving {args.run} (hstu, window {ranker.window} events) on http://{args.host}:{args.port}", flush=True)
     # uvicorn shuts down gracefully on SIGTERM and then raises the signal again for the previous handler: this
     # one makes that a normal exit (status 0) instead of death by the signal
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    if args.replicas > 1:
+        from nestpipe.serving.front import Replicas, create_front_app  # FastAPI: only when serving
+        from nestpipe.serving.ranker import save_shared  # torch and the model: only when serving
+
+        shared = save_shared(args.run, args.shards)
+        hist_dir = os.path.dirname(os.path.abspath(history)) if history != "none" else os.path.join(
+            args.run, "serving")
+        replicas = Replicas(args.run, shared, args.replicas, args.cache_mb, hist_dir)
+        print(f"serving {args.run} (hstu) with {args.replicas} replicas on http://{args.host}:{args.port}",
+              flush=True)
+        try:
+            uvicorn.run(create_front_app(replicas), host=args.host, port=args.port, log_level="warning")
+        finally:
+            replicas.stop()
+        print("stopped", flush=True)
+        return 0
+    hist = None if history == "none" else history
+    if args.shared:
+        ranker = Ranker.from_shared(args.run, args.shared, cache_mb=args.cache_mb, history=hist)
+    else:
+        ranker = Ranker.from_run(args.run, cache_mb=args.cache_mb, shards=args.shards, history=hist)
+    print(f"serving {args.run} (hstu, window {ranker.window} events) on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(create_app(ranker), host=args.host, port=args.port, log_level="warning")
     print("stopped", flush=True)
     return 0

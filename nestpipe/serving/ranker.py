@@ -24,8 +24,10 @@ import collections
 import dataclasses
 import math
 import os
+import shutil
 import sqlite3
 import threading
+import warnings
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -33,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from nestpipe.datasets.shards import table_offsets
+from nestpipe.trainer import checkpoint
 from nestpipe.trainer.config import load_run_config
 from nestpipe.trainer.data import ShardStream, iter_shard
 from nestpipe.trainer.embedding.placement import to_vocab
@@ -40,6 +43,7 @@ from nestpipe.trainer.export import assemble
 from nestpipe.trainer.models import build_model, model_table_dims
 from nestpipe.trainer.models.hstu import HSTU, HSTULayer
 from nestpipe.trainer.run_files import run_manifest
+from nestpipe.utils.jsonio import read_json, write_json_atomic
 
 EVENT_FIELDS = ("item_id", "action", "time_ms")
 
@@ -164,13 +168,15 @@ class Ranker:
 
     def __init__(self, model: HSTU, item_rows: torch.Tensor, tables: Dict[str, torch.Tensor],
                  vocabs: Dict[str, int], item_author: np.ndarray, cache_mb: float = 1024.0,
-                 temperature: float = 0.1, store: Optional[HistoryStore] = None):
+                 temperature: float = 0.1, store: Optional[HistoryStore] = None,
+                 candidates: Optional[torch.Tensor] = None):
         if not isinstance(model, HSTU):
             raise ValueError(f"serving ranks with an HSTU run; this run's model is {type(model).__name__}")
         self.model = model.eval()
         self.tables = tables  # table -> full weight [V, width] (float32)
         self.vocabs = vocabs
-        self.candidates = F.normalize(model.candidates(item_rows), dim=-1)  # [V, D] unit output embeddings
+        # [V, D] unit output embeddings (given: a shared memory-mapped copy, see save_shared)
+        self.candidates = candidates if candidates is not None else F.normalize(model.candidates(item_rows), dim=-1)
         self.item_author = item_author
         self.temperature = temperature
         self.cache = PrefixCache(int(cache_mb * (1 << 20)))
@@ -200,6 +206,20 @@ class Ranker:
         vocabs = {t: int(man.tables[t].vocab) for t in seq}
         return cls(model, tables["item"], tables, vocabs, item_authors(run, cfg.shards, vocabs["item"]), cache_mb,
                    cfg.hstu.temperature, HistoryStore(history) if history else None)
+
+    @classmethod
+    def from_shared(cls, run: str, shared: str, cache_mb: float = 1024.0, history: Optional[str] = None) -> "Ranker":
+        """A ranker over the model files :func:`save_shared` wrote: the tables and the candidates memory-mapped
+        read-only, so that every replica on a host shares one copy in the page cache."""
+        cfg = load_run_config(run)
+        man, _ = run_manifest(run, cfg, None, need_data=False)
+        meta = read_json(os.path.join(shared, "meta.json"), "shared serving model")
+        model = build_model(cfg, man, model_table_dims(cfg, man))
+        model.load_state_dict(torch.load(os.path.join(shared, "dense.pt"), map_location="cpu", weights_only=True))
+        tables = {t: _mapped(os.path.join(shared, f"table-{t}.npy")) for t in meta["tables"]}
+        return cls(model, tables["item"], tables, meta["vocabs"], np.load(os.path.join(shared, "item_author.npy")),
+                   cache_mb, cfg.hstu.temperature, HistoryStore(history) if history else None,
+                   candidates=_mapped(os.path.join(shared, "candidates.npy")))
 
     @property
     def window(self) -> int:
@@ -364,6 +384,45 @@ def _layer_step(layer: HSTULayer, x: torch.Tensor, k_old: Optional[torch.Tensor]
     attn = F.silu(z) / layer.max_len * (kj <= qi).to(z.dtype)[None]
     av = torch.einsum("hij,jhd->ihd", attn, v_all).reshape(m, h * d)
     return x + layer.out(layer.norm_attn(av) * u), k_all, v_all
+
+
+def save_shared(run: str, shards: Optional[str] = None) -> str:
+    """Write what replicas memory-map: ``RUN/serving/shared-step-S/`` with every sequence table
+    (``table-T.npy``), the unit output embeddings (``candidates.npy``), the dense parameters (``dense.pt``), the
+    item -> author map and ``meta.json``; atomic (a temporary directory renamed), reused when it exists."""
+    ranker = Ranker.from_run(run, cache_mb=0, shards=shards)
+    step = int(assemble_step(run))
+    out = os.path.join(run, "serving", f"shared-step-{step:08d}")
+    if os.path.exists(os.path.join(out, "meta.json")):
+        return out
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for t, w in ranker.tables.items():
+        np.save(os.path.join(tmp, f"table-{t}.npy"), w.numpy(), allow_pickle=False)
+    np.save(os.path.join(tmp, "candidates.npy"), ranker.candidates.numpy(), allow_pickle=False)
+    np.save(os.path.join(tmp, "item_author.npy"), ranker.item_author, allow_pickle=False)
+    torch.save(ranker.model.state_dict(), os.path.join(tmp, "dense.pt"))
+    write_json_atomic(os.path.join(tmp, "meta.json"), {"step": step, "tables": sorted(ranker.tables),
+                                                       "vocabs": ranker.vocabs})
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def assemble_step(run: str) -> int:
+    latest = checkpoint.latest(run)
+    if latest is None:
+        raise FileNotFoundError(f"{run}: no complete checkpoint (train first)")
+    return int(checkpoint.read_meta(latest)["step"])
+
+
+def _mapped(path: str) -> torch.Tensor:
+    """A read-only memory-mapped ``.npy`` as a tensor (never written: the ranker only reads its rows)."""
+    arr = np.load(path, mmap_mode="r")
+    with warnings.catch_warnings():  # torch warns that the array is not writable; nothing writes it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(arr)
 
 
 def item_authors(run: str, shards: str, vocab: int) -> np.ndarray:

@@ -369,3 +369,29 @@ def _replica_pid(base, index, children):
         if f"history-{index}.sqlite" in args:
             return pid
     raise AssertionError(f"no replica {index} among {children}")
+
+
+def test_budgets_hold_under_a_stream_of_new_users_and_the_spill_tier_serves_hits(run, tmp_path):
+    """A tiny DRAM budget and a spill tier: after every request the DRAM bytes stay within the budget and the spill
+    bytes within theirs; a user whose prefix was spilled gets a hit (read back, nothing recomputed) with the scores
+    of a full recompute. Control: without the spill tier the same request is a miss."""
+    rng = np.random.default_rng(6)
+    spill = str(tmp_path / "spill")
+    ranker = Ranker.from_run(run, cache_mb=1.0, spill_dir=spill, spill_mb=1.0)
+    ranker.prefill(0, _events(rng, 6))
+    one = ranker.cache.get(0).nbytes
+    ranker.cache.capacity = 2 * one  # two users' prefixes in DRAM
+    ranker.cache.spill.capacity = 5 * one  # five more on disk
+    for u in range(1, 40):
+        ranker.prefill(u, _events(rng, 6))
+        st = ranker.cache.stats()
+        assert st["bytes"] <= st["capacity_bytes"] and st["spilled_bytes"] <= st["spill_capacity_bytes"], st
+    assert st["spill_evictions"] > 0 and len(os.listdir(spill)) == 2 * st["spilled_users"]
+    spilled = next(iter(ranker.cache.spill.items))  # the oldest user still on disk
+    cands = [1, 2, 3, 9]
+    scores, how = ranker.rank(spilled, _events(rng, 1), cands)
+    assert how == "hit" and ranker.cache.stats()["spill_reads"] == 1
+    _close(scores, ranker.full_scores(ranker.window_events(spilled), cands))
+    plain = Ranker.from_run(run, cache_mb=1.0)
+    plain.history[spilled] = ranker.history[spilled]
+    assert plain.rank(spilled, [], cands)[1] == "miss"

@@ -21,6 +21,10 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8080, help="port to bind")
     p.add_argument("--cache-mb", type=float, default=1024.0,
                    help="bytes of prefix K/V kept resident, least recently used evicted first")
+    p.add_argument("--spill-dir", default=None,
+                   help="a second tier on local disk for the prefixes evicted from --cache-mb: the user's next "
+                   "request reads the prefix back (a hit) instead of recomputing it (per replica: DIR/replica-I)")
+    p.add_argument("--spill-mb", type=float, default=4096.0, help="bytes of the --spill-dir tier (per replica)")
     p.add_argument("--history", default=None,
                    help="SQLite file keeping every user's events across restarts (default: RUN/serving/history.sqlite;"
                    " 'none': in memory only)")
@@ -55,7 +59,7 @@ def run_serve(args) -> int:
         shared = save_shared(args.run, args.shards)
         hist_dir = os.path.dirname(os.path.abspath(history)) if history != "none" else os.path.join(
             args.run, "serving")
-        replicas = Replicas(args.run, shared, args.replicas, args.cache_mb, hist_dir)
+        replicas = Replicas(args.run, shared, args.replicas, args.cache_mb, hist_dir, args.spill_dir, args.spill_mb)
         print(f"serving {args.run} (hstu) with {args.replicas} replicas on http://{args.host}:{args.port}",
               flush=True)
         try:
@@ -66,9 +70,11 @@ def run_serve(args) -> int:
         return 0
     hist = None if history == "none" else history
     if args.shared:
-        ranker = Ranker.from_shared(args.run, args.shared, cache_mb=args.cache_mb, history=hist)
+        ranker = Ranker.from_shared(args.run, args.shared, cache_mb=args.cache_mb, history=hist,
+                                    spill_dir=args.spill_dir, spill_mb=args.spill_mb)
     else:
-        ranker = Ranker.from_run(args.run, cache_mb=args.cache_mb, shards=args.shards, history=hist)
+        ranker = Ranker.from_run(args.run, cache_mb=args.cache_mb, shards=args.shards, history=hist,
+                                 spill_dir=args.spill_dir, spill_mb=args.spill_mb)
     print(f"serving {args.run} (hstu, window {ranker.window} events) on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(create_app(ranker), host=args.host, port=args.port, log_level="warning")
     print("stopped", flush=True)

@@ -50,8 +50,10 @@ def free_port() -> int:
 class Replicas:
     """N ``nestpipe serve`` processes on loopback ports, restarted when they exit."""
 
-    def __init__(self, run: str, shared: str, n: int, cache_mb: float, history_dir: str):
+    def __init__(self, run: str, shared: str, n: int, cache_mb: float, history_dir: str,
+                 spill_dir: str = None, spill_mb: float = 4096.0):
         self.run, self.shared, self.cache_mb, self.history_dir = run, shared, cache_mb, history_dir
+        self.spill_dir, self.spill_mb = spill_dir, spill_mb
         self.ports = [free_port() for _ in range(n)]
         self.procs: List[subprocess.Popen] = [self._start(i) for i in range(n)]
         self.restarts = 0
@@ -62,11 +64,12 @@ class Replicas:
         self.watcher.start()
 
     def _start(self, i: int) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-m", "nestpipe", "serve", "--run", self.run, "--port", str(self.ports[i]),
-             "--cache-mb", str(self.cache_mb), "--shared", self.shared,
-             "--history", os.path.join(self.history_dir, f"history-{i}.sqlite")],
-            stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        cmd = [sys.executable, "-m", "nestpipe", "serve", "--run", self.run, "--port", str(self.ports[i]),
+               "--cache-mb", str(self.cache_mb), "--shared", self.shared,
+               "--history", os.path.join(self.history_dir, f"history-{i}.sqlite")]
+        if self.spill_dir:
+            cmd += ["--spill-dir", os.path.join(self.spill_dir, f"replica-{i}"), "--spill-mb", str(self.spill_mb)]
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
     def url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.ports[i]}"

@@ -88,12 +88,82 @@ class CachedPrefix:
             self.last_hidden.numel() * self.last_hidden.element_size()
 
 
-class PrefixCache:
-    """LRU of :class:`CachedPrefix` per user, at most ``capacity_bytes`` in all (a prefix larger than the whole
-    capacity is not kept). Thread-safe."""
+class SpillStore:
+    """The second tier: prefixes evicted from DRAM, one file per user in ``directory`` (raw float32 K/V and a JSON
+    header, written under a temporary name and renamed), least recently spilled removed first beyond
+    ``capacity_bytes``. A prefix read back is removed from the tier (it returns to DRAM). Not thread-safe on its
+    own: :class:`PrefixCache` calls it under its lock."""
 
-    def __init__(self, capacity_bytes: int):
+    def __init__(self, directory: str, capacity_bytes: int):
+        self.dir = directory
         self.capacity = int(capacity_bytes)
+        os.makedirs(directory, exist_ok=True)
+        for f in os.listdir(directory):  # what an earlier process spilled: its K/V may not match this model
+            os.remove(os.path.join(directory, f))
+        self.items: "collections.OrderedDict[int, int]" = collections.OrderedDict()  # user -> bytes
+        self.bytes = 0
+        self.evictions = 0
+        self.reads = 0
+
+    def _path(self, user: int) -> str:
+        return os.path.join(self.dir, f"user-{int(user)}")
+
+    def put(self, user: int, entry: CachedPrefix) -> None:
+        self.drop(user)
+        if entry.nbytes > self.capacity:
+            self.evictions += 1
+            return
+        parts = [t.contiguous().view(-1) for k, v in entry.kv for t in (k, v)] + [entry.last_hidden.view(-1)]
+        flat = torch.cat(parts).numpy().astype(np.float32, copy=False)
+        head = {"start": entry.start, "length": entry.length,
+                "shapes": [list(t.shape) for k, v in entry.kv for t in (k, v)] + [list(entry.last_hidden.shape)]}
+        path = self._path(user)
+        flat.tofile(path + ".bin.tmp")
+        os.replace(path + ".bin.tmp", path + ".bin")
+        write_json_atomic(path + ".json", head)
+        self.items[user] = flat.nbytes
+        self.bytes += flat.nbytes
+        while self.bytes > self.capacity:
+            gone, _ = next(iter(self.items.items()))
+            self.drop(gone)
+            self.evictions += 1
+
+    def take(self, user: int) -> Optional[CachedPrefix]:
+        if user not in self.items:
+            return None
+        path = self._path(user)
+        head = read_json(path + ".json", "spilled prefix")
+        flat = torch.from_numpy(np.fromfile(path + ".bin", dtype=np.float32))
+        tensors, at = [], 0
+        for shape in head["shapes"]:
+            n = int(np.prod(shape))
+            tensors.append(flat[at:at + n].view(*shape))
+            at += n
+        self.drop(user)
+        self.reads += 1
+        kv = [(tensors[2 * i], tensors[2 * i + 1]) for i in range((len(tensors) - 1) // 2)]
+        return CachedPrefix(head["start"], head["length"], kv, tensors[-1])
+
+    def drop(self, user: int) -> None:
+        size = self.items.pop(user, None)
+        if size is None:
+            return
+        self.bytes -= size
+        for ext in (".bin", ".json"):
+            try:
+                os.remove(self._path(user) + ext)
+            except FileNotFoundError:
+                pass
+
+
+class PrefixCache:
+    """LRU of :class:`CachedPrefix` per user, at most ``capacity_bytes`` in DRAM (a prefix larger than the whole
+    capacity is not kept); with ``spill`` a :class:`SpillStore` receives the evicted prefixes and gives them back on
+    the user's next request. Thread-safe."""
+
+    def __init__(self, capacity_bytes: int, spill: Optional[SpillStore] = None):
+        self.capacity = int(capacity_bytes)
+        self.spill = spill
         self.items: "collections.OrderedDict[int, CachedPrefix]" = collections.OrderedDict()
         self.bytes = 0
         self.evictions = 0
@@ -104,26 +174,44 @@ class PrefixCache:
             entry = self.items.get(user)
             if entry is not None:
                 self.items.move_to_end(user)
+                return entry
+            entry = self.spill.take(user) if self.spill is not None else None
+            if entry is not None:
+                self._put(user, entry)
             return entry
 
     def put(self, user: int, entry: CachedPrefix) -> None:
         with self.lock:
-            old = self.items.pop(user, None)
-            if old is not None:
-                self.bytes -= old.nbytes
-            if entry.nbytes > self.capacity:
-                return
-            self.items[user] = entry
-            self.bytes += entry.nbytes
-            while self.bytes > self.capacity:
-                _, gone = self.items.popitem(last=False)
-                self.bytes -= gone.nbytes
-                self.evictions += 1
+            if self.spill is not None:
+                self.spill.drop(user)  # the new prefix supersedes a spilled one
+            self._put(user, entry)
+
+    def _put(self, user: int, entry: CachedPrefix) -> None:
+        old = self.items.pop(user, None)
+        if old is not None:
+            self.bytes -= old.nbytes
+        if entry.nbytes > self.capacity:
+            if self.spill is not None:
+                self.spill.put(user, entry)
+            return
+        self.items[user] = entry
+        self.bytes += entry.nbytes
+        while self.bytes > self.capacity:
+            gone_user, gone = self.items.popitem(last=False)
+            self.bytes -= gone.nbytes
+            self.evictions += 1
+            if self.spill is not None:
+                self.spill.put(gone_user, gone)
 
     def stats(self) -> Dict[str, int]:
         with self.lock:
-            return {"users": len(self.items), "bytes": self.bytes, "capacity_bytes": self.capacity,
-                    "evictions": self.evictions}
+            out = {"users": len(self.items), "bytes": self.bytes, "capacity_bytes": self.capacity,
+                   "evictions": self.evictions}
+            if self.spill is not None:
+                out.update({"spilled_users": len(self.spill.items), "spilled_bytes": self.spill.bytes,
+                            "spill_capacity_bytes": self.spill.capacity, "spill_evictions": self.spill.evictions,
+                            "spill_reads": self.spill.reads})
+            return out
 
 
 class HistoryStore:
@@ -169,7 +257,7 @@ class Ranker:
     def __init__(self, model: HSTU, item_rows: torch.Tensor, tables: Dict[str, torch.Tensor],
                  vocabs: Dict[str, int], item_author: np.ndarray, cache_mb: float = 1024.0,
                  temperature: float = 0.1, store: Optional[HistoryStore] = None,
-                 candidates: Optional[torch.Tensor] = None):
+                 candidates: Optional[torch.Tensor] = None, spill: Optional[SpillStore] = None):
         if not isinstance(model, HSTU):
             raise ValueError(f"serving ranks with an HSTU run; this run's model is {type(model).__name__}")
         self.model = model.eval()
@@ -179,7 +267,7 @@ class Ranker:
         self.candidates = candidates if candidates is not None else F.normalize(model.candidates(item_rows), dim=-1)
         self.item_author = item_author
         self.temperature = temperature
-        self.cache = PrefixCache(int(cache_mb * (1 << 20)))
+        self.cache = PrefixCache(int(cache_mb * (1 << 20)), spill)
         self.history: Dict[int, Events] = {}  # users seen by this process (the store holds every user's)
         self.store = store
         self.lock = threading.Lock()  # the stored histories
@@ -189,11 +277,13 @@ class Ranker:
     # -- construction -----------------------------------------------------------------------------------------
     @classmethod
     def from_run(cls, run: str, cache_mb: float = 1024.0, shards: Optional[str] = None,
-                 history: Optional[str] = None) -> "Ranker":
+                 history: Optional[str] = None, spill_dir: Optional[str] = None, spill_mb: float = 4096.0
+                 ) -> "Ranker":
         """The latest checkpoint of ``run`` (an ``hstu`` run), assembled into full tables as ``nestpipe export``
         writes them; the item -> author map from the run's training shards (cached as
         ``RUN/serving/item_author.npy``). ``history``: an SQLite file keeping every user's events across restarts
-        (:class:`HistoryStore`; None: in memory only)."""
+        (:class:`HistoryStore`; None: in memory only). ``spill_dir``: the second tier of evicted prefixes, at most
+        ``spill_mb`` (:class:`SpillStore`)."""
         cfg = load_run_config(run)
         if cfg.model != "hstu":
             raise ValueError(f"{run}: serving ranks with hstu runs; this run trained {cfg.model!r}")
@@ -205,10 +295,12 @@ class Ranker:
         tables = {t: full[f"embedding.{t}.weight"].float() for t in seq}
         vocabs = {t: int(man.tables[t].vocab) for t in seq}
         return cls(model, tables["item"], tables, vocabs, item_authors(run, cfg.shards, vocabs["item"]), cache_mb,
-                   cfg.hstu.temperature, HistoryStore(history) if history else None)
+                   cfg.hstu.temperature, HistoryStore(history) if history else None,
+                   spill=SpillStore(spill_dir, int(spill_mb * (1 << 20))) if spill_dir else None)
 
     @classmethod
-    def from_shared(cls, run: str, shared: str, cache_mb: float = 1024.0, history: Optional[str] = None) -> "Ranker":
+    def from_shared(cls, run: str, shared: str, cache_mb: float = 1024.0, history: Optional[str] = None,
+                    spill_dir: Optional[str] = None, spill_mb: float = 4096.0) -> "Ranker":
         """A ranker over the model files :func:`save_shared` wrote: the tables and the candidates memory-mapped
         read-only, so that every replica on a host shares one copy in the page cache."""
         cfg = load_run_config(run)
@@ -219,7 +311,8 @@ class Ranker:
         tables = {t: _mapped(os.path.join(shared, f"table-{t}.npy")) for t in meta["tables"]}
         return cls(model, tables["item"], tables, meta["vocabs"], np.load(os.path.join(shared, "item_author.npy")),
                    cache_mb, cfg.hstu.temperature, HistoryStore(history) if history else None,
-                   candidates=_mapped(os.path.join(shared, "candidates.npy")))
+                   candidates=_mapped(os.path.join(shared, "candidates.npy")),
+                   spill=SpillStore(spill_dir, int(spill_mb * (1 << 20))) if spill_dir else None)
 
     @property
     def window(self) -> int:
@@ -450,4 +543,4 @@ def events_from_rows(items: Iterable[int], actions: Iterable[int], times: Iterab
     return [{"item_id": int(i), "action": int(a), "time_ms": int(t)} for i, a, t in zip(items, actions, times)]
 
 
-__all__ = ["CachedPrefix", "Events", "HistoryStore", "PrefixCache", "Ranker", "events_from_rows", "item_authors", "math"]
+__all__ = ["CachedPrefix", "Events", "HistoryStore", "PrefixCache", "Ranker", "SpillStore", "events_from_rows", "item_authors", "math"]

@@ -68,6 +68,15 @@ class _RankerCollector:
         yield GaugeMetricFamily("nestpipe_cache_bytes", "bytes of prefix K/V resident", value=c["bytes"])
         yield GaugeMetricFamily("nestpipe_cache_capacity_bytes", "the cache's budget", value=c["capacity_bytes"])
         yield GaugeMetricFamily("nestpipe_cache_users", "users with a resident prefix", value=c["users"])
+        if "spilled_bytes" in c:
+            yield GaugeMetricFamily("nestpipe_spill_bytes", "bytes of prefixes in the spill tier",
+                                    value=c["spilled_bytes"])
+            yield GaugeMetricFamily("nestpipe_spill_capacity_bytes", "the spill tier's budget",
+                                    value=c["spill_capacity_bytes"])
+            yield CounterMetricFamily("nestpipe_spill_evictions", "prefixes dropped from the spill tier",
+                                      value=c["spill_evictions"])
+            yield CounterMetricFamily("nestpipe_spill_reads", "prefixes read back from the spill tier",
+                                      value=c["spill_reads"])
         yield GaugeMetricFamily("nestpipe_users", "users with a stored history seen by this process",
                                 value=st["users"])
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from nestpipe.ingest.config import BALANCE_MODES, CLUSTERING_METHODS, TASKS, IngestConfig
+from nestpipe.ingest.config import BALANCE_MODES, CLUSTERING_METHODS, ENGINES, TASKS, IngestConfig
 from nestpipe.ingest.executor import Executor, usable_cores
 from nestpipe.utils.options import DefaultsHelpFormatter  # standard library only: the pool starts before Polars
 
@@ -66,6 +66,12 @@ def add_parser(sub) -> None:
                    "the eval dates); evaluate on it with `nestpipe eval --split valid`")
     p.add_argument("--release", choices=["27k", "1k", "pure"], default=None, help="default: detect from file names")
     p.add_argument("--keep-work", action="store_true", help="keep the intermediate spill files in OUT/_work")
+    p.add_argument("--engine", choices=ENGINES, default="local",
+                   help="local: a process pool on this host; dask: every unit a Dask task (a LocalCluster of "
+                   "--workers processes, or the cluster of --scheduler); the shards are the same bytes either way")
+    p.add_argument("--scheduler", default=None, metavar="tcp://HOST:8786",
+                   help="dask: a running scheduler to use instead of a LocalCluster (--raw, --out on a filesystem "
+                   "every worker sees)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run_ingest)
 
@@ -87,12 +93,18 @@ def run_ingest(args) -> int:
         workers=args.workers, force=args.force, seed=args.seed, partitions=args.partitions, chunk_mb=args.chunk_mb,
         batches_per_shard=args.batches_per_shard, clustering=args.clustering, dim=args.dim,
         ctr_eval_days=args.ctr_eval_days, validation=args.validation, release=args.release, keep_work=args.keep_work, progress=not args.quiet,
-        balance=args.balance, sequence_cost=args.sequence_cost,
+        balance=args.balance, sequence_cost=args.sequence_cost, engine=args.engine, scheduler=args.scheduler,
     )
     cfg.validate()
     # Start-up time: the pool starts before this process imports the stages (Polars, NumPy), so the spawned workers
     # import them (the preload) at the same time instead of after it.
-    with Executor(cfg.workers, preload=("nestpipe.ingest.stages",)) as ex:
+    if cfg.engine == "dask":
+        from nestpipe.ingest.dask_engine import DaskExecutor  # Dask: only for --engine dask
+
+        pool = DaskExecutor(cfg.workers, cfg.scheduler)
+    else:
+        pool = Executor(cfg.workers, preload=("nestpipe.ingest.stages",))
+    with pool as ex:
         from nestpipe.ingest.stages import ingest  # start-up time: after the pool started (see above)
 
         m = ingest(cfg, executor=ex)

@@ -72,12 +72,20 @@ class IngestTask:
 
 def crash_point(stage: str, unit: int, where: str = "start") -> None:
     """Fault injection for the resume tests: ``NESTPIPE_INGEST_CRASH_AT=stage:unit[:where]`` makes the process
-    SIGKILL itself there (e.g. ``shard:1:mid`` dies after shard 1 has begun writing records)."""
+    SIGKILL itself there (e.g. ``shard:1:mid`` dies after shard 1 has begun writing records). With
+    ``NESTPIPE_INGEST_CRASH_ONCE=MARKER`` only the first process to get there dies (it creates MARKER first): the
+    rerun of the unit, by a resumed driver or by Dask on another worker, goes through."""
     spec = os.environ.get("NESTPIPE_INGEST_CRASH_AT")
     if not spec:
         return
     parts = spec.split(":")
     if parts[0] == stage and int(parts[1]) == unit and (parts[2] if len(parts) > 2 else "start") == where:
+        marker = os.environ.get("NESTPIPE_INGEST_CRASH_ONCE")
+        if marker:
+            try:
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return
         os.kill(os.getpid(), signal.SIGKILL)
 
 

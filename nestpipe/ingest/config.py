@@ -16,7 +16,8 @@ BALANCE_MODES = ("tokens", "batches", "off")
 WINDOW_BATCHES, BATCH_TOLERANCE, MICRO_TOLERANCE = 64, 0.005, 0.05  # nestpipe.ingest.balance's (fingerprinted)
 
 # Options that do not change the output bytes (excluded from the run's fingerprint).
-NON_SEMANTIC = ("raw", "out", "workers", "force", "progress", "keep_work")
+NON_SEMANTIC = ("raw", "out", "workers", "force", "progress", "keep_work", "engine", "scheduler")
+ENGINES = ("local", "dask")
 
 
 @dataclasses.dataclass
@@ -47,6 +48,8 @@ class IngestConfig:
     sequence_cost: Optional[str] = None  # "A,B": c(n) = A n^2 + B n seconds (default: balance.DEFAULT_COST)
     progress: bool = True
     keep_work: bool = False
+    engine: str = "local"  # local: this host's process pool; dask: Dask distributed (nestpipe.ingest.dask_engine)
+    scheduler: Optional[str] = None  # dask: tcp://HOST:8786 of a running scheduler (default: a LocalCluster)
 
     def validate(self) -> None:
         if self.task not in TASKS:
@@ -74,6 +77,10 @@ class IngestConfig:
         if self.task != "gr" and self.balance in ("tokens", "batches"):
             raise ValueError(f"--balance {self.balance} is for gr samples (sequences of different lengths); ctr samples all "
                              "cost the same: leave --balance out")
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.scheduler and self.engine != "dask":
+            raise ValueError("--scheduler is the address of a Dask scheduler: it needs --engine dask")
         if self.sequence_cost is not None:
             self.cost()  # parse errors now, before any work
 

@@ -301,8 +301,17 @@ def ingest(cfg: IngestConfig, executor: Optional[Executor] = None) -> shards.Man
         print(f"{cfg.out}: already complete for these inputs and options; nothing to do", file=sys.stderr)
         return shards.load_manifest(cfg.out)
     work = os.path.join(cfg.out, WORK)
-    with contextlib.nullcontext(executor) if executor is not None else Executor(cfg.workers, preload=(__name__,)) as ex:
+    with contextlib.nullcontext(executor) if executor is not None else make_executor(cfg, (__name__,)) as ex:
         return _ingest_stages(cfg, ex, found, inputs, fps, num_parts, semantic, fingerprint, work, t_start)
+
+
+def make_executor(cfg: IngestConfig, preload=()):
+    """The engine of ``cfg``: this host's pool (``local``) or a Dask client (``dask``)."""
+    if cfg.engine == "dask":
+        from nestpipe.ingest.dask_engine import DaskExecutor  # Dask: only for --engine dask
+
+        return DaskExecutor(cfg.workers, cfg.scheduler)
+    return Executor(cfg.workers, preload=preload)
 
 
 def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_parts: int, semantic, fingerprint,

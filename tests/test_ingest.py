@@ -626,16 +626,21 @@ def test_defaults_on_tiny_data_name_the_numbers_that_fit(raw, tmp_path):
     assert m.totals()["train"]["batches"] >= 8
 
 
-def test_workers_do_not_outlive_a_killed_driver(raw, tmp_path):
-    """SIGKILL of `nestpipe ingest` leaves nothing running: its spawn workers (which cannot be told: the driver is
-    gone) notice their parent changed and exit within a few seconds (before: they lived on, adopted by init).
-    The check sees them alive right after the kill (so they really outlived the driver), then gone."""
+@pytest.mark.parametrize("engine", ["local", "dask"])
+def test_workers_do_not_outlive_a_killed_driver(raw, tmp_path, engine):
+    """SIGKILL of `nestpipe ingest` leaves nothing running, with either engine: the local pool's spawn workers
+    (which cannot be told: the driver is gone) notice their parent changed and exit within a few seconds (before:
+    they lived on, adopted by init); a LocalCluster's nannies do the same. The check sees them alive right after
+    the kill (so they really outlived the driver), then gone."""
     import signal
 
     import psutil
 
+    if engine == "dask":
+        pytest.importorskip("dask.distributed")
     cmd = [sys.executable, "-m", "nestpipe", "ingest", "--raw", raw, "--out", str(tmp_path / "o"), "--task", "gr",
-           "--batch-size", "64", "--micro-batches", "4", "--max-seq-len", "32", "--quiet", "--workers", "2"]
+           "--batch-size", "64", "--micro-batches", "4", "--max-seq-len", "32", "--quiet", "--workers", "2",
+           "--engine", engine]
     driver = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     workers = []
     t0 = time.time()

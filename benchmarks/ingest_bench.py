@@ -2,11 +2,14 @@
 
     python benchmarks/ingest_bench.py --sizes 5000000 --repeats 3 --workdir /tmp/ingest-bench
     python benchmarks/ingest_bench.py --sizes 30000000 --tools "ingest gr" "ingest ctr" "bare polars"
+    python benchmarks/ingest_bench.py --sizes 5000000 --tools "ingest gr" "ingest gr dask" --repeats 2
 
 For each size: synthetic KuaiRand logs (scale `medium` vocabulary, N interactions), then rows/s and peak RSS of
 `ingest --task gr`, `ingest --task ctr`, a bare Polars `scan_csv(...).sink_parquet(...)` of the same logs, and
 (at sizes <= 5M only; it needs about 3.3 GiB there) pandas `read_csv` + sort + `groupby("user_id").agg(list)` on
 every column, the way popular open-source GR preprocessors do it. pandas is only needed here (`pip install pandas`).
+`ingest gr dask` (only when named in --tools): the gr ingest with `--engine dask` (a LocalCluster of --workers
+processes); its seconds and peak RSS (driver with the scheduler, nannies and workers) over the local engine's.
 Rows are log rows. Peak RSS is the maximum over the tool's process tree, sampled every 50 ms.
 """
 
@@ -96,7 +99,14 @@ def main():
                            "--task", "ctr", "--batch-size", "512", "--micro-batches", "8", "--force", "--quiet",
                            "--workers", str(args.workers)],
             "bare polars": [py, "-c", BARE_POLARS, raw, os.path.join(args.workdir, "bare.parquet")],
+            # the same gr ingest on a LocalCluster of --workers processes (--engine dask)
+            "ingest gr dask": [py, "-m", "nestpipe", "ingest", "--raw", raw, "--out",
+                               os.path.join(args.workdir, "gr-dask"), "--task", "gr", "--batch-size", "512",
+                               "--micro-batches", "8", "--force", "--quiet", "--workers", str(args.workers),
+                               "--engine", "dask"],
         }
+        if "ingest gr dask" not in (args.tools or []):
+            tools.pop("ingest gr dask")  # only when asked for: --tools "ingest gr" "ingest gr dask"
         if n <= args.pandas_max:
             tools["pandas groupby"] = [py, "-c", PANDAS, raw]
         if args.tools:
@@ -116,6 +126,10 @@ def main():
             for task in ("gr", "ctr"):
                 if bare and f"ingest {task}" in row:
                     ratios[f"{task}_vs_bare_polars"] = round(row[f"ingest {task}"]["rows_per_s"] / bare, 3)
+            if "ingest gr dask" in row and "ingest gr" in row:
+                ratios["gr_dask_over_local_seconds"] = round(row["ingest gr dask"]["seconds"] / row["ingest gr"]["seconds"], 3)
+                ratios["gr_dask_over_local_peak_rss"] = round(
+                    row["ingest gr dask"]["peak_rss_gib"] / row["ingest gr"]["peak_rss_gib"], 3)
             if "pandas groupby" in row and "ingest gr" in row:
                 ratios["gr_vs_pandas"] = round(row["ingest gr"]["rows_per_s"] / row["pandas groupby"]["rows_per_s"], 3)
             row["ratios"] = ratios
@@ -123,7 +137,7 @@ def main():
                   flush=True)
             reps.append(row)
             if not args.keep:
-                for d in ("gr", "ctr", "bare.parquet"):
+                for d in ("gr", "ctr", "gr-dask", "bare.parquet"):
                     p = os.path.join(args.workdir, d)
                     shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else (os.path.exists(p) and os.remove(p))
         summary = {}

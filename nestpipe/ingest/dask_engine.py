@@ -47,6 +47,7 @@ class DaskExecutor:
             threads = max(1, usable_cores() // self.workers)
             self.cluster = LocalCluster(n_workers=self.workers, threads_per_worker=1, processes=True,
                                         host="127.0.0.1", dashboard_address=None,
+                                        preload=["nestpipe.ingest.stages"],
                                         env={"POLARS_MAX_THREADS": str(threads), "OMP_NUM_THREADS": "1"})
             self.client = Client(self.cluster)
         return self
@@ -60,7 +61,7 @@ class DaskExecutor:
     def run(self, fn: Callable, units: List[Any], cfg, desc: str,
             rows_of: Callable[[Dict[str, Any]], int] = lambda s: s.get("rows", 0),
             cost: Optional[Callable[[Any], float]] = None) -> List[Dict[str, Any]]:
-        """Every unit as one task (the costliest submitted first, with a higher priority); results in unit order."""
+        """Every unit as one task, the costliest first; results in unit order."""
         from dask.distributed import as_completed  # the optional 'dask' extra (imported by __enter__ already)
 
         results: List[Optional[Dict[str, Any]]] = [None] * len(units)
@@ -71,15 +72,28 @@ class DaskExecutor:
         if cost is not None:
             order.sort(key=lambda i: (-cost(units[i]), i))
         try:
+            # at most one task per worker thread in flight, the next submitted as one finishes: the scheduler would
+            # otherwise hand a small stage's few big units out round-robin at submission, two on one worker while
+            # another idles (the local pool's longest-first order, kept)
+            slots = max(1, sum(self.client.nthreads().values()))
+            pending = iter(order)
+            ac = as_completed()
             futs = {}
-            for rank, i in enumerate(order):
-                # pure=False: a unit's side effects (its files) are the point, never a cached result
-                f = self.client.submit(fn, units[i], pure=False, priority=len(order) - rank,
-                                       key=f"{desc.split(' ', 1)[-1]}-{i}-{os.getpid()}-{t0}")
-                futs[f] = i
-            for f in as_completed(futs):
-                i = futs[f]
+
+            def submit_next() -> None:
+                i = next(pending, None)
+                if i is not None:
+                    # pure=False: a unit's side effects (its files) are the point, never a cached result
+                    f = self.client.submit(fn, units[i], pure=False, key=f"{desc.split(' ', 1)[-1]}-{i}-{t0}")
+                    futs[f] = i
+                    ac.add(f)
+
+            for _ in range(slots):
+                submit_next()
+            for f in ac:
+                i = futs.pop(f)
                 results[i] = f.result()
+                submit_next()
                 rows += rows_of(results[i])
                 bar.update(1)
                 bar.set_postfix_str(f"{rows / max(time.time() - t0, 1e-9):,.0f} rows/s")

@@ -8,9 +8,16 @@ positions are off by one fails the same comparison.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -176,17 +183,13 @@ def test_bad_requests_are_refused_naming_the_rule(run):
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def _post(url, body):
-    import json
     import urllib.error
-    import urllib.request
 
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
     try:
@@ -196,30 +199,39 @@ def _post(url, body):
         return e.code, json.loads(e.read())
 
 
-def test_serve_command_end_to_end(run):
-    """`nestpipe serve` as a subprocess on a free port: prefill and rank over HTTP give the offline model's scores,
-    the 4xx paths answer, and SIGTERM stops it cleanly."""
-    import signal
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-
+@contextlib.contextmanager
+def _serving(run, *extra, timeout=120):
+    """``nestpipe serve --run RUN --port FREE *extra`` as a subprocess: yields ``(process, base url)`` once it
+    answers ``/healthz``; on leaving, SIGTERM and a clean exit (status 0) are required."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "nestpipe", "serve", "--run", run, "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "nestpipe", "serve", "--run", run, "--port", str(port), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 60
+        deadline = time.time() + timeout
         while True:
             try:
-                with urllib.request.urlopen(base + "/healthz", timeout=2) as r:
-                    assert r.status == 200
-                    break
+                urllib.request.urlopen(base + "/healthz", timeout=2).read()
+                break
             except OSError:
                 if proc.poll() is not None or time.time() > deadline:
                     raise AssertionError(f"server did not start: {proc.stderr.read()[-2000:]}")
                 time.sleep(0.3)
+        yield proc, base
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert rc == 0, proc.stderr.read()[-2000:]
+
+
+def test_serve_command_end_to_end(run):
+    """`nestpipe serve` as a subprocess on a free port: prefill and rank over HTTP give the offline model's scores,
+    the 4xx paths answer, and SIGTERM stops it cleanly."""
+    with _serving(run) as (_, base):
         rng = np.random.default_rng(9)
         first, new = _events(rng, 5), _events(rng, 2)
         assert _post(base + "/v1/prefill", {"user_id": 3, "events": first}) == (200, {"cache": "miss", "events": 5})
@@ -228,14 +240,6 @@ def test_serve_command_end_to_end(run):
         _close(body["scores"], Ranker.from_run(run).full_scores(first + new, [4, 40, 140]))
         assert _post(base + "/v1/rank", {"user_id": 4, "events": [], "candidates": [1]})[0] == 404
         assert _post(base + "/v1/rank", {"user_id": 3, "events": [], "candidates": ["a"]})[0] == 422
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    assert rc == 0, proc.stderr.read()[-2000:]
 
 
 def test_history_survives_a_restart(run, tmp_path):
@@ -291,29 +295,9 @@ def test_replicas_keep_users_on_one_cache_and_survive_a_replica_dying(run):
     """`nestpipe serve --replicas 2`: a user's second request is a hit (affinity); after its replica is killed the
     front's watcher restarts it, and the user's next request is a miss rebuilt from the history with the same
     scores; the replicas share one memory-mapped copy of the model."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-
     from nestpipe.serving.front import jump_hash
 
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "nestpipe", "serve", "--run", run, "--port", str(port),
-                             "--replicas", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(base + "/healthz", timeout=2).read()
-                break
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise AssertionError(f"front did not start: {proc.stderr.read()[-2000:]}")
-                time.sleep(0.3)
+    with _serving(run, "--replicas", "2") as (proc, base):
         rng = np.random.default_rng(12)
         users = [1, 2, 3, 4]
         assert {jump_hash(u, 2) for u in users} == {0, 1}  # both replicas serve someone
@@ -329,22 +313,12 @@ def test_replicas_keep_users_on_one_cache_and_survive_a_replica_dying(run):
         shared = [d for d in os.listdir(os.path.join(run, "serving")) if d.startswith("shared-step-")]
         assert len(shared) == 1
         # kill the replica of user 1: the watcher restarts it; the user's history is in its file
-        pid = [p for p in _children(proc.pid)]
-        victim = _replica_pid(base, jump_hash(1, 2), pid)
-        os.kill(victim, signal.SIGKILL)
+        os.kill(_replica_pid(jump_hash(1, 2), _children(proc.pid)), signal.SIGKILL)
         code, body = _post(base + "/v1/rank", {"user_id": 1, "events": [], "candidates": [3, 4, 5]})
         assert code == 200 and body["cache"] == "miss", body
         _close(body["scores"], first[1])
         stats = json.loads(urllib.request.urlopen(base + "/v1/stats").read())
         assert stats["restarts"] == 1
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    assert rc == 0, proc.stderr.read()[-2000:]
 
 
 def _children(pid):
@@ -363,7 +337,7 @@ def _children(pid):
     return out
 
 
-def _replica_pid(base, index, children):
+def _replica_pid(index, children):
     """The pid of replica ``index``: the child whose --history names history-INDEX.sqlite."""
     for pid, args in children:
         if f"history-{index}.sqlite" in args:

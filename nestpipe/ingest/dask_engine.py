@@ -34,7 +34,8 @@ class DaskExecutor:
 
     def __enter__(self) -> "DaskExecutor":
         try:
-            from dask.distributed import Client, LocalCluster  # the optional 'dask' extra
+            import dask  # the optional 'dask' extra
+            from dask.distributed import Client
         except ImportError:
             raise RuntimeError("--engine dask needs Dask distributed: pip install 'nestpipe[dask]'")
         if self.scheduler:
@@ -45,12 +46,21 @@ class DaskExecutor:
                                    f"{CONNECT_TIMEOUT_S} s ({type(e).__name__}: {e})") from None
         else:
             threads = max(1, usable_cores() // self.workers)
-            self.cluster = LocalCluster(n_workers=self.workers, threads_per_worker=1, processes=True,
-                                        host="127.0.0.1", dashboard_address=None,
-                                        preload=["nestpipe.ingest.stages"],
-                                        env={"POLARS_MAX_THREADS": str(threads), "OMP_NUM_THREADS": "1"})
+            # Dask's nannies set MALLOC_TRIM_THRESHOLD_=65536 in their workers by default, which makes glibc return
+            # freed memory to the system at once: the units allocate and free large arrays all the time, and the
+            # shard stage ran 1.9x slower so (the local engine with that variable set: 1.6x). glibc's own adaptive
+            # threshold is kept instead (None unsets the variable).
+            with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
+                self.cluster = self._local_cluster(threads)
             self.client = Client(self.cluster)
         return self
+
+    def _local_cluster(self, threads: int):
+        from dask.distributed import LocalCluster  # the optional 'dask' extra
+
+        return LocalCluster(n_workers=self.workers, threads_per_worker=1, processes=True, host="127.0.0.1",
+                            dashboard_address=None, preload=["nestpipe.ingest.stages"],
+                            env={"POLARS_MAX_THREADS": str(threads), "OMP_NUM_THREADS": "1"})
 
     def __exit__(self, *exc) -> None:
         if self.client is not None:

@@ -256,11 +256,26 @@ def _convert(raw: pl.Series, fields: pl.DataFrame, reasons: pl.Series, spec: Col
         if dtype == pl.Utf8:
             val = s.replace("", None) if c not in spec.required else s
             bad = no
-        else:
-            val = s.cast(pl.Float64, strict=False) if dtype in (pl.Float64, pl.Float32) else s.str.to_integer(
-                strict=False)
+        elif dtype in (pl.Float64, pl.Float32):
+            val = s.cast(pl.Float64, strict=False)
             bad = s.is_not_null() & (s != "") & val.is_null()
             val = val.cast(dtype, strict=False)
+        else:
+            # integers; an integral float ("9.0", as tools that store missing values as NaN write integer columns)
+            # is that integer, a fractional one ("9.5") is not
+            as_int = s.str.to_integer(strict=False)
+            as_float = s.cast(pl.Float64, strict=False)
+            integral = (as_int.is_null() & as_float.is_not_null() & as_float.is_finite()
+                        & (as_float == as_float.floor()) & (as_float.abs() < 2.0 ** 53))
+            val = pl.select(pl.when(integral).then(as_float.cast(pl.Int64, strict=False))
+                            .otherwise(as_int)).to_series()
+            fraction = as_int.is_null() & as_float.is_not_null() & as_float.is_finite() & ~integral
+            bad = s.is_not_null() & (s != "") & val.is_null() & ~fraction
+            val = val.cast(dtype, strict=False)
+            reasons = pl.select(
+                pl.when(reasons.is_not_null()).then(reasons)
+                .when(fraction.fill_null(False)).then(pl.lit(f"column {c}: not an integer"))
+                .otherwise(reasons)).to_series()
         missing = (s.is_null() | (s == "")) if c in spec.required else no
         reasons = pl.select(
             pl.when(reasons.is_not_null()).then(reasons)

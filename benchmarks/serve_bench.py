@@ -22,7 +22,6 @@ import multiprocessing as mp
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,11 +31,7 @@ import urllib.request
 
 import numpy as np
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from nestpipe.serving.front import free_port
 
 
 def post(url: str, body: dict) -> dict:

@@ -13,7 +13,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 
 from nestpipe.measure.launcher import run_plan, write_run
 from nestpipe.serving import Ranker
+from nestpipe.serving.front import free_port
 from nestpipe.serving.ranker import CachedPrefix, events_from_rows
 from shard_sets import make_shards
 
@@ -182,12 +182,6 @@ def test_bad_requests_are_refused_naming_the_rule(run):
     assert r.status_code == 422 and "before the previous event's 10" in r.text
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url, body):
     import urllib.error
 
@@ -203,7 +197,7 @@ def _post(url, body):
 def _serving(run, *extra, timeout=120):
     """``nestpipe serve --run RUN --port FREE *extra`` as a subprocess: yields ``(process, base url)`` once it
     answers ``/healthz``; on leaving, SIGTERM and a clean exit (status 0) are required."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "nestpipe", "serve", "--run", run, "--port", str(port), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import os
 import shutil
 import sqlite3
@@ -543,4 +542,4 @@ def events_from_rows(items: Iterable[int], actions: Iterable[int], times: Iterab
     return [{"item_id": int(i), "action": int(a), "time_ms": int(t)} for i, a, t in zip(items, actions, times)]
 
 
-__all__ = ["CachedPrefix", "Events", "HistoryStore", "PrefixCache", "Ranker", "SpillStore", "events_from_rows", "item_authors", "math"]
+__all__ = ["CachedPrefix", "Events", "HistoryStore", "PrefixCache", "Ranker", "SpillStore", "events_from_rows", "item_authors"]

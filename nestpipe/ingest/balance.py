@@ -32,7 +32,7 @@ import numpy as np
 from nestpipe.datasets.sequence_cost import DEFAULT_COST, SequenceCost  # noqa: F401  (the ingest's names)
 from nestpipe.ingest.config import BALANCE_MODES, BATCH_TOLERANCE, MICRO_TOLERANCE, WINDOW_BATCHES  # noqa: F401
 
-
+HALVING = 0.5  # a keyed swap must at least halve the gap (or reach the tolerance)
 
 
 def balanced_order(lengths: np.ndarray, batch_size: int, cost: SequenceCost,
@@ -68,9 +68,6 @@ def _deal(c: np.ndarray, w: int, B: int) -> np.ndarray:
     assign, _ = balance_micro_batches(assign, c, w, tolerance=BATCH_TOLERANCE, max_swaps=4 * w)
     members = np.argsort(assign, kind="stable").reshape(w, B)  # each batch's samples, in sample order
     return members[np.argsort(members[:, 0], kind="stable")].reshape(-1)
-
-
-HALVING = 0.5  # a keyed swap must at least halve the gap (or reach the tolerance)
 
 
 def balance_micro_batches(mb: np.ndarray, costs: np.ndarray, n: int, tolerance: float = MICRO_TOLERANCE,

@@ -7,7 +7,8 @@ import json
 import sys
 
 from nestpipe.ingest.config import BALANCE_MODES, CLUSTERING_METHODS, ENGINES, TASKS, IngestConfig
-from nestpipe.ingest.executor import Executor, usable_cores
+from nestpipe.ingest.engines import make_executor
+from nestpipe.ingest.executor import usable_cores
 from nestpipe.utils.options import DefaultsHelpFormatter  # standard library only: the pool starts before Polars
 
 
@@ -98,13 +99,7 @@ def run_ingest(args) -> int:
     cfg.validate()
     # Start-up time: the pool starts before this process imports the stages (Polars, NumPy), so the spawned workers
     # import them (the preload) at the same time instead of after it.
-    if cfg.engine == "dask":
-        from nestpipe.ingest.dask_engine import DaskExecutor  # Dask: only for --engine dask
-
-        pool = DaskExecutor(cfg.workers, cfg.scheduler)
-    else:
-        pool = Executor(cfg.workers, preload=("nestpipe.ingest.stages",))
-    with pool as ex:
+    with make_executor(cfg, preload=("nestpipe.ingest.stages",)) as ex:
         from nestpipe.ingest.stages import ingest  # start-up time: after the pool started (see above)
 
         m = ingest(cfg, executor=ex)

@@ -10,8 +10,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from nestpipe.ingest.balance import balance_micro_batches
 from nestpipe.datasets import shards
+from nestpipe.ingest.balance import balance_micro_batches
 from nestpipe.ingest.executor import Executor
 from nestpipe.ingest.parse import ColumnSpec
 

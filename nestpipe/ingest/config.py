@@ -44,7 +44,7 @@ class IngestConfig:
     ctr_eval_days: int = 3
     validation: bool = False  # a "valid" split carved from the training data (see ``splits``)
     release: Optional[str] = None
-    balance: Optional[str] = None  # gr: cost-balanced batches ("tokens", the default) or "off"; ctr: always off
+    balance: Optional[str] = None  # gr: "tokens" (the default), "batches" or "off" (BALANCE_MODES); ctr: always off
     sequence_cost: Optional[str] = None  # "A,B": c(n) = A n^2 + B n seconds (default: balance.DEFAULT_COST)
     progress: bool = True
     keep_work: bool = False

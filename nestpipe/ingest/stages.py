@@ -40,6 +40,7 @@ from nestpipe.ingest.balance import balanced_order
 from nestpipe.ingest.common import WORK, IngestTask, PartitionCache, crash_point, runs
 from nestpipe.ingest.config import IngestConfig
 from nestpipe.ingest.ctr import CTRTask
+from nestpipe.ingest.engines import make_executor
 from nestpipe.ingest.executor import Executor
 from nestpipe.ingest.gr import GRTask
 from nestpipe.ingest.parse import Chunk, ColumnSpec, parse_chunk, plan_chunks, read_chunk_bytes
@@ -303,15 +304,6 @@ def ingest(cfg: IngestConfig, executor: Optional[Executor] = None) -> shards.Man
     work = os.path.join(cfg.out, WORK)
     with contextlib.nullcontext(executor) if executor is not None else make_executor(cfg, (__name__,)) as ex:
         return _ingest_stages(cfg, ex, found, inputs, fps, num_parts, semantic, fingerprint, work, t_start)
-
-
-def make_executor(cfg: IngestConfig, preload=()):
-    """The engine of ``cfg``: this host's pool (``local``) or a Dask client (``dask``)."""
-    if cfg.engine == "dask":
-        from nestpipe.ingest.dask_engine import DaskExecutor  # Dask: only for --engine dask
-
-        return DaskExecutor(cfg.workers, cfg.scheduler)
-    return Executor(cfg.workers, preload=preload)
 
 
 def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_parts: int, semantic, fingerprint,

@@ -40,7 +40,7 @@ from nestpipe.trainer.data import ShardStream, iter_shard
 from nestpipe.trainer.embedding.placement import to_vocab
 from nestpipe.trainer.export import assemble
 from nestpipe.trainer.models import build_model, model_table_dims
-from nestpipe.trainer.models.hstu import HSTU, HSTULayer
+from nestpipe.trainer.models.hstu import HSTU
 from nestpipe.trainer.run_files import run_manifest
 from nestpipe.utils.jsonio import read_json, write_json_atomic
 
@@ -444,7 +444,7 @@ class Ranker:
         x = sum(emb[t] for t in model.tables) + model.pos.index_select(0, pos.clamp(max=model.max_len - 1))
         kv_out = []
         for layer, (k_old, v_old) in zip(model.layers, cached.kv):
-            x, k_all, v_all = _layer_step(layer, x, k_old, v_old, p0)
+            x, k_all, v_all = layer.forward_cached(x, k_old, v_old, p0)
             kv_out.append((k_all, v_all))
         return kv_out, model.norm_out(x)[-1]
 
@@ -455,27 +455,6 @@ class Ranker:
         rows = self.candidates.index_select(0, torch.from_numpy(to_vocab(cand, self.vocabs["item"])))
         q = F.normalize(hidden, dim=-1)
         return (rows @ q / self.temperature).numpy()
-
-
-def _layer_step(layer: HSTULayer, x: torch.Tensor, k_old: Optional[torch.Tensor], v_old: Optional[torch.Tensor],
-                p0: int):
-    """One HSTU layer on the ``m`` new tokens ``x`` ``[m, D]`` at positions ``p0 .. p0 + m - 1``, given the K/V
-    ``[p0, heads, head_dim]`` of the positions before them (``None`` when ``p0 == 0``): the layer's own formula
-    (:meth:`HSTULayer.forward_padded`) restricted to the new queries."""
-    h, d = layer.heads, layer.head_dim
-    u, v, q, k = layer._uvqk(x)
-    q, k, v = (y.reshape(-1, h, d) for y in (q, k, v))
-    k_all = k if k_old is None else torch.cat([k_old, k])
-    v_all = v if v_old is None else torch.cat([v_old, v])
-    m, n = len(x), len(k_all)
-    z = torch.einsum("ihd,jhd->hij", q, k_all) * d ** -0.5  # [h, m, n]
-    qi = torch.arange(p0, p0 + m)[:, None]
-    kj = torch.arange(n)[None, :]
-    if layer.pos_bias is not None:
-        z = z + layer.pos_bias[:, (qi - kj).clamp(0, layer.max_len - 1)]
-    attn = F.silu(z) / layer.max_len * (kj <= qi).to(z.dtype)[None]
-    av = torch.einsum("hij,jhd->ihd", attn, v_all).reshape(m, h * d)
-    return x + layer.out(layer.norm_attn(av) * u), k_all, v_all
 
 
 def save_shared(run: str, shards: Optional[str] = None) -> str:

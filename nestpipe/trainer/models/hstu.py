@@ -22,7 +22,7 @@ its positions, so the per-sample loss does not depend on how the batch is partit
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +110,28 @@ class HSTULayer(nn.Module):
         attn = F.silu(z) / self.max_len * mask[:, None, :, :]
         av = (attn @ v).transpose(1, 2).reshape(b, n, h * d)
         return x + self.out(self.norm_attn(av) * u)
+
+
+    def forward_cached(self, x: torch.Tensor, k_old: Optional[torch.Tensor], v_old: Optional[torch.Tensor],
+                       p0: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Incremental (serving): the ``m`` new tokens ``x`` ``[m, D]`` of one sequence at positions ``p0 ..
+        p0 + m - 1``, given the K/V ``[p0, heads, head_dim]`` of the positions before them (``None`` when
+        ``p0 == 0``): :meth:`forward_padded`'s formula restricted to the new queries. Returns the new tokens'
+        outputs and the K/V of all ``p0 + m`` positions."""
+        h, d = self.heads, self.head_dim
+        u, v, q, k = self._uvqk(x)
+        q, k, v = (y.reshape(-1, h, d) for y in (q, k, v))
+        k_all = k if k_old is None else torch.cat([k_old, k])
+        v_all = v if v_old is None else torch.cat([v_old, v])
+        m, n = len(x), len(k_all)
+        z = torch.einsum("ihd,jhd->hij", q, k_all) * d ** -0.5  # [h, m, n]
+        qi = torch.arange(p0, p0 + m, device=x.device)[:, None]
+        kj = torch.arange(n, device=x.device)[None, :]
+        if self.pos_bias is not None:
+            z = z + self.pos_bias[:, (qi - kj).clamp(0, self.max_len - 1)]
+        attn = F.silu(z) / self.max_len * (kj <= qi).to(z.dtype)[None]
+        av = torch.einsum("hij,jhd->ihd", attn, v_all).reshape(m, h * d)
+        return x + self.out(self.norm_attn(av) * u), k_all, v_all
 
 
 class HSTU(SequentialModel):

@@ -400,7 +400,8 @@ def bench_torchrec(a, plan: str):
             f.write(TORCHREC_SCRIPT)
         keys = ("tables", "rows", "dim", "batch", "dense", "min_len", "max_len", "distinct_batches", "warmup",
                 "steps", "timeout")
-        env = dict(os.environ, NP_BENCH_DIR=HERE, OMP_NUM_THREADS="1", PYTHONPATH=HERE)
+        # this module imports nestpipe.utils.host (stdlib only): the repository root goes on the path
+        env = dict(os.environ, NP_BENCH_DIR=HERE, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([HERE, ROOT]))
         params = dict({k: getattr(a, k) for k in keys}, torchrec_plan=plan)
         p = subprocess.run([a.torchrec_python, path, json.dumps(params)],
                            capture_output=True, text=True, env=env, timeout=a.timeout + 120)

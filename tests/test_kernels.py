@@ -466,6 +466,17 @@ def test_forced_reference_path(monkeypatch):
         kernels.select_path("lookup", "cpu")
 
 
+def test_pooled_owner_update_rule_follows_the_instruction_set(monkeypatch):
+    # fbgemm's TBE backward on AVX-512 hosts, the Numba kernel (bitwise the same arithmetic) below AVX-512
+    from nestpipe.kernels import select
+
+    monkeypatch.setattr(select, "cpu_has_avx512", lambda: True)
+    assert kernels.select_path("adagrad_bags", "cpu") == "fbgemm"
+    monkeypatch.setattr(select, "cpu_has_avx512", lambda: False)
+    assert kernels.select_path("adagrad_bags", "cpu") == "numba"
+    assert kernels.select_path("adagrad_bags", "cuda") == "reference"  # no device kernel: the entry update runs
+
+
 def test_per_op_overrides_environment_and_block(monkeypatch):
     rule = kernels.kernel_paths("cpu")
     assert rule["adagrad_update"] == "numba"

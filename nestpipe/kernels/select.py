@@ -5,7 +5,7 @@ run's metadata.
 
 | device | ``route_keys``                                | ``adagrad_bags``                          | every other op                          |
 |--------|-----------------------------------------------|-------------------------------------------|-----------------------------------------|
-| cpu    | ``fbgemm`` if fbgemm_gpu imports, else torch   | ``numba``, else ``fbgemm`` (its CPU TBE op), else torch | ``numba`` if numba imports, else torch  |
+| cpu    | ``fbgemm`` if fbgemm_gpu imports, else torch   | ``fbgemm`` (its CPU TBE op) on AVX-512 hosts, else ``numba``, else torch | ``numba`` if numba imports, else torch  |
 | cuda   | ``fbgemm`` if its op has a CUDA kernel, else torch | torch                                 | ``triton`` if triton imports, else torch |
 | npu    | ``npu`` (torch_npu required)                   | torch                                     | ``npu``                                 |
 | other  | ``reference``                                  | ``reference``                             | ``reference``                           |
@@ -15,6 +15,13 @@ host, whatever the device) take ``numba`` if numba imports, else the NumPy/torch
 dense model's jagged attention, :mod:`nestpipe.kernels.attention`) takes ``numba`` on CPU (its exact loops for
 micro-batches of sequences up to 64 tokens, the ``blocked`` torch tiles for longer ones; ``blocked`` for all without
 numba), ``triton`` on CUDA when triton imports, and the padded torch reference otherwise (on npu too).
+
+``adagrad_bags`` on CPU takes fbgemm's TBE backward where fbgemm_gpu imports and torch dispatches at AVX-512
+(:func:`cpu_has_avx512`), the Numba kernel (bitwise the same arithmetic) elsewhere. Why the instruction set: fbgemm
+generates its row-wise AdaGrad loop per instruction set (asmjit), and its speed is what differs between hosts. On an
+AVX-512 host fbgemm's op took 1.46 ms per table of the pooled benchmark against the Numba kernel's 2.95 ms; on an
+earlier host, whose instruction sets were not recorded, it took 20-25 ms against 4.5-7.9 ms (docs/benchmarks.md).
+Hosts below AVX-512 keep the Numba kernel until a measurement there says otherwise.
 
 Overrides, for tests and debugging (set them on every rank alike): ``NESTPIPE_KERNELS=reference`` forces the
 plain-torch references everywhere; ``NESTPIPE_KERNELS=op:path,...`` forces the named ops only (for example
@@ -66,6 +73,13 @@ def has_fbgemm_tbe_cpu() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def cpu_has_avx512() -> bool:
+    """Whether torch's CPU dispatch runs at AVX-512 here (``torch.backends.cpu.get_cpu_capability()``; the
+    ``ATEN_CPU_CAPABILITY`` variable lowers it for every op of the process, on every rank alike)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+@functools.lru_cache(maxsize=None)
 def has_numba() -> bool:
     try:
         import numba  # noqa: F401  (optional dependency: probed here)
@@ -102,6 +116,8 @@ def select_path(op: str, device: Union[str, torch.device]) -> str:
     if op == "adagrad_bags":
         if kind != "cpu":
             return "reference"
+        if has_fbgemm_tbe_cpu() and cpu_has_avx512():
+            return "fbgemm"
         return "numba" if has_numba() else "fbgemm" if has_fbgemm_tbe_cpu() else "reference"
     if op in HOST_OPS:  # host-side bookkeeping of the step's keys (NumPy arrays), whatever the device
         return "numba" if has_numba() else "reference"

@@ -2,15 +2,17 @@
 
     python benchmarks/ingest_bench.py --sizes 5000000 --repeats 3 --workdir /tmp/ingest-bench
     python benchmarks/ingest_bench.py --sizes 30000000 --tools "ingest gr" "ingest ctr" "bare polars"
-    python benchmarks/ingest_bench.py --sizes 5000000 --tools "ingest gr" "ingest gr dask" --repeats 2
+    python benchmarks/ingest_bench.py --sizes 30000000 --engines local dask     # = --tools "ingest gr" "ingest gr dask"
+    python benchmarks/ingest_bench.py --scale 27k --sizes 50000000 --engines dask
 
-For each size: synthetic KuaiRand logs (scale `medium` vocabulary, N interactions), then rows/s and peak RSS of
+For each size: synthetic KuaiRand logs (`--scale`'s vocabulary, `medium` by default; N interactions), then rows/s and peak RSS of
 `ingest --task gr`, `ingest --task ctr`, a bare Polars `scan_csv(...).sink_parquet(...)` of the same logs, and
 (at sizes <= 5M only; it needs about 3.3 GiB there) pandas `read_csv` + sort + `groupby("user_id").agg(list)` on
 every column, the way popular open-source GR preprocessors do it. pandas is only needed here (`pip install pandas`).
 `ingest gr dask` (only when named in --tools): the gr ingest with `--engine dask` (a LocalCluster of --workers
 processes); its seconds and peak RSS (driver with the scheduler, nannies and workers) over the local engine's.
-Rows are log rows. Peak RSS is the maximum over the tool's process tree, sampled every 50 ms.
+Rows are log rows. Peak RSS is the maximum over the tool's process tree, sampled every 50 ms; the largest single
+process's peak (for the Dask engine: the largest worker, nanny or driver) is printed beside it.
 """
 
 from __future__ import annotations
@@ -44,22 +46,26 @@ print(len(seqs))
 
 
 def measure(cmd, env=None):
-    """Run ``cmd``; return (seconds, peak RSS bytes over the process tree, returncode)."""
+    """Run ``cmd``; return (seconds, peak RSS bytes over the process tree, returncode, the largest peak RSS of one
+    process of the tree)."""
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     ps = psutil.Process(proc.pid)
-    peak = 0
+    peak, per_process = 0, {}
     while proc.poll() is None:
         try:
-            rss = ps.memory_info().rss + sum(c.memory_info().rss for c in ps.children(recursive=True))
-            peak = max(peak, rss)
+            procs = [ps] + ps.children(recursive=True)
+            rss = {p.pid: p.memory_info().rss for p in procs}
+            peak = max(peak, sum(rss.values()))
+            for pid, r in rss.items():
+                per_process[pid] = max(per_process.get(pid, 0), r)
         except psutil.Error:
             pass
         time.sleep(0.05)
     err = proc.stderr.read().decode(errors="replace")
     if proc.returncode != 0:
         print(err[-2000:], file=sys.stderr)
-    return time.time() - t0, peak, proc.returncode
+    return time.time() - t0, peak, proc.returncode, max(per_process.values(), default=0)
 
 
 def log_rows(raw):
@@ -73,6 +79,9 @@ def log_rows(raw):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[5_000_000, 30_000_000])
+    ap.add_argument("--scale", default="medium", help="synth scale of the vocabulary (medium, 27k)")
+    ap.add_argument("--engines", nargs="+", choices=["local", "dask"], default=None,
+                    help="the gr ingest on these engines only (local = 'ingest gr', dask = 'ingest gr dask')")
     ap.add_argument("--workdir", default="/tmp/nestpipe-ingest-bench")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--pandas-max", type=int, default=5_000_000)
@@ -83,12 +92,14 @@ def main():
     ap.add_argument("--tools", nargs="+", default=None,
                     help="subset of tools to run (names as printed, e.g. 'ingest gr' 'bare polars')")
     args = ap.parse_args()
+    if args.engines:
+        args.tools = [{"local": "ingest gr", "dask": "ingest gr dask"}[e] for e in args.engines]
     py = sys.executable
     results = []
     for n in args.sizes:
-        raw = os.path.join(args.workdir, f"raw-{n}")
+        raw = os.path.join(args.workdir, f"raw-{n}" if args.scale == "medium" else f"raw-{args.scale}-{n}")
         if not os.path.exists(os.path.join(raw, "user_features_27k.csv")):
-            subprocess.run([py, "-m", "nestpipe", "synth", "--out", raw, "--scale", "medium", "--interactions",
+            subprocess.run([py, "-m", "nestpipe", "synth", "--out", raw, "--scale", args.scale, "--interactions",
                             str(n), "--force"], check=True)
         rows = log_rows(raw)
         tools = {
@@ -115,11 +126,12 @@ def main():
         for rep in range(args.repeats):
             row = {"rows": rows, "repeat": rep, "loadavg_before": round(os.getloadavg()[0], 2)}
             for name, cmd in tools.items():
-                secs, peak, rc = measure(cmd)
+                secs, peak, rc, one = measure(cmd)
                 row[name] = {"seconds": round(secs, 2), "rows_per_s": round(rows / secs), "peak_rss_gib":
-                             round(peak / 2**30, 3), "ok": rc == 0}
+                             round(peak / 2**30, 3), "peak_rss_one_process_gib": round(one / 2**30, 3), "ok": rc == 0}
                 print(f"{n:>11,} rows  {name:<15} {secs:8.1f} s  {rows / secs:>12,.0f} rows/s  "
-                      f"peak RSS {peak / 2**30:6.2f} GiB  {'ok' if rc == 0 else 'FAILED'}", flush=True)
+                      f"peak RSS {peak / 2**30:6.2f} GiB (largest process {one / 2**30:.2f})  "
+                      f"{'ok' if rc == 0 else 'FAILED'}", flush=True)
             row["loadavg_after"] = round(os.getloadavg()[0], 2)
             ratios = {}
             bare = row.get("bare polars", {}).get("rows_per_s")

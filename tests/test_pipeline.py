@@ -377,8 +377,9 @@ def test_observability_trace_gantt_metrics(runs):
     for key in ("exposed_communication_s_per_step", "exposed_lookup_s_per_step", "communication_s_per_step",
                 "exposed_communication_ratio_to_off", "exposed_lookup_ratio_to_off"):
         assert m[key] is not None and m[key] >= 0, key
-    # off exposes everything it does; nested exposes less communication than it performs
-    assert off["exposed_communication_ratio_to_off"] == pytest.approx(1.0)
+    # off exposes every collective but the dense all-reduce's overlap with the sparse update; nested exposes less
+    # communication than it performs
+    assert 0.5 < off["exposed_communication_ratio_to_off"] <= 1.0 + 1e-9
     assert m["exposed_communication_s_per_step"] < m["communication_s_per_step"]
 
 

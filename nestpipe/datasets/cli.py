@@ -88,7 +88,7 @@ def run_check_raw(args) -> int:
     from nestpipe.datasets import kuairand  # start-up time: Polars only for the command that runs
 
     found = kuairand.discover(args.dir, release=args.release)
-    print(f"{found.root}: KuaiRand {found.release} release, all headers as published")
+    print(f"{found.root}: KuaiRand {found.release} release, all columns as published (CSV headers, Parquet schemas)")
     for kind, paths in found.files.items():
         print(f"  {kind}: {len(paths)} file(s)")
         for p in paths:

@@ -3,17 +3,21 @@
 The real files promise no row order, contain empty cells, quoted comma-joined tag lists, range strings such as
 ``(0,10]`` and float durations. This module only describes them (names, columns, Polars dtypes) and discovers
 them in a directory; :mod:`nestpipe.ingest` reads them.
+
+A table may also be given as Parquet under the same name: ``NAME.parquet`` (one file) or a directory ``NAME/`` or
+``NAME.parquet/`` of ``*.parquet`` files (read in sorted name order), with the published column names in any order.
+Where both a CSV file and a Parquet form of a table are present, the CSV file is read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import glob
-import os
 from typing import Dict, List, Sequence
 
 import polars as pl
+
+from nestpipe.utils import storage
 
 RELEASES = ("27k", "1k", "pure")
 
@@ -141,6 +145,29 @@ class SchemaError(ValueError):
     """A KuaiRand file is missing or does not have the published header."""
 
 
+PARQUET_SUFFIX = ".parquet"
+
+
+def is_parquet(path: str) -> bool:
+    return path.endswith(PARQUET_SUFFIX)
+
+
+def parquet_forms(root: str, csv_name: str) -> List[str]:
+    """The Parquet files standing for the published CSV file ``csv_name`` under ``root`` (empty when there are
+    none): ``STEM.parquet``, else the ``*.parquet`` files of a directory ``STEM.parquet/`` or ``STEM/``."""
+    stem = csv_name[:-len(".csv")] if csv_name.endswith(".csv") else csv_name
+    one = storage.join(root, stem + PARQUET_SUFFIX)
+    if storage.isfile(one):
+        return [one]
+    for d in (one, storage.join(root, stem)):
+        if storage.isdir(d):
+            files = [storage.join(d, n) for n in sorted(storage.listdir(d)) if n.endswith(PARQUET_SUFFIX)]
+            if not files:
+                raise SchemaError(f"{d}: a directory standing for {csv_name} holds no *{PARQUET_SUFFIX} files")
+            return files
+    return []
+
+
 @dataclasses.dataclass
 class Discovered:
     """The KuaiRand files found in a directory, by kind, in published order."""
@@ -154,13 +181,24 @@ class Discovered:
 
 
 def read_header(path: str) -> List[str]:
-    with open(path, "rb") as f:
+    """The column names of a CSV file's header, or of a Parquet file's schema."""
+    if is_parquet(path):
+        import pyarrow.parquet as pq  # only for Parquet inputs
+
+        try:
+            with storage.open_read(path) as f:
+                return list(pq.read_schema(f).names)
+        except Exception as e:  # pyarrow raises ArrowInvalid / OSError for files that are not Parquet
+            raise SchemaError(f"{path}: not a readable Parquet file ({e})") from e
+    with storage.open_read(path) as f:
         line = f.readline().decode("utf-8", errors="replace")
     return [c.strip().strip('"') for c in line.rstrip("\r\n").split(",")] if line else []
 
 
 def check_header(path: str, kind: FileKind) -> None:
     header = read_header(path)
+    if is_parquet(path) and sorted(header) == sorted(kind.columns):
+        return  # Parquet columns are read by name
     if header != list(kind.columns):
         missing = [c for c in kind.columns if c not in header]
         extra = [c for c in header if c not in kind.columns]
@@ -178,23 +216,25 @@ def check_header(path: str, kind: FileKind) -> None:
 
 
 def detect_release(root: str) -> str:
-    names = set(os.listdir(root))
+    names = set(storage.listdir(root))
     scores = {}
     for rel in RELEASES:
-        scores[rel] = sum(1 for k in FILE_KINDS for n in k.names[rel] if n in names)
+        scores[rel] = sum(1 for k in FILE_KINDS for n in k.names[rel]
+                          if n in names or n[:-len(".csv")] + PARQUET_SUFFIX in names or n[:-len(".csv")] in names)
     best = max(RELEASES, key=lambda r: scores[r])
     if scores[best] == 0:
-        found = sorted(glob.glob(os.path.join(root, "*.csv")))
+        found = sorted(n for n in names if n.endswith(".csv"))
         raise SchemaError(
-            f"{root}: no KuaiRand files found (expected e.g. {FILE_KINDS[0].names['27k'][0]}); "
-            f"csv files present: {[os.path.basename(f) for f in found][:10]}"
+            f"{root}: no KuaiRand files found (expected e.g. {FILE_KINDS[0].names['27k'][0]}, or its Parquet form "
+            f"{FILE_KINDS[0].names['27k'][0][:-len('.csv')]}{PARQUET_SUFFIX}); "
+            f"csv files present: {found[:10]}"
         )
     return best
 
 
 def discover(root: str, release: str | None = None, check_headers: bool = True) -> Discovered:
     """Find every file of a KuaiRand release under ``root``; fail naming the first missing file."""
-    if not os.path.isdir(root):
+    if not storage.isdir(root):
         raise SchemaError(f"{root}: not a directory")
     release = release or detect_release(root)
     if release not in RELEASES:
@@ -203,19 +243,21 @@ def discover(root: str, release: str | None = None, check_headers: bool = True) 
     for kind in FILE_KINDS:
         paths = []
         for name in kind.names[release]:
-            p = os.path.join(root, name)
-            if not os.path.exists(p):
+            p = storage.join(root, name)
+            found = [p] if storage.exists(p) else parquet_forms(root, name)
+            if not found:
                 if kind.required:
                     raise SchemaError(
-                        f"{p}: missing KuaiRand {release} file ({kind.name}); expected columns: "
-                        f"{','.join(kind.columns)}"
+                        f"{p}: missing KuaiRand {release} file ({kind.name}; CSV, or Parquet as "
+                        f"{name[:-len('.csv')]}{PARQUET_SUFFIX}); expected columns: {','.join(kind.columns)}"
                     )
                 continue
-            if check_headers:
-                check_header(p, kind)
-            paths.append(os.path.abspath(p))
+            for f in found:
+                if check_headers:
+                    check_header(f, kind)
+                paths.append(storage.absolute(f))
         files[kind.name] = paths
-    return Discovered(os.path.abspath(root), release, files)
+    return Discovered(storage.absolute(root), release, files)
 
 
 def eval_cutoff(max_date: int, days: int) -> int:

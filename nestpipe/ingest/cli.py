@@ -17,18 +17,27 @@ def add_parser(sub) -> None:
         "ingest",
         help="raw KuaiRand-format logs -> clustered WebDataset batch shards + manifest.json",
         description=(
-            "Read raw KuaiRand-format CSVs with bounded memory (chunked Polars parsing, Arrow IPC spills "
+            "Read raw KuaiRand-format CSVs (or the same tables as Parquet) with bounded memory (chunked Polars parsing, Arrow IPC spills "
             "partitioned by video then by user), build samples (gr: chronological windows per user with a "
             "leave-one-out eval set; ctr: one per interaction with user/video features, labels and recent "
             "history), cut them into batches of exactly B samples, partition each batch into N micro-batches by "
             "key-centric clustering with its unique keys per table, and write WebDataset shards with a manifest. "
-            "Malformed rows go to OUT/rejects.csv with file, line, reason and raw text. An interrupted run "
+            "Malformed rows go to OUT/rejects.csv with file, line (Parquet: row), reason and raw text. An interrupted run "
             "resumes: rerun the same command."
         ),
         formatter_class=DefaultsHelpFormatter,
     )
-    p.add_argument("--raw", required=True, help="directory holding the KuaiRand CSV files")
-    p.add_argument("--out", required=True, help="output directory for shards, manifest.json and rejects.csv")
+    p.add_argument("--raw", required=True,
+                   help="directory holding the KuaiRand tables: the published CSV files, or any table as Parquet "
+                        "under the same name without .csv (NAME.parquet, or a directory NAME/ or NAME.parquet/ of "
+                        "*.parquet files); a path or an fsspec URL (file://, s3://, gs://, ...: the protocol's "
+                        "package installed)")
+    p.add_argument("--out", required=True,
+                   help="output directory for shards, manifest.json and rejects.csv: a path, or an fsspec URL (each "
+                        "file uploaded whole, manifest.json last: readers and --resume take only the shards it lists)")
+    p.add_argument("--work-dir", default=None,
+                   help="with a URL --out: the local (or shared) directory where spills and shards are staged before "
+                        "upload (default: a directory named after --out in the system's temporary directory)")
     p.add_argument("--task", choices=TASKS, default="gr",
                    help="gr: generative-recommendation windows; ctr: one sample per interaction")
     p.add_argument("--batch-size", type=int, default=512, help="samples per batch (per worker), B")
@@ -95,6 +104,7 @@ def run_ingest(args) -> int:
         batches_per_shard=args.batches_per_shard, clustering=args.clustering, dim=args.dim,
         ctr_eval_days=args.ctr_eval_days, validation=args.validation, release=args.release, keep_work=args.keep_work, progress=not args.quiet,
         balance=args.balance, sequence_cost=args.sequence_cost, engine=args.engine, scheduler=args.scheduler,
+        work_dir=args.work_dir,
     )
     cfg.validate()
     # Start-up time: the pool starts before this process imports the stages (Polars, NumPy), so the spawned workers

@@ -16,7 +16,7 @@ BALANCE_MODES = ("tokens", "batches", "off")
 WINDOW_BATCHES, BATCH_TOLERANCE, MICRO_TOLERANCE = 64, 0.005, 0.05  # nestpipe.ingest.balance's (fingerprinted)
 
 # Options that do not change the output bytes (excluded from the run's fingerprint).
-NON_SEMANTIC = ("raw", "out", "workers", "force", "progress", "keep_work", "engine", "scheduler")
+NON_SEMANTIC = ("raw", "out", "workers", "force", "progress", "keep_work", "engine", "scheduler", "work_dir")
 ENGINES = ("local", "dask")
 
 
@@ -50,6 +50,7 @@ class IngestConfig:
     keep_work: bool = False
     engine: str = "local"  # local: this host's process pool; dask: Dask distributed (nestpipe.ingest.dask_engine)
     scheduler: Optional[str] = None  # dask: tcp://HOST:8786 of a running scheduler (default: a LocalCluster)
+    work_dir: Optional[str] = None  # a URL --out's staging directory (spills, shards before upload): a local path
 
     def validate(self) -> None:
         if self.task not in TASKS:
@@ -77,6 +78,12 @@ class IngestConfig:
         if self.task != "gr" and self.balance in ("tokens", "batches"):
             raise ValueError(f"--balance {self.balance} is for gr samples (sequences of different lengths); ctr samples all "
                              "cost the same: leave --balance out")
+        if self.work_dir is not None:
+            if "://" not in self.out:
+                raise ValueError(f"--work-dir is for a URL --out (a local --out keeps its work in {self.out}/_work)")
+            if "://" in self.work_dir:
+                raise ValueError(f"--work-dir {self.work_dir}: must be a local (or mounted shared) path: the spills "
+                                 "are memory-mapped")
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.scheduler and self.engine != "dask":

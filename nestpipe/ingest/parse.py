@@ -15,12 +15,13 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
-import os
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
+
+from nestpipe.utils import storage
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 _NL = 10
@@ -55,8 +56,8 @@ def plan_chunks(path: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Tuple[byte
     Returns the raw header line and the chunks. Only a few bytes around each cut are read, so ``first_line`` is
     left at 0 here: line numbers are known once the chunks before have been counted (see :func:`iter_file`).
     """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    size = storage.size(path)
+    with storage.open_read(path) as f:
         header = f.readline()
         start = f.tell()
         chunks: List[Chunk] = []
@@ -71,7 +72,7 @@ def plan_chunks(path: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Tuple[byte
 
 
 def read_chunk_bytes(chunk: Chunk) -> bytes:
-    with open(chunk.path, "rb") as f:
+    with storage.open_read(chunk.path) as f:
         f.seek(chunk.start)
         return f.read(chunk.end - chunk.start)
 
@@ -304,3 +305,72 @@ def iter_file(
         df, rej = parse_chunk(data, spec, path=path, first_line=line)
         line += count_lines(data)
         yield ch, df, rej
+
+
+# -- Parquet inputs --------------------------------------------------------------------------------------------------
+# A Parquet chunk is a run of whole row groups (``Chunk.start``/``end`` are row-group indices, not bytes), cut at
+# about the same uncompressed size as a CSV chunk. Its rows are numbered from 1 within the file (no header), and
+# they take the CSV rules: a column whose Parquet type already is the published one (or a narrower integer) is
+# taken as it is; any other column (strings, or floats in an integer column, as tools that keep missing values as
+# NaN write them) is checked cell by cell through the CSV path's conversion, so the same cell gives the same value
+# or the same reject in both formats.
+
+def plan_parquet_chunks(path: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> List[Chunk]:
+    import pyarrow.parquet as pq  # only for Parquet inputs
+
+    with storage.open_read(path) as f:
+        meta = pq.ParquetFile(f).metadata
+    chunks: List[Chunk] = []
+    start, size = 0, 0
+    for g in range(meta.num_row_groups):
+        size += meta.row_group(g).total_byte_size
+        if size >= chunk_bytes or g == meta.num_row_groups - 1:
+            chunks.append(Chunk(path, len(chunks), start, g + 1, 0))
+            start, size = g + 1, 0
+    return chunks
+
+
+def _typed_as_is(dtype: pl.DataType, want: pl.DataType) -> bool:
+    if want == pl.Utf8:
+        return dtype in (pl.Utf8, pl.String)
+    if want in (pl.Float64, pl.Float32):
+        return dtype.is_numeric()
+    return dtype.is_integer()
+
+
+def _text(col: pl.Series) -> pl.Series:
+    """A column as the text a CSV file would hold: null is an empty cell, floats as Polars prints them (``9.0``, the
+    shortest text that reads back the same)."""
+    return col.cast(pl.Utf8, strict=False)
+
+
+def parse_parquet_chunk(chunk: Chunk, spec: ColumnSpec, *, first_line: int) -> Tuple[pl.DataFrame, List[Reject]]:
+    """Parse row groups ``[chunk.start, chunk.end)`` of a Parquet file: good rows with a ``line`` column (the
+    row number, keyed from ``first_line`` like a CSV chunk's lines) and the rejects (raw text: the row's cells
+    joined by commas)."""
+    import pyarrow.parquet as pq  # only for Parquet inputs
+
+    keep = list(spec.keep or spec.columns)
+    with storage.open_read(chunk.path) as f:
+        table = pq.ParquetFile(f).read_row_groups(list(range(chunk.start, chunk.end)), columns=list(spec.columns))
+    df = pl.from_arrow(table)
+    if isinstance(df, pl.Series):
+        df = df.to_frame()
+    n = len(df)
+    if n == 0:
+        return pl.DataFrame(schema={**{c: spec.dtypes[c] for c in keep}, "line": pl.Int64}), []
+    # NaN is a missing value (an empty CSV cell), as pandas writes one
+    df = df.with_columns([pl.col(c).fill_nan(None) for c in spec.columns if df[c].dtype.is_float()])
+    if all(_typed_as_is(df[c].dtype, spec.dtypes[c]) for c in spec.columns) and \
+            not any(df[c].null_count() for c in spec.required):
+        try:
+            out = df.select([pl.col(c).cast(spec.dtypes[c], strict=True) for c in keep])
+        except (pl.exceptions.InvalidOperationError, pl.exceptions.ComputeError):
+            pass  # a value out of the published type's range: the checked path names it
+        else:
+            return out.with_columns(pl.int_range(first_line, first_line + n, dtype=pl.Int64).alias("line")), []
+    fields = pl.DataFrame({f"f{i}": _text(df[c]) for i, c in enumerate(spec.columns)})
+    raw = fields.select(pl.concat_str([pl.col(f"f{i}").fill_null("") for i in range(len(spec.columns))],
+                                      separator=",").alias("raw")).to_series()
+    reasons = pl.Series("reason", [None] * n, dtype=pl.Utf8)
+    return _convert(raw, fields, reasons, spec, keep, chunk.path, first_line)

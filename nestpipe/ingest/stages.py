@@ -28,6 +28,7 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -43,13 +44,16 @@ from nestpipe.ingest.ctr import CTRTask
 from nestpipe.ingest.engines import make_executor
 from nestpipe.ingest.executor import Executor
 from nestpipe.ingest.gr import GRTask
-from nestpipe.ingest.parse import Chunk, ColumnSpec, parse_chunk, plan_chunks, read_chunk_bytes
+from nestpipe.ingest.parse import (Chunk, ColumnSpec, parse_chunk, parse_parquet_chunk, plan_chunks, plan_parquet_chunks,
+                                   read_chunk_bytes)
 from nestpipe.ingest.spill import write_partitioned
+from nestpipe.utils import storage
 from nestpipe.utils.jsonio import read_json, write_json_atomic
 
 LINE_KEY_BITS = 40  # at most 2**40 lines per chunk
 STATE = "state.json"
 REJECTS = "rejects.csv"
+UPLOADED = ".uploaded.json"  # beside a staged shard of a URL --out: its digest and size once uploaded whole
 
 
 class IngestError(RuntimeError):
@@ -91,14 +95,14 @@ def _spec_for(kind: str, task: str) -> ColumnSpec:
 
 def _fingerprint_file(path: str) -> Dict[str, Any]:
     """Name, size and sha256 of the first and last MiB: cheap, and catches replaced or appended files."""
-    size = os.path.getsize(path)
+    size = storage.size(path)
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with storage.open_read(path) as f:
         h.update(f.read(1 << 20))
         if size > 2 << 20:
             f.seek(size - (1 << 20))
             h.update(f.read(1 << 20))
-    return {"name": os.path.basename(path), "bytes": size, "head_tail_sha256": h.hexdigest()}
+    return {"name": os.path.basename(path.rstrip("/")), "bytes": size, "head_tail_sha256": h.hexdigest()}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -113,8 +117,12 @@ def _unit_parse(args: Tuple[str, str, str, int, str, int, int, int, int, int]) -
     if os.path.exists(out):
         return read_json(out + ".stats.json", "stage-1 unit stats")
     crash_point("parse", file_idx)  # parse:F dies when a chunk of input file F starts
-    data = read_chunk_bytes(Chunk(path, chunk_idx, start, end, first_line))
-    df, rejects = parse_chunk(data, _spec_for(kind, task), path=path, first_line=first_line)
+    if kuairand.is_parquet(path):  # start/end: row groups
+        df, rejects = parse_parquet_chunk(Chunk(path, chunk_idx, start, end, first_line), _spec_for(kind, task),
+                                          first_line=first_line)
+    else:
+        data = read_chunk_bytes(Chunk(path, chunk_idx, start, end, first_line))
+        df, rejects = parse_chunk(data, _spec_for(kind, task), path=path, first_line=first_line)
     n_lines = len(df) + len(rejects)  # parse_chunk returns every line of the chunk as a row or as a reject
     df = df.with_columns(
         pl.lit(file_idx, dtype=pl.Int16).alias("src"),
@@ -191,21 +199,33 @@ def _unit_shard(args: Tuple[str, str, str, int, int, int, Dict[str, Any]]) -> Di
     name = f"{split}-{k:06d}.tar"
     path = os.path.join(out_dir, name)
     B = opts["batch_size"]
-    if os.path.exists(path):
+    entry = {"path": name, "batches": n_batches, "samples": n_batches * B}
+    upload = opts.get("upload_to")  # a URL --out: the shard is staged here, uploaded whole, then removed
+    record = path + UPLOADED
+    if upload and not os.path.exists(path) and os.path.exists(record):
+        done = read_json(record, "uploaded shard record")
+        url = storage.join(upload, name)
+        if storage.exists(url) and storage.size(url) == done["bytes"]:
+            return {**entry, "sha256": done["sha256"], "bytes": done["bytes"], "resumed": True}
+    if os.path.exists(path):  # written whole by an earlier run (write_shard renames into place)
         digest, size = shards.sha256_file(path)
-        return {"path": name, "batches": n_batches, "samples": n_batches * B, "sha256": digest, "bytes": size,
-                "resumed": True}
-    start = opts.get("first_sample", first_batch * B)  # a tail unit's batch is smaller than the split's B
-    rng = slice(start, start + n_batches * B)
-    # memory-mapped: a shard reads only its own slice of the split's sample order
-    parts = np.array(np.load(os.path.join(work, f"order-{split}-parts.npy"), mmap_mode="r")[rng])
-    idxs = np.array(np.load(os.path.join(work, f"order-{split}-idxs.npy"), mmap_mode="r")[rng])
-    cache = PartitionCache(work)
-    crash_point("shard", k)
-    records = TASKS[opts["task"]].shard_records(cache, parts, idxs, split, k, first_batch, n_batches, opts)
-    digest, size = shards.write_shard(path, records)
-    return {"path": name, "batches": n_batches, "samples": n_batches * B, "sha256": digest, "bytes": size,
-            "resumed": False}
+        resumed = True
+    else:
+        start = opts.get("first_sample", first_batch * B)  # a tail unit's batch is smaller than the split's B
+        rng = slice(start, start + n_batches * B)
+        # memory-mapped: a shard reads only its own slice of the split's sample order
+        parts = np.array(np.load(os.path.join(work, f"order-{split}-parts.npy"), mmap_mode="r")[rng])
+        idxs = np.array(np.load(os.path.join(work, f"order-{split}-idxs.npy"), mmap_mode="r")[rng])
+        cache = PartitionCache(work)
+        crash_point("shard", k)
+        records = TASKS[opts["task"]].shard_records(cache, parts, idxs, split, k, first_batch, n_batches, opts)
+        digest, size = shards.write_shard(path, records)
+        resumed = False
+    if upload:
+        storage.put_file(path, storage.join(upload, name))
+        write_json_atomic(record, {"sha256": digest, "bytes": size})
+        os.remove(path)
+    return {**entry, "sha256": digest, "bytes": size, "resumed": resumed}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -263,21 +283,24 @@ def _write_rejects(cfg: IngestConfig, work: str, parse_units, s1: List[Dict[str,
     """Gather every chunk's rejects into OUT/rejects.csv in input order, with absolute file line numbers."""
     path = os.path.join(cfg.out, REJECTS)
     tmp = path + ".tmp"
+    found_root = storage.absolute(cfg.raw)
     n = 0
     next_line: Dict[int, int] = {}
     with open(tmp, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["file", "line", "reason", "raw"])
         for u, stats in zip(parse_units, s1):
-            _, _, kind, fidx, _, cidx, *_ = u
-            first = next_line.get(fidx, 2)  # chunks of a file come in order; the header is line 1
+            _, _, kind, fidx, fpath, cidx, *_ = u
+            # chunks of a file come in order; a CSV header is line 1, a Parquet file's rows are numbered from 1
+            first = next_line.get(fidx, 1 if kuairand.is_parquet(fpath) else 2)
             next_line[fidx] = first + stats["lines"]
             rp = os.path.join(work, "s1", f"{kind}-{fidx:03d}-{cidx:05d}.arrow.rejects.jsonl")
             with open(rp) as rf:
                 for line in rf:
                     r = json.loads(line)
                     within = r["line"] - (cidx << LINE_KEY_BITS) - 1
-                    w.writerow([os.path.basename(r["file"]), first + within, r["reason"], r["raw"]])
+                    # the file as named under --raw (a Parquet table may be a directory of files)
+                    w.writerow([storage.relative(r["file"], found_root), first + within, r["reason"], r["raw"]])
                     n += 1
     os.replace(tmp, path)
     return n, REJECTS
@@ -297,22 +320,62 @@ def ingest(cfg: IngestConfig, executor: Optional[Executor] = None) -> shards.Man
     semantic["partitions"] = num_parts
     fingerprint = {"inputs": fps, "options": semantic, "format_version": shards.FORMAT_VERSION,
                    "release": found.release}
+    remote = cfg.out if storage.is_url(cfg.out) else None
+    if remote:
+        done = _prepare_remote(cfg, fingerprint)
+        if done is not None:
+            print(f"{cfg.out}: already complete for these inputs and options; nothing to do", file=sys.stderr)
+            return done
+        # everything is written to the staging directory as for a local --out, shards uploaded as they complete
+        cfg = dataclasses.replace(cfg, out=staging_dir(cfg))
     status = _prepare_out(cfg, fingerprint)
     if status == "complete":
         print(f"{cfg.out}: already complete for these inputs and options; nothing to do", file=sys.stderr)
         return shards.load_manifest(cfg.out)
     work = os.path.join(cfg.out, WORK)
     with contextlib.nullcontext(executor) if executor is not None else make_executor(cfg, (__name__,)) as ex:
-        return _ingest_stages(cfg, ex, found, inputs, fps, num_parts, semantic, fingerprint, work, t_start)
+        return _ingest_stages(cfg, ex, found, inputs, fps, num_parts, semantic, fingerprint, work, t_start, remote)
+
+
+def staging_dir(cfg: IngestConfig) -> str:
+    """Where a URL ``--out`` is staged: ``--work-dir``, else a directory named after the URL in the system's
+    temporary directory (the same for every run with that ``--out``, so an interrupted run resumes)."""
+    if cfg.work_dir:
+        return cfg.work_dir
+    return os.path.join(tempfile.gettempdir(), "nestpipe-ingest-" + hashlib.sha256(cfg.out.encode()).hexdigest()[:16])
+
+
+def _prepare_remote(cfg: IngestConfig, fingerprint: Dict[str, Any]) -> Optional[shards.Manifest]:
+    """A URL ``--out``: the manifest there if it is this ingest's (complete: nothing to do), else None once the
+    destination may be written. Only the manifest commits: shards it does not list (a run killed between uploads)
+    are rewritten or ignored, never read."""
+    names = storage.listdir(cfg.out)
+    staged_state = os.path.join(staging_dir(cfg), WORK, STATE)
+    if cfg.force:
+        storage.remove_tree(cfg.out)
+        shutil.rmtree(staging_dir(cfg), ignore_errors=True)
+    elif shards.MANIFEST_NAME in names:
+        man_url = storage.join(cfg.out, shards.MANIFEST_NAME)
+        m = shards.Manifest.from_json(json.loads(storage.read_bytes(man_url)), where=man_url)
+        if (m.stats or {}).get("fingerprint") == fingerprint:
+            return m
+        raise FileExistsError(f"{cfg.out}: holds the output of an ingest with other inputs or options; choose "
+                              "another --out or pass --force to replace its contents")
+    elif names and not (os.path.exists(staged_state) and
+                        read_json(staged_state, "ingest state").get("fingerprint") == fingerprint):
+        raise FileExistsError(f"{cfg.out}: holds files of something else (or of an unfinished ingest staged "
+                              f"elsewhere: pass its --work-dir); choose another --out or pass --force")
+    storage.makedirs(cfg.out)
+    return None
 
 
 def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_parts: int, semantic, fingerprint,
-                   work: str, t_start: float) -> shards.Manifest:
+                   work: str, t_start: float, remote: Optional[str] = None) -> shards.Manifest:
     # 1. parse
     parse_units = []
     chunk_bytes = max(1, int(cfg.chunk_mb * (1 << 20)))
     for kind, fidx, path in inputs:
-        _, chunks = plan_chunks(path, chunk_bytes)
+        chunks = plan_parquet_chunks(path, chunk_bytes) if kuairand.is_parquet(path) else plan_chunks(path, chunk_bytes)[1]
         for ch in chunks:
             parse_units.append((work, cfg.task, kind, fidx, path, ch.index, ch.start, ch.end, num_parts))
     s1 = ex.run(_unit_parse, parse_units, cfg, "1/4 parse", cost=lambda u: u[7] - u[6])  # chunk bytes
@@ -366,10 +429,10 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
         k = -1
         for k, first in enumerate(range(0, n_batches, per_shard)):
             shard_units.append((work, cfg.out, split, k, first, min(per_shard, n_batches - first),
-                                _shard_opts(cfg, tables)))
+                                dict(_shard_opts(cfg, tables), upload_to=remote)))
         if tail and split != "train":
             opts = {**_shard_opts(cfg, tables), "batch_size": tail, "micro_batches": min(cfg.micro_batches, tail),
-                    "first_sample": n_batches * B}
+                    "first_sample": n_batches * B, "upload_to": remote}
             shard_units.append((work, cfg.out, split, k + 1, n_batches, 1, opts))
     s4 = ex.run(_unit_shard, shard_units, cfg, "4/4 shards", rows_of=lambda s: s["samples"],
                 cost=lambda u: u[5])  # batches
@@ -409,12 +472,17 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
         inputs=[{**f, "kind": kind} for f, (kind, _, _) in zip(fps, inputs)],
         options=semantic, stats=stats,
     )
-    truth = os.path.join(cfg.raw, TRUTH_FILE)
-    if os.path.isfile(truth):  # synthetic inputs: the generator's own click probabilities (the eval's Bayes ceiling)
-        write_json_atomic(os.path.join(cfg.out, TRUTH_FILE), read_json(truth, "synthetic truth"))
+    truth = storage.join(cfg.raw, TRUTH_FILE)
+    if storage.isfile(truth):  # synthetic inputs: the generator's own click probabilities (the eval's Bayes ceiling)
+        write_json_atomic(os.path.join(cfg.out, TRUTH_FILE), json.loads(storage.read_bytes(truth)))
     shards.save_manifest(cfg.out, manifest)
+    if remote:
+        # the shards are there already; the manifest goes last: it is the commit point
+        for name in (rejects_file, TRUTH_FILE, shards.MANIFEST_NAME):
+            if os.path.exists(os.path.join(cfg.out, name)):
+                storage.put_file(os.path.join(cfg.out, name), storage.join(remote, name))
     if not cfg.keep_work:
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(cfg.out if remote else work, ignore_errors=True)
     return manifest
 
 

@@ -288,8 +288,9 @@ def exposure_summary(gathered, baseline_path: str = "") -> dict:
     """Exposed communication and lookup per step (mean over ranks), and their ratio to ``--pipeline off``.
 
     With ``baseline_path`` (an off run's metrics.json) the ratio is measured against that run; without it the
-    off quantities are estimated from this run: in ``off`` every collective and every lookup is exposed, so the
-    estimate is this run's total time inside collectives / lookups (``ratio_source`` says which)."""
+    off quantities are estimated from this run: in ``off`` every collective (but the dense all-reduce, in flight
+    during the sparse update) and every lookup is exposed, so the estimate is this run's total time inside
+    collectives / lookups (``ratio_source`` says which)."""
     out = {"step_s": _per_step(gathered, "measured_s"),
            "exposed_communication_s_per_step": _per_step(gathered, "exposed_communication_s"),
            "exposed_lookup_s_per_step": _per_step(gathered, "exposed_lookup_s"),

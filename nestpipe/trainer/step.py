@@ -190,6 +190,7 @@ class DenseReduce:
     flat: torch.Tensor
     work: Optional[object] = None
     t_issue: float = 0.0
+    t_done: Optional[float] = None  # set by the collective's completion callback (on the communication thread)
 
 
 def update_begin(state: StepState, loss: torch.Tensor, async_op: bool = False) -> DenseReduce:
@@ -206,6 +207,9 @@ def update_begin(state: StepState, loss: torch.Tensor, async_op: bool = False) -
         red.work = dist.all_reduce(flat, group=_group(state, "dense"), async_op=async_op)
         if not async_op:
             red.work = None
+        else:
+            # its completion time: the wait comes after the sparse update, later than the collective ends
+            red.work.get_future().add_done_callback(lambda _f: setattr(red, "t_done", time.perf_counter()))
         # ring all-reduce: each rank sends 2 (W - 1) / W of the buffer
         state.timer.add_bytes("dense.allreduce", 2 * (state.world - 1) * flat.numel() * flat.element_size() // state.world)
     red.t_issue = t0
@@ -222,7 +226,8 @@ def update_dense(state: StepState, red: DenseReduce) -> float:
         red.work.wait()
         t1 = time.perf_counter()
         # in flight from issue to completion (communication time); the compute thread only waited t1 - t0 (exposed)
-        state.timer.add_split("dense.allreduce.comm", t1 - red.t_issue, t1 - t0)
+        done = min(red.t_done, t1) if red.t_done is not None else t1
+        state.timer.add_split("dense.allreduce.comm", done - red.t_issue, t1 - t0)
         red.work = None
     t0 = time.perf_counter()
     flat = red.flat
@@ -242,16 +247,19 @@ def update_dense(state: StepState, red: DenseReduce) -> float:
 
 
 def stage_update(state: StepState, routing: Routing, loss: torch.Tensor, release: bool = True) -> float:
-    """All-reduce dense + replicated gradients (one flat buffer), AdamW, owner AdaGrad. Returns the global loss.
+    """All-reduce dense + replicated gradients (one flat buffer), owner AdaGrad, AdamW. Returns the global loss.
+
+    The all-reduce is issued asynchronously and is in flight during the owners' sparse update (as a DDP backward
+    overlaps its bucket all-reduces): the collective's waiting on the other ranks and the link overlaps this rank's
+    row updates. The three parts
+    (:func:`update_begin`, ``emb.update``, :func:`update_dense`) read and write disjoint tensors, so the order
+    between them changes no bit; the pipelined modes call the same parts in the same order.
 
     ``release=False`` keeps the updated rows in the batch's buffer (the DBP active buffer) for the dual-buffer
-    sync into the next batch's prefetch buffer. The pipelined modes call the same three parts
-    (:func:`update_begin`, :func:`update_dense`, ``emb.update``) with the all-reduce in flight during the sparse
-    update: the parts read and write disjoint tensors, so the order between them changes no bit."""
-    red = update_begin(state, loss)
-    out = update_dense(state, red)
+    sync into the next batch's prefetch buffer."""
+    red = update_begin(state, loss, async_op=True)
     state.emb.update(routing, release=release)
-    return out
+    return update_dense(state, red)
 
 
 def train_step(state: StepState, step: int, record: Dict, where: str = "",

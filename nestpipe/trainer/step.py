@@ -298,7 +298,8 @@ def build_state(cfg: TrainConfig, manifest: Manifest, rank: int, world: int, dev
     layout = sparse_groups.resolve(cfg.sparse_groups, world, rank)
     emb = ShardedEmbeddingCollection(manifest, cfg.embedding, cfg.seed, layout.local_rank, layout.group_size, device,
                                      negatives=model_spec(cfg.model).shared_negatives, group=group, timer=timer,
-                                     dtype=DTYPES[cfg.dtype], widths=model_spec(cfg.model).table_widths(cfg))
+                                     dtype=DTYPES[cfg.dtype], widths=model_spec(cfg.model).table_widths(cfg),
+                                     run_dir=cfg.out)
     replica_sync.attach(emb, layout, cfg.embedding.optimizer, cfg.embedding.momentum_scale_groups, groups)
     model = build_model(cfg, manifest, emb.dims).to(device=device, dtype=DTYPES[cfg.dtype])
     o = cfg.optim

@@ -33,6 +33,7 @@ class TestingHooks:
     skip_dual_buffer_sync: bool = False  # DBP: rows of keys(t) ∩ keys(t+1) are not copied into t+1's buffer
     update_per_micro_batch: bool = False  # FWP: the update runs after every micro-batch (the window is not frozen)
     replica_refresh_own_keys_only: bool = False  # 2D-SP + DBP: the sync refreshes only the group's own keys(t)
+    skip_tier_write_back: bool = False  # tier=mmap: updated rows evicted from the DRAM cache are not written back
     # faults and timing: raise on ``fail_rank`` at step ``fail_step``; sleep inside checkpoint writes or between
     # retrieval and forward (a batch in flight), so a test can kill the run there
     fail_step: int = -1

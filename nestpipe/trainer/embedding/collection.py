@@ -54,6 +54,7 @@ from nestpipe.trainer.embedding.batch import NEG_SLOT, PreparedBatch
 from nestpipe.trainer.embedding.reduction_based import ReductionBased
 from nestpipe.trainer.embedding.replicated import ReplicatedTable, owner_bounds, owner_order
 from nestpipe.trainer.embedding.store import RowStore, apply_adagrad
+from nestpipe.trainer.embedding.tiered_store import split_cache, tiered_store
 from nestpipe.trainer.embedding.unique_based import UniqueBased
 from nestpipe.trainer.embedding.placement import make_placement
 from nestpipe.trainer.sharding_plan import column_shards, plan_kinds, resolve_plan
@@ -207,7 +208,7 @@ class Routing:
 class ShardedEmbeddingCollection:
     def __init__(self, manifest: Manifest, cfg: EmbeddingConfig, seed: int, rank: int, world: int,
                  device: torch.device, negatives: bool = False, group=None, timer: Optional[StageTimer] = None,
-                 dtype: torch.dtype = torch.float32, widths: Optional[Dict[str, int]] = None):
+                 dtype: torch.dtype = torch.float32, widths: Optional[Dict[str, int]] = None, run_dir: str = ""):
         self.cfg, self.rank, self.world, self.device, self.group = cfg, rank, world, device, group
         self.dtype = dtype
         self.timer = timer or StageTimer()
@@ -236,13 +237,19 @@ class ShardedEmbeddingCollection:
                 continue
             for cs in column_shards(self.plan, t, self.dims[t]):
                 pl = make_placement(self.table_ids[t], v, world, owners=cs.owners)
-                self.stores[cs.store] = RowStore(cs.store, pl, rank, cs.dim, seed, cfg.init_scale, dtype,
-                                                 eager_rows=cfg.eager_init_max_rows, huge_pages=cfg.huge_pages,
-                                                 table=t, first_col=cs.first_col)
+                if cfg.tier == "mmap":
+                    self.stores[cs.store] = tiered_store(cs.store, pl, rank, cs.dim, seed, cfg, run_dir, world, t,
+                                                         cs.first_col, dtype)
+                else:
+                    self.stores[cs.store] = RowStore(cs.store, pl, rank, cs.dim, seed, cfg.init_scale, dtype,
+                                                     eager_rows=cfg.eager_init_max_rows, huge_pages=cfg.huge_pages,
+                                                     table=t, first_col=cs.first_col)
                 self.store_dims[cs.store] = cs.dim
                 self.req_placement[cs.store] = make_placement(
                     self.table_ids[t], v, world, salt=testing_hooks.active().requester_salt, owners=cs.owners)
         self.slots = list(self.stores)
+        if cfg.tier == "mmap":
+            split_cache(self.stores, cfg.dram_cache_mb, self.timer)
         # 2D sparse parallelism (nestpipe.trainer.distributed.sparse_groups): the sharded tables' accumulator scale and the
         # cross-group replica synchronisation run by update(); None / the config's scale in plain training
         self.sparse_momentum_scale = cfg.momentum_scale_groups
@@ -525,14 +532,16 @@ class ShardedEmbeddingCollection:
         for st, o in routing.own.items():
             store = self.stores[st]
             # 2D-SP's replica synchronisation reads the batch's pre- and post-update rows from the buffer
-            o.direct = bool(direct and self.device.type == "cpu" and self.replica_sync is None)
+            # a tiered store is read and written only through gather / write-back (the buffered path)
+            o.direct = bool(direct and self.device.type == "cpu" and self.replica_sync is None and store.in_dram)
             if o.direct:
                 if store.num_materialized < store.num_rows:
                     store.ensure_materialized(o.rows)
                 o.src = store.weight
                 o.fwd_idx = [torch.from_numpy(o.rows_all[e]) for e in o.pair_entry]
             else:
-                o.update_in_store = self.device.type == "cpu" and self.replica_sync is None and self.update_in_store
+                o.update_in_store = (self.device.type == "cpu" and self.replica_sync is None and self.update_in_store
+                                     and store.in_dram)
                 # the update reads the AdaGrad state from the store when it updates there: no state in the buffer
                 w, s_ = store.gather(o.rows, with_state=not o.update_in_store)
                 o.buf_w, o.buf_s = w.to(self.device), s_.to(self.device) if s_ is not None else None

@@ -10,6 +10,7 @@ from typing import Dict, Optional
 from nestpipe.utils.options import opt
 
 EXCHANGE_KINDS = ("auto", "unique", "reduction", "replicated")
+TIERS = ("dram", "mmap")
 HUGE_PAGES = ("resident", "always", "never")
 
 
@@ -37,6 +38,13 @@ class EmbeddingConfig:
     huge_pages: str = opt(
         "resident", help="transparent huge pages for stores of 32 MiB or more: resident (the stores initialised whole "
         "at start), always, never (NESTPIPE_HUGE_PAGES=0 also turns them off)", choices=HUGE_PAGES)
+    tier: str = opt(
+        "dram", help="where an owner keeps its sharded rows: dram (host memory), or mmap (files on local disk with a "
+        "DRAM cache of hot rows: tables larger than memory; bitwise the same training)", choices=TIERS)
+    dram_cache_mb: float = opt(
+        1024.0, help="tier=mmap: the DRAM row cache per rank in MiB (rows + AdaGrad state), split over the rank's "
+        "stores by their size", minimum=0)
+    store_dir: str = opt("", help="tier=mmap: directory of the row files (default RUN/store; local disk)")
     dbp_update_in_store: bool = opt(
         True, help="DBP with host-resident buffers: batch t's update goes to the store in place and the dual-buffer "
         "sync copies keys(t) ∩ keys(t+1) from the store; false: update the active buffer and write it back (the "

@@ -31,6 +31,8 @@ from nestpipe import kernels
 
 
 class RowStore:
+    in_dram = True  # the trainer may read and update it in place (the direct and update-in-store paths)
+
     def __init__(self, name: str, placement: TablePlacement, rank: int, dim: int, seed: int, init_scale: float,
                  dtype: torch.dtype = torch.float32, eager_rows: int = 0, huge_pages: str = "resident",
                  table: str = "", first_col: int = 0):

@@ -18,10 +18,16 @@ same invocation, one after the other, on the same 2 shared cores: compare the ra
 
     python benchmarks/trainer_bench.py --torchrec-python /tmp/torchrec-venv/bin/python
     python benchmarks/trainer_bench.py --big        # a step with the full KuaiRand-27K item vocabulary (see --help)
+    python benchmarks/trainer_bench.py --big --big-materialize-all --tier dram mmap --big-pipelines off nested \
+        --memory-limit-gib 6                         # the memory-mapped tier against DRAM, below the table's size
 
 ``--big``: one ``item`` table of 32,038,725 rows x dim 64 fp32 (+ row-wise AdaGrad state) sharded over 2 ranks
 (8.3 GB of rows, about 4.1 GB per rank, created lazily: pages are touched on first use), HSTU-shaped sequence
-batches (unique-based exchange) of Zipf(1.2) ids; reports step time and peak RSS per rank.
+batches (unique-based exchange) of Zipf(1.2) ids; reports step time and peak RSS per rank. ``--tier mmap``: the
+same with ``embedding.tier = mmap`` (row files in ``--big-store-dir``, a DRAM cache of ``--big-cache-fraction`` of
+the rank's shard bytes, the page cache dropped before the first timed step: cold, then warm), in a memory cgroup of
+``--memory-limit-gib`` where one can be made; with ``--tier dram mmap`` both in one invocation and the ratio of their
+embedding stages (retrieve + update + dual-buffer sync) per schedule of ``--big-pipelines``.
 """
 
 from __future__ import annotations
@@ -146,7 +152,7 @@ def nestpipe_worker(rank: int, world: int, a, port: int, q):
     dist.destroy_process_group()
 
 
-def run_ranks(target, a, world=2):
+def run_ranks(target, a, world=2, on_start=None):
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -155,6 +161,8 @@ def run_ranks(target, a, world=2):
     procs = [ctx.Process(target=target, args=(r, world, a, port, q)) for r in range(world)]
     for p in procs:
         p.start()
+    if on_start is not None:
+        on_start(procs)
     res, t0 = [], time.time()
     while len(res) < len(procs):
         try:
@@ -222,7 +230,9 @@ def big_worker(rank: int, world: int, a, port: int, q):
 
     from nestpipe.datasets.shards import Manifest, TableSpec
     from nestpipe.trainer.config import TrainConfig
-    from nestpipe.trainer.step import build_state, train_step
+    from nestpipe.trainer.distributed import sparse_groups
+    from nestpipe.trainer.pipeline.scheduler import PipelineRunner
+    from nestpipe.trainer.step import build_state
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -231,43 +241,141 @@ def big_worker(rank: int, world: int, a, port: int, q):
     man = Manifest(task="gr", batch_size=a.big_batch, micro_batches=1, max_seq_len=a.big_seq,
                    tables={"item": TableSpec(a.big_rows, 64, "sequence"), "action": TableSpec(256, 64, "sequence")},
                    sets={})
-    cfg = TrainConfig(model="hstu", pipeline="off", threads=1)
+    emb = {}
+    if a.big_tier == "mmap":
+        emb = {"tier": "mmap", "dram_cache_mb": a.big_cache_mb, "store_dir": a.big_store_dir}
+    cfg = TrainConfig.from_dict({"model": "hstu", "pipeline": "off", "threads": 1, "out": a.big_store_dir,
+                                 "embedding": emb})
     t0 = time.perf_counter()
-    state = build_state(cfg, man, rank, world, torch.device("cpu"))
+    groups = sparse_groups.create_stage_groups(sparse_groups.resolve(None, world, rank))
+    state = build_state(cfg, man, rank, world, torch.device("cpu"), groups=groups)
     store = state.emb.stores["item"]
-    info = {"rank": rank, "local_rows": store.num_rows, "build_s": time.perf_counter() - t0,
+    info = {"rank": rank, "tier": a.big_tier, "local_rows": store.num_rows, "build_s": time.perf_counter() - t0,
             "rss_after_build_gib": proc.memory_info().rss / 2**30}
     if a.big_materialize_all:
         t0 = time.perf_counter()
-        for lo in range(0, store.num_rows, 1 << 18):
-            store.materialize(torch.arange(lo, min(store.num_rows, lo + (1 << 18))))
+        if a.big_tier == "mmap":
+            store.materialize_all()
+        else:
+            for lo in range(0, store.num_rows, 1 << 18):
+                store.materialize(torch.arange(lo, min(store.num_rows, lo + (1 << 18))))
         info["materialize_all_s"] = time.perf_counter() - t0
+    if a.big_tier == "mmap":
+        info["cache_rows"] = store.cache_rows
+        info["cache_gib"] = store.cache_rows * (store.dim + 1) * 4 / 2**30
+        info["store_files_gib"] = sum(os.path.getsize(p) for p in store.paths) / 2**30
+        store.drop_page_cache()  # the first timed step reads cold
+        info["page_cache_resident_gib_before"] = _resident_gib(store.paths)
     rng = np.random.default_rng(100 + rank)
-    times = []
-    warm = {}
-    for step in range(a.big_steps):
-        if step == 1:
-            warm = dict(state.timer.total)
-        rec = _gr_record(rng, a.big_batch, a.big_seq, a.big_rows)
+    records = [_gr_record(rng, a.big_batch, a.big_seq, a.big_rows) for _ in range(a.big_steps * len(a.big_pipelines))]
+    info["runs"] = {}
+    step0 = 0
+    for mode in a.big_pipelines:
+        runner = PipelineRunner(state, mode)
         dist.barrier()
-        t0 = time.perf_counter()
-        loss = train_step(state, step, rec)
-        times.append(time.perf_counter() - t0)
-    dist.barrier()
-    info.update({"step_s": times, "loss": loss, "materialized_rows": int(store.materialized.sum()),
-                 "rss_gib": proc.memory_info().rss / 2**30,
+        before = state.timer.snapshot()
+        times, t_prev = [], time.perf_counter()
+        feed = ((step0 + i, records[step0 + i], "") for i in range(a.big_steps))
+        for step, loss in runner.run(feed, step0, step0 + a.big_steps):
+            now = time.perf_counter()
+            times.append(now - t_prev)
+            t_prev = now
+        dist.barrier()
+        t = state.timer.minus(before)
+        stages = {k: round(1000 * v / a.big_steps, 1) for k, v in sorted(t.total.items())}
+        emb_ms = sum(stages.get(k, 0.0) for k in ("retrieve", "update.sparse", "dbp.sync"))
+        info["runs"][mode] = {"step_s": [round(x, 3) for x in times], "loss": loss, "stages_ms_per_step": stages,
+                              "embedding_stages_ms_per_step": round(emb_ms, 1),
+                              "exposed_tier_ms_per_step": round(1000 * t.exposed_tier() / a.big_steps, 1),
+                              "exposed_tier_share_of_step": round(t.exposed_tier() / max(sum(times), 1e-9), 4)}
+        if a.big_tier == "mmap":
+            info["runs"][mode]["cache"] = dict(store.stats)
+            info["runs"][mode]["page_cache_resident_gib_after"] = _resident_gib(store.paths)
+        step0 += a.big_steps
+    info.update({"rss_gib": proc.memory_info().rss / 2**30,
                  "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-                 "store_bytes_gib": (store.weight.numel() * 4 + store.state.numel() * 4) / 2**30,
-                 "stages_ms_per_step_after_first": {k: round(1000 * (v - warm.get(k, 0.0)) / max(1, a.big_steps - 1), 1)
-                                                    for k, v in sorted(state.timer.total.items())}})
+                 "dense_model_gib": sum(p.numel() * 4 for p in state.model.parameters()) / 2**30})
+    if a.big_tier == "dram":
+        info["store_bytes_gib"] = (store.weight.numel() * 4 + store.state.numel() * 4) / 2**30
+        info["materialized_rows"] = int(store.materialized.sum())
     q.put(info)
     dist.destroy_process_group()
 
 
+def _resident_gib(paths):
+    """Page-cache residency of files (util-linux ``fincore``), or None where it is not installed."""
+    try:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *paths],
+                             capture_output=True, text=True, timeout=60)
+        return round(sum(int(x) for x in out.stdout.split()) / 2**30, 3) if out.returncode == 0 else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+class _MemoryCgroup:
+    """A memory cgroup (v2 ``memory.max``, else v1 ``memory.limit_in_bytes``) for the benchmark's rank processes:
+    their anonymous memory and page cache together stay under ``limit`` bytes. None where it cannot be made."""
+
+    def __init__(self, limit: int):
+        self.path, self.procs = None, None
+        name = f"nestpipe-bench-{os.getpid()}"
+        for root, limit_file in (("/sys/fs/cgroup", "memory.max"), ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")):
+            if not os.path.exists(os.path.join(root, limit_file if root.endswith("memory") else "cgroup.controllers")):
+                continue
+            path = os.path.join(root, name)
+            try:
+                os.makedirs(path, exist_ok=True)
+                with open(os.path.join(path, limit_file), "w") as f:
+                    f.write(str(int(limit)))
+            except OSError:
+                continue
+            self.path, self.kind = path, limit_file
+            return
+
+    def add(self, pid: int) -> None:
+        with open(os.path.join(self.path, "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+
+    def close(self) -> None:
+        if self.path:
+            try:
+                os.rmdir(self.path)
+            except OSError:
+                pass
+
+
 def bench_big(a):
-    res = run_ranks(big_worker, a)
-    return {"rows": a.big_rows, "dim": 64, "world": 2, "batch_per_rank": a.big_batch, "seq_len": a.big_seq,
-            "full_store_gib": a.big_rows * (64 + 1) * 4 / 2**30, "per_rank": res}
+    """The big step per tier of ``--tier``, one after another (``mmap`` in a memory cgroup below the table's size
+    when ``--memory-limit-gib`` is given and a cgroup can be made)."""
+    out = {"rows": a.big_rows, "dim": 64, "world": 2, "batch_per_rank": a.big_batch, "seq_len": a.big_seq,
+           "full_store_gib": a.big_rows * (64 + 1) * 4 / 2**30, "pipelines": a.big_pipelines, "tiers": {}}
+    shard_gib = a.big_rows / 2 * (64 + 1) * 4 / 2**30
+    for tier in a.tier:
+        a.big_tier = tier
+        cg = None
+        if tier == "mmap":
+            a.big_cache_mb = a.big_cache_fraction * shard_gib * 1024
+            if a.memory_limit_gib:
+                cg = _MemoryCgroup(int(a.memory_limit_gib * 2**30))
+                if cg.path is None:
+                    print("no memory cgroup could be made: page-cache residency is reported instead")
+                    cg = None
+        try:
+            res = run_ranks(big_worker, a, on_start=(lambda procs: [cg.add(p.pid) for p in procs]) if cg else None)
+        finally:
+            if cg:
+                cg.close()
+        out["tiers"][tier] = {"per_rank": res, "cache_mb_per_rank": a.big_cache_mb if tier == "mmap" else None,
+                              "memory_limit_gib": a.memory_limit_gib if cg else None}
+    if "dram" in out["tiers"] and "mmap" in out["tiers"]:
+        ratios = {}
+        for mode in a.big_pipelines:
+            d = max(r["runs"][mode]["embedding_stages_ms_per_step"] for r in out["tiers"]["dram"]["per_rank"])
+            m = max(r["runs"][mode]["embedding_stages_ms_per_step"] for r in out["tiers"]["mmap"]["per_rank"])
+            ratios[f"embedding_stages_mmap_over_dram_{mode}"] = round(m / max(d, 1e-9), 2)
+        out["ratios"] = ratios
+    return out
+
 
 
 # -- TorchRec side (runs under --torchrec-python) ------------------------------------------------------------------
@@ -440,6 +548,16 @@ def main(argv=None):
     p.add_argument("--big-batch", type=int, default=128)
     p.add_argument("--big-seq", type=int, default=200)
     p.add_argument("--big-steps", type=int, default=4)
+    p.add_argument("--tier", nargs="+", choices=["dram", "mmap"], default=["dram"],
+                   help="--big: the embedding tier(s) to run, one after another in this invocation")
+    p.add_argument("--big-pipelines", nargs="+", default=["off"], choices=["off", "nested"],
+                   help="--big: schedules run one after another on the same state (steps each: --big-steps)")
+    p.add_argument("--big-cache-fraction", type=float, default=0.25,
+                   help="--tier mmap: the DRAM cache as a fraction of a rank's shard bytes (rows + AdaGrad state)")
+    p.add_argument("--big-store-dir", default="/tmp/nestpipe-big-store", help="--tier mmap: the row files' directory")
+    p.add_argument("--memory-limit-gib", type=float, default=0.0,
+                   help="--tier mmap: run the ranks in a memory cgroup of this many GiB (anonymous memory + page "
+                        "cache), where one can be made")
     p.add_argument("--big-materialize-all", action="store_true",
                    help="initialise every row of the store before the steps (the whole 8.3 GB resident)")
     p.add_argument("--torchrec-plans", nargs="+", default=["default", "row_wise"], choices=["default", "row_wise"],

@@ -137,3 +137,22 @@ def test_mmap_tier_resumes_bitwise_from_its_checkpoint(runs):
     starts = [json.loads(x) for x in open(os.path.join(run, "scalars.jsonl")) if '"start"' in x]
     assert [s["resumed_from_step"] for s in starts] == [0, 8], starts
     assert _diff(assemble(runs[("hstu", "dram-off")]), assemble(run)) == []
+
+
+def test_a_disk_without_room_fails_before_training_naming_the_directory_or_file(tmp_path, monkeypatch):
+    import errno
+
+    from nestpipe.trainer.embedding import tiered_store
+
+    pl = make_placement(3, 500, 1)
+    monkeypatch.setattr(tiered_store, "_free_bytes", lambda path: 1000)
+    with pytest.raises(TierError, match=r"store: table t needs 0\.00 GiB .* 0\.00 GiB free"):
+        TieredRowStore("t", pl, 0, 8, 5, 0.1, str(tmp_path / "store"), 32, "run", 1)
+    monkeypatch.undo()
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(TierError, match=r"t\.rank0\.weight: cannot reserve .*No space left on device"):
+        TieredRowStore("t", pl, 0, 8, 5, 0.1, str(tmp_path / "store2"), 32, "run", 1)

@@ -210,6 +210,7 @@ def report(run: RankRun, runner: PipelineRunner, start: int, progress: Progress,
             "stages_cpu_s": {k: round(v, 6) for k, v in sorted(t.cpu.items())},
             "exposed_communication_s": t.exposed_communication(),
             "exposed_lookup_s": t.exposed_lookup(), "communication_total_s": t.communication_total(),
+            "exposed_tier_s": t.exposed_tier(),
             "lookup_total_s": t.lookup_total(), "dbp_rows_synced": runner.rows_synced,
             **replica_sync.metrics(state.emb),
             "network_bytes": dict(t.bytes),
@@ -294,6 +295,7 @@ def exposure_summary(gathered, baseline_path: str = "") -> dict:
     out = {"step_s": _per_step(gathered, "measured_s"),
            "exposed_communication_s_per_step": _per_step(gathered, "exposed_communication_s"),
            "exposed_lookup_s_per_step": _per_step(gathered, "exposed_lookup_s"),
+           "exposed_tier_s_per_step": _per_step(gathered, "exposed_tier_s"),
            "communication_s_per_step": _per_step(gathered, "communication_total_s"),
            "lookup_s_per_step": _per_step(gathered, "lookup_total_s")}
     if baseline_path:

@@ -107,6 +107,11 @@ class StageTimer:
         """Seconds the compute thread spent in, or waiting on, embedding lookup (retrieval + owner gather)."""
         return sum(v for k, v in self.exposed.items() if k in LOOKUP_STAGES or k == "wait.lookup")
 
+    def exposed_tier(self) -> float:
+        """Seconds the compute thread spent reading or writing ``embedding.tier = mmap`` row files, plus its waits on
+        the retrieval stage (which reads them one batch ahead: an upper bound of the tier's share of those waits)."""
+        return sum(v for k, v in self.exposed.items() if k in ("tier.read", "tier.write", "wait.lookup"))
+
     def communication_total(self) -> float:
         """Seconds inside collectives on any thread (what ``--pipeline off`` would expose, measured here)."""
         return sum(v for k, v in self.total.items() if k.endswith(".comm") and not k.startswith("wait."))

@@ -50,11 +50,20 @@ class TierError(RuntimeError):
 
 
 def _open_file(path: str, shape) -> np.memmap:
+    """The row file, its blocks reserved on disk (``posix_fallocate``): a disk without room fails here, before
+    training, naming the file; a write through the mapping can then not hit a full disk (which would be a SIGBUS,
+    not an error)."""
     nbytes = int(np.prod(shape)) * 4
-    if os.path.exists(path) and os.path.getsize(path) == nbytes:
-        return np.memmap(path, dtype=np.float32, mode="r+", shape=shape)
-    with open(path, "wb") as f:
-        f.truncate(nbytes)  # sparse: blocks are allocated as rows are written
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if hasattr(os, "posix_fallocate") and nbytes:
+            os.posix_fallocate(fd, 0, nbytes)
+        else:
+            os.ftruncate(fd, nbytes)
+    except OSError as e:
+        raise TierError(f"{path}: cannot reserve {nbytes / 2**30:.2f} GiB for the rows ({e.strerror or e})") from e
+    finally:
+        os.close(fd)
     return np.memmap(path, dtype=np.float32, mode="r+", shape=shape)
 
 
@@ -103,6 +112,8 @@ class TieredRowStore:
         self.materialized = torch.zeros(n, dtype=torch.bool)
         self.num_materialized = 0
         self.timer = StageTimer()
+        self._touched = 0  # rows read or written through the mappings since their pages were last dropped
+        self._last_evicted = self._last_read = 0
         self.slot_of = np.full(n, -1, dtype=np.int32 if n < 2**31 else np.int64)
         self.resize_cache(cache_rows)
         # negative control only (testing hook skip_tier_write_back): evicted dirty rows are lost
@@ -153,9 +164,15 @@ class TieredRowStore:
             raise TierError(f"{self.paths[0]}: writing rows failed ({e})") from e
         self.timer.add("tier.write", time.perf_counter() - t0)
 
-    def release_pages(self) -> None:
-        """Drop the mappings' pages from this process (the page cache keeps them): resident memory stays the
-        cache's."""
+    def release_pages(self, touched_rows: int = -1) -> None:
+        """Drop the mappings' pages from this process (the page cache keeps them) once the rows read or written
+        through them since the last drop could map more than a quarter of the cache's bytes (one 4 KiB page per
+        row and file at worst); ``touched_rows`` < 0: now. Resident memory stays about the cache's."""
+        if touched_rows >= 0:
+            self._touched += touched_rows
+            if self._touched * 2 * mmap.PAGESIZE <= self.cache_rows * (self.dim + 1) * 4 // 4:
+                return
+        self._touched = 0
         for mm in (self.weight_file, self.state_file):
             raw = getattr(mm, "_mmap", None)
             if raw is not None and hasattr(raw, "madvise"):
@@ -166,6 +183,7 @@ class TieredRowStore:
         """Slots of ``rows`` (unique), admitting the missing ones; -1 for rows passed through uncached (a batch with
         more missing rows than the cache can free), whose (weights, state) come second."""
         self.clock += 1
+        self._last_evicted = self._last_read = 0
         slots = self.slot_of[rows].astype(np.int64)
         miss = slots < 0
         self.slot_used[slots[~miss]] = self.clock
@@ -174,6 +192,7 @@ class TieredRowStore:
         if not miss.any():
             return slots, None
         miss_idx = np.flatnonzero(miss)
+        self._last_read = len(miss_idx)
         free = np.flatnonzero(self.slot_row < 0)
         take = free[:len(miss_idx)]
         if len(take) < len(miss_idx):  # evict the least recently gathered slots not used by this gather
@@ -212,6 +231,7 @@ class TieredRowStore:
             self._write_rows(self.slot_row[dirty], self.cache_w.index_select(0, vt).numpy(),
                              self.cache_s.index_select(0, vt).numpy())
         self.stats["evicted_dirty"] += len(dirty)
+        self._last_evicted += len(dirty)
         self.slot_of[self.slot_row[victims]] = -1
         self.slot_row[victims] = -1
         self.slot_dirty[victims] = False
@@ -229,7 +249,7 @@ class TieredRowStore:
                 idx = torch.from_numpy(np.flatnonzero(~cached))
                 w.index_copy_(0, idx, torch.from_numpy(passed[0]))
                 s.index_copy_(0, idx, torch.from_numpy(passed[1]))
-            self.release_pages()
+            self.release_pages(self._last_read + self._last_evicted)
             return w, (s if with_state else None)
 
     def write_back(self, rows: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> None:
@@ -246,7 +266,33 @@ class TieredRowStore:
             if (~cached).any():  # evicted since its gather: straight to the file
                 sel = np.flatnonzero(~cached)
                 self._write_rows(r[sel], weight.numpy()[sel], state.numpy()[sel])
-            self.release_pages()
+            self.release_pages(int((~cached).sum()))
+
+    def materialize_all(self, chunk: int = 1 << 18) -> None:
+        """Write every row's initial value to the files (a benchmark's fully materialised table)."""
+        with self.lock:
+            for lo in range(0, self._n, chunk):
+                rows = np.arange(lo, min(self._n, lo + chunk), dtype=np.int64)
+                ids = self.placement.ids_of_rows(self.rank, rows)
+                w = init_rows(self.seed, self.placement.table_id, ids, self.dim, self.init_scale, self.first_col)
+                self.weight_file[lo:lo + len(rows)] = w
+                self.state_file[lo:lo + len(rows)] = 0.0
+                self.release_pages()
+            self.materialized[:] = True
+            self.num_materialized = self._n
+            self.weight_file.flush()
+            self.state_file.flush()
+
+    def drop_page_cache(self) -> None:
+        """Evict the row files from the page cache (``POSIX_FADV_DONTNEED`` after a flush): the next reads are cold."""
+        self.flush()
+        for path in self.paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
     def ensure_materialized(self, rows: torch.Tensor) -> None:
         return None  # rows are initialised when first read from the files

@@ -21,8 +21,9 @@ same invocation, one after the other, on the same 2 shared cores: compare the ra
     python benchmarks/trainer_bench.py --big --big-materialize-all --tier dram mmap --big-pipelines off nested \
         --memory-limit-gib 6                         # the memory-mapped tier against DRAM, below the table's size
 
-``--big``: one ``item`` table of 32,038,725 rows x dim 64 fp32 (+ row-wise AdaGrad state) sharded over 2 ranks
-(8.3 GB of rows, about 4.1 GB per rank, created lazily: pages are touched on first use), HSTU-shaped sequence
+``--big``: one ``item`` table of 32,038,725 rows x dim 64 sharded over 2 ranks; the default HSTU keeps untied input
+and output embeddings, so each row holds 128 floats (+ row-wise AdaGrad state): 16.5 GB of rows, about 8.3 GB per
+rank, created lazily (pages are touched on first use) unless ``--big-materialize-all``), HSTU-shaped sequence
 batches (unique-based exchange) of Zipf(1.2) ids; reports step time and peak RSS per rank. ``--tier mmap``: the
 same with ``embedding.tier = mmap`` (row files in ``--big-store-dir``, a DRAM cache of ``--big-cache-fraction`` of
 the rank's shard bytes, the page cache dropped before the first timed step: cold, then warm), in a memory cgroup of
@@ -264,6 +265,7 @@ def big_worker(rank: int, world: int, a, port: int, q):
         info["cache_rows"] = store.cache_rows
         info["cache_gib"] = store.cache_rows * (store.dim + 1) * 4 / 2**30
         info["store_files_gib"] = sum(os.path.getsize(p) for p in store.paths) / 2**30
+        info["cache_fraction_of_shard"] = round(info["cache_gib"] / info["store_files_gib"], 4)
         store.drop_page_cache()  # the first timed step reads cold
         info["page_cache_resident_gib_before"] = _resident_gib(store.paths)
     rng = np.random.default_rng(100 + rank)
@@ -347,9 +349,11 @@ class _MemoryCgroup:
 def bench_big(a):
     """The big step per tier of ``--tier``, one after another (``mmap`` in a memory cgroup below the table's size
     when ``--memory-limit-gib`` is given and a cgroup can be made)."""
-    out = {"rows": a.big_rows, "dim": 64, "world": 2, "batch_per_rank": a.big_batch, "seq_len": a.big_seq,
-           "full_store_gib": a.big_rows * (64 + 1) * 4 / 2**30, "pipelines": a.big_pipelines, "tiers": {}}
-    shard_gib = a.big_rows / 2 * (64 + 1) * 4 / 2**30
+    out = {"rows": a.big_rows, "dim": 64, "row_floats": 128, "world": 2, "batch_per_rank": a.big_batch,
+           "seq_len": a.big_seq, "full_store_gib": a.big_rows * (128 + 1) * 4 / 2**30, "pipelines": a.big_pipelines,
+           "tiers": {}}
+    # the item rows of the default HSTU are [input | output] embeddings (untied): 128 floats, + AdaGrad state
+    shard_gib = a.big_rows / 2 * (2 * 64 + 1) * 4 / 2**30
     for tier in a.tier:
         a.big_tier = tier
         cg = None

@@ -212,3 +212,38 @@ def test_local_model_two_comm_streams_and_negative_control():
     assert one.step_s > two.step_s * 1.05
     capped = [measured.predict(hw, wl, "nested", link_bit_per_s=1e7, split_comm=s).step_s for s in (True, False)]
     assert capped[0] == capped[1]  # across a cap both streams share the link's bytes
+
+
+def test_tables_larger_than_dram_go_to_the_memory_mapped_tier_only_when_nothing_else_fits():
+    from nestpipe.planning import planner
+    from nestpipe.planning.hardware import load_hardware
+
+    hw = load_hardware("cpu-gloo")
+    item = planner.TableInfo("item", 32_038_725, 64, "sequence", hotness=200, unique_ratio=0.3)
+    user = planner.TableInfo("user", 27_285, 64, "single")
+    tier = dict(disk_cap=20e9, dram_cache=1e9, disk_read_bw=50e6, disk_write_bw=200e6)
+    # 2 workers x 3 GB of DRAM cannot hold 8.3 GB of rows: without a disk the plan fails naming the option
+    with pytest.raises(ValueError, match="give --disk-cap"):
+        planner.make_plan([item, user], planner.PlannerConfig(workers=2, batch_per_worker=128, dram_cap=3e9), hw)
+    plan = planner.make_plan([item, user], planner.PlannerConfig(workers=2, batch_per_worker=128, dram_cap=3e9,
+                                                                 **tier), hw)
+    assert plan["tier"]["tables"] == ["item"] and plan["tables"]["item"]["tier"] == "mmap"
+    assert {s["tier"] for s in plan["tables"]["item"]["shards"]} == {"mmap"}
+    assert plan["trainer_config"]["embedding"]["tier"] == "mmap"
+    assert all(r["disk_bytes"] > 4e9 and r["dram_bytes"] <= 3e9 for r in plan["ranks"])
+    assert "embedding.tier=\"mmap\"" in planner.format_plan(plan)
+    # the tier costs its owner the missed rows: a slower disk, a costlier worker
+    slow = planner.make_plan([item, user], planner.PlannerConfig(workers=2, batch_per_worker=128, dram_cap=3e9,
+                                                                 **dict(tier, disk_read_bw=5e6)), hw)
+    assert slow["estimate"]["max_rank_cost_ms"] > plan["estimate"]["max_rank_cost_ms"]
+    # DRAM first: with 6 GB per worker the row-wise layout fits, and the disk is left alone
+    roomy = planner.make_plan([item, user], planner.PlannerConfig(workers=2, batch_per_worker=128, dram_cap=6e9,
+                                                                  **tier), hw)
+    assert roomy["tier"]["tables"] == [] and "tier" not in roomy["trainer_config"]["embedding"]
+
+
+def test_disk_probe_measures_positive_bandwidths(tmp_path):
+    from nestpipe.planning import disk
+
+    read_bw, write_bw = disk.measure(str(tmp_path), size_mb=8, reads=200)
+    assert read_bw > 0 and write_bw > 0 and not list(tmp_path.iterdir())

@@ -18,7 +18,13 @@ Per-step cost of a shard on its owner (seconds; hardware from :mod:`nestpipe.pla
   take anyway (its bandwidth term only: no collective of its own, so a tiny table costs next to nothing).
 
 Memory: a shard's rows x (dim / c x bytes + 4 bytes of row-wise AdaGrad state) in host DRAM (``dram_cap``);
-replicated tables, the same per row in device memory (``hbm_cap``).
+replicated tables, the same per row in device memory (``hbm_cap``). With a local disk for the memory-mapped tier
+(``disk_cap`` > 0, the trainer's ``embedding.tier = mmap``), a shard that fits no worker's DRAM goes to a worker's
+disk instead, behind a DRAM cache of ``dram_cache`` bytes (reserved once on each worker holding such shards); it
+costs its owner the rows it misses, read from disk, and as many written back (a 4 KiB page per row and file) at the
+disk's measured random read and write bandwidth (``disk_read_bw``, ``disk_write_bw``; :mod:`nestpipe.planning.disk`):
+misses = the shard's distinct requested rows times the share of the shard the cache cannot hold (uniform access: an
+upper bound for skewed ids, whose hot rows stay cached).
 
 Search: replicate every table whose AllReduce is cheaper than its table-wise cost and that fits the device cap;
 place the rest table-wise, largest cost first onto the least-loaded worker with room (LPT); then repeatedly take
@@ -75,12 +81,26 @@ class PlannerConfig:
     column_split: bool = True  # False: whole rows stay on one owner (what the trainer executes)
     # table name -> replicated or not, decided by the caller (the trainer's exchange-kind rule); others: by cost
     fixed_replicated: Optional[Dict[str, bool]] = None
+    # the memory-mapped tier: local disk bytes per worker (0: no tier), its DRAM cache per worker, and the disk's
+    # measured random-row read and write bandwidth (bytes/s)
+    disk_cap: float = 0.0
+    dram_cache: float = 0.0
+    disk_read_bw: float = 0.0
+    disk_write_bw: float = 0.0
 
     def validate(self) -> None:
         if self.workers < 1 or self.batch_per_worker < 1:
             raise ValueError("plan: --workers and --batch must be >= 1")
         if self.group_size is not None and (self.group_size < 1 or self.workers % self.group_size):
             raise ValueError(f"plan: --group-size {self.group_size} must divide --workers {self.workers}")
+        if self.disk_cap < 0 or self.dram_cache < 0:
+            raise ValueError("plan: --disk-cap and --dram-cache must be >= 0")
+        if self.disk_cap > 0 and (self.disk_read_bw <= 0 or self.disk_write_bw <= 0):
+            raise ValueError("plan: --disk-cap needs the disk's bandwidths (--disk-read-bw/--disk-write-bw, or "
+                             "--store-dir DIR to measure them)")
+        if self.disk_cap > 0 and self.dram_cache >= self.dram_cap:
+            raise ValueError(f"plan: --dram-cache {self.dram_cache:.3g} B leaves no DRAM of --dram-cap "
+                             f"{self.dram_cap:.3g} B for shards")
 
 
 @dataclasses.dataclass
@@ -111,6 +131,18 @@ def shard_cost(t: TableInfo, lay: _Layout, group: int, workers: int, batch: int,
     return lookup + send / hw.net_bw
 
 
+def tier_cost(t: TableInfo, lay: _Layout, group: int, batch: int, cfg: PlannerConfig) -> float:
+    """Seconds per step a shard on the memory-mapped tier adds: its missed rows read from disk and written back."""
+    if cfg.disk_read_bw <= 0 or cfg.disk_write_bw <= 0:
+        return 0.0
+    b = _shard_bytes(t, lay)
+    miss = max(0.0, 1.0 - cfg.dram_cache / b) if b else 0.0
+    # a missed row costs a 4 KiB page of its weight file and one of its state file, read and later written back
+    pages = math.ceil((t.dim / lay.cols * t.bytes_per_value) / 4096) + 1
+    rows = group * _unique(t, batch) / lay.rows * miss
+    return rows * pages * 4096 * (1.0 / cfg.disk_read_bw + 1.0 / cfg.disk_write_bw)
+
+
 def _shard_bytes(t: TableInfo, lay: _Layout) -> float:
     rows = t.vocab if lay.replicated else math.ceil(t.vocab / lay.rows)
     cols = t.dim if lay.replicated else t.dim // lay.cols
@@ -137,6 +169,9 @@ def _place(tables: List[TableInfo], lays: Dict[str, _Layout], group: int, worker
         return None
     shards.sort(key=lambda s: (-s[0], -s[1], s[2], s[3]))
     placement: Dict[str, List[int]] = {t.name: [] for t in tables if not lays[t.name].replicated}
+    disk = [0.0] * group
+    tiered: Dict[str, List[bool]] = {t.name: [] for t in tables if not lays[t.name].replicated}
+    by_name = {t.name: t for t in tables}
     for c, b, name, _ in shards:
         used = set(placement[name])
         best = None
@@ -145,13 +180,28 @@ def _place(tables: List[TableInfo], lays: Dict[str, _Layout], group: int, worker
                 continue
             if best is None or load[r] < load[best]:
                 best = r
+        on_disk = False
+        if best is None and cfg.disk_cap > 0:  # the memory-mapped tier: disk room, and DRAM for the cache
+            for r in range(group):
+                cache = 0.0 if disk[r] > 0 else cfg.dram_cache
+                if r in used or disk[r] + b > cfg.disk_cap or dram[r] + cache > cfg.dram_cap:
+                    continue
+                if best is None or load[r] < load[best]:
+                    best = r
+            on_disk = best is not None
         if best is None:
             return None
         placement[name].append(best)
-        load[best] += c
-        dram[best] += b
+        tiered[name].append(on_disk)
+        if on_disk:
+            dram[best] += 0.0 if disk[best] > 0 else cfg.dram_cache
+            disk[best] += b
+            load[best] += c + tier_cost(by_name[name], lays[name], group, batch, cfg)
+        else:
+            load[best] += c
+            dram[best] += b
     rep_cost = sum(shard_cost(t, lays[t.name], group, workers, batch, hw) for t in tables if lays[t.name].replicated)
-    return placement, [x + rep_cost for x in load], dram, hbm
+    return placement, [x + rep_cost for x in load], dram, hbm, disk, tiered
 
 
 def _split_options(t: TableInfo, lay: _Layout, group: int, cfg: PlannerConfig) -> List[_Layout]:
@@ -169,7 +219,13 @@ def _split_options(t: TableInfo, lay: _Layout, group: int, cfg: PlannerConfig) -
 
 
 def plan_group(tables: List[TableInfo], group: int, cfg: PlannerConfig, hw: HardwareConfig) -> Dict[str, Any]:
-    """Greedy plan of ``tables`` over one group of ``group`` workers."""
+    """Greedy plan of ``tables`` over one group of ``group`` workers. DRAM first: shards go to the memory-mapped
+    tier only when the tables fit no DRAM layout (row splits included)."""
+    if cfg.disk_cap > 0:
+        try:
+            return plan_group(tables, group, dataclasses.replace(cfg, disk_cap=0.0), hw)
+        except ValueError:
+            pass  # the tables do not fit the group's DRAM: place on the tier
     W, B = cfg.workers, cfg.batch_per_worker
     lays: Dict[str, _Layout] = {}
     for t in tables:
@@ -190,14 +246,16 @@ def plan_group(tables: List[TableInfo], group: int, cfg: PlannerConfig, hw: Hard
                   key=lambda t: _shard_bytes(t, lays[t.name]), default=None)
         if big is None or lays[big.name].rows * 2 * lays[big.name].cols > group:
             raise ValueError(f"plan: tables do not fit: {group} workers x dram_cap {cfg.dram_cap:.3g} B "
-                             f"(hbm_cap {cfg.hbm_cap:.3g} B for replicated tables)")
+                             f"(hbm_cap {cfg.hbm_cap:.3g} B for replicated tables"
+                             + (f", disk_cap {cfg.disk_cap:.3g} B for the memory-mapped tier)" if cfg.disk_cap else
+                                "; give --disk-cap to place shards on the memory-mapped tier)"))
         lays[big.name] = _Layout(lays[big.name].rows * 2, lays[big.name].cols)
         placed = _place(tables, lays, group, W, B, hw, cfg)
     iters = 0
     tried = set()
     while iters < cfg.max_iters:
         iters += 1
-        placement, load, dram, hbm = placed
+        placement, load = placed[0], placed[1]
         worst = max(range(group), key=lambda r: load[r])
         on_worst = [t for t in tables if not lays[t.name].replicated and worst in placement[t.name]]
         on_worst.sort(key=lambda t: -shard_cost(t, lays[t.name], group, W, B, hw))
@@ -218,8 +276,9 @@ def plan_group(tables: List[TableInfo], group: int, cfg: PlannerConfig, hw: Hard
                 break
         if not improved:
             break
-    placement, load, dram, hbm = placed
-    return {"layouts": lays, "placement": placement, "load": load, "dram": dram, "hbm": hbm, "iterations": iters}
+    placement, load, dram, hbm, disk, tiered = placed
+    return {"layouts": lays, "placement": placement, "load": load, "dram": dram, "hbm": hbm, "disk": disk,
+            "tiered": tiered, "iterations": iters}
 
 
 def _sharding_name(lay: _Layout) -> str:
@@ -260,12 +319,18 @@ def make_plan(tables: List[TableInfo], cfg: PlannerConfig, hw: HardwareConfig) -
     for t in tables:
         t.validate()
     cands = [cfg.group_size] if cfg.group_size else group_candidates(cfg.workers, hw)
-    best = None
+    best, error = None, None
     for g in cands:
-        res = plan_group(tables, g, cfg, hw)
+        try:
+            res = plan_group(tables, g, cfg, hw)
+        except ValueError as e:  # the tables fit no layout of this group size: the other candidates may
+            error = e
+            continue
         total = max(res["load"]) + replica_sync_seconds(tables, res["layouts"], g, cfg, hw)
         if best is None or total < best[0] * (1 - 1e-9):
             best = (total, g, res)
+    if best is None:
+        raise error
     total, group, res = best
     lays, placement = res["layouts"], res["placement"]
     out_tables = {}
@@ -278,13 +343,15 @@ def make_plan(tables: List[TableInfo], cfg: PlannerConfig, hw: HardwareConfig) -
             for k, rank in enumerate(placement[t.name]):
                 ri, ci = divmod(k, lay.cols)
                 shards.append({"rank": rank, "rows": [ri * rows_per, min(t.vocab, (ri + 1) * rows_per)],
-                               "cols": [ci * cols_per, (ci + 1) * cols_per]})
+                               "cols": [ci * cols_per, (ci + 1) * cols_per],
+                               "tier": "mmap" if res["tiered"][t.name][k] else "dram"})
         out_tables[t.name] = {
             "sharding": _sharding_name(lay),
             "exchange": "replicated" if lay.replicated else EXCHANGE_OF_KIND[t.kind],
             "row_shards": 0 if lay.replicated else lay.rows, "col_shards": 0 if lay.replicated else lay.cols,
             "vocab": t.vocab, "dim": t.dim, "kind": t.kind, "hotness": t.hotness, "unique_ratio": t.unique_ratio,
             "shard_cost_ms": 1e3 * shard_cost(t, lay, group, cfg.workers, cfg.batch_per_worker, hw),
+            "tier": "mmap" if any(sh["tier"] == "mmap" for sh in shards) else "dram",
             "shards": shards,
         }
     load = res["load"]
@@ -292,13 +359,18 @@ def make_plan(tables: List[TableInfo], cfg: PlannerConfig, hw: HardwareConfig) -
         "format": PLAN_FORMAT, "version": PLAN_VERSION, "hardware": hw.name, "workers": cfg.workers,
         "group_size": group, "replica_groups": cfg.workers // group, "batch_per_worker": cfg.batch_per_worker,
         "tables": out_tables,
-        "ranks": [{"rank": r, "cost_ms": 1e3 * load[r], "dram_bytes": res["dram"][r], "hbm_bytes": res["hbm"]}
-                  for r in range(group)],
+        "ranks": [{"rank": r, "cost_ms": 1e3 * load[r], "dram_bytes": res["dram"][r], "hbm_bytes": res["hbm"],
+                   "disk_bytes": res["disk"][r]} for r in range(group)],
         "estimate": {"max_rank_cost_ms": 1e3 * max(load), "mean_rank_cost_ms": 1e3 * sum(load) / len(load),
                      "replica_sync_ms": 1e3 * replica_sync_seconds(tables, lays, group, cfg, hw),
                      "iterations": res["iterations"]},
-        "trainer_config": {"embedding": {"kinds": {n: v["exchange"] for n, v in out_tables.items()}},
+        "trainer_config": {"embedding": dict({"kinds": {n: v["exchange"] for n, v in out_tables.items()}}, **(
+            {"tier": "mmap", "dram_cache_mb": cfg.dram_cache / 2**20} if any(v["tier"] == "mmap" for v in
+                                                                            out_tables.values()) else {})),
                            "sparse_groups": group},  # the trainer's --sparse-groups M: workers per group
+        "tier": {"disk_cap": cfg.disk_cap, "dram_cache": cfg.dram_cache, "disk_read_bw": cfg.disk_read_bw,
+                 "disk_write_bw": cfg.disk_write_bw, "tables": sorted(n for n, v in out_tables.items()
+                                                                      if v["tier"] == "mmap")},
     }
 
 
@@ -314,6 +386,12 @@ def format_plan(plan: Dict[str, Any]) -> str:
     e = plan["estimate"]
     lines.append(f"busiest worker {e['max_rank_cost_ms']:.3f} ms, mean {e['mean_rank_cost_ms']:.3f} ms, replica sync "
                  f"{e['replica_sync_ms']:.3f} ms per step ({e['iterations']} greedy iterations)")
+    tier = plan.get("tier") or {}
+    if tier.get("tables"):
+        lines.append(f"larger than DRAM: {', '.join(tier['tables'])} on the memory-mapped tier (local disk, DRAM cache "
+                     f"{tier['dram_cache'] / 2**30:.2f} GiB per worker; disk {tier['disk_read_bw'] / 1e6:.0f} MB/s "
+                     f"read, {tier['disk_write_bw'] / 1e6:.0f} MB/s write): train with --set embedding.tier=\"mmap\" "
+                     f"--set embedding.dram_cache_mb={tier['dram_cache'] / 2**20:.0f}")
     return "\n".join(lines)
 
 

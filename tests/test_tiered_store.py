@@ -156,3 +156,21 @@ def test_a_disk_without_room_fails_before_training_naming_the_directory_or_file(
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(TierError, match=r"t\.rank0\.weight: cannot reserve .*No space left on device"):
         TieredRowStore("t", pl, 0, 8, 5, 0.1, str(tmp_path / "store2"), 32, "run", 1)
+
+
+def test_snapshot_copies_the_row_files_and_restores_them(tmp_path):
+    dram, tier = _pair(tmp_path, cache_rows=48)
+    for rows in _random_batches(500, steps=8, seed=3):
+        for st in (dram, tier):
+            w, s = st.gather(rows)
+            st.write_back(rows, w * 2, s + 1)
+    snap_dir = tmp_path / "ckpt"
+    snap_dir.mkdir()
+    snap = tier.snapshot(str(snap_dir))
+    assert sorted(os.listdir(snap_dir)) == ["t.rank0.state", "t.rank0.weight"] and "weight" not in snap
+    for rows in _random_batches(500, steps=4, seed=4):  # train on past the snapshot
+        w, s = tier.gather(rows)
+        tier.write_back(rows, w + 5, s + 5)
+    tier.load_state_dict(snap, where=str(snap_dir))
+    assert torch.equal(tier.materialized, dram.materialized)
+    assert all(torch.equal(x, y) for x, y in zip(tier.full_rows(0, 500), dram.full_rows(0, 500)))

@@ -33,10 +33,11 @@ def ckpt_root(run: str) -> str:
     return os.path.join(run, "checkpoints")
 
 
-def _rank_payload(state, step: int) -> Dict:
+def _rank_payload(state, step: int, directory: str) -> Dict:
     emb = state.emb
+    # DRAM stores: their touched rows in the payload; memory-mapped stores: a copy of their row files beside it
     payload = {"step": step, "rank": state.rank, "world": state.world,
-               "tables": {t: s.state_dict() for t, s in emb.stores.items()}}
+               "tables": {t: s.state_dict() if s.in_dram else s.snapshot(directory) for t, s in emb.stores.items()}}
     data_parallel = {"dense": {k: v.detach().cpu() for k, v in state.model.state_dict().items()},
                      "optimizer": state.optimizer.state_dict(),
                      "replicated": {t: {"weight": r.weight.detach().cpu(), "state": r.state.cpu()}
@@ -77,7 +78,7 @@ def save(run: str, state, step: int, sleep_s: float = 0.0) -> str:
     _barrier(state)
     path = os.path.join(tmp, f"rank-{state.rank:05d}.pt")
     part = f"{path}.part"
-    torch.save(_rank_payload(state, step), part)
+    torch.save(_rank_payload(state, step, tmp), part)
     if sleep_s:
         time.sleep(sleep_s)  # testing hook: a window for tests to kill the run mid-write
     with open(part, "rb") as f:

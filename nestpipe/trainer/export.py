@@ -59,16 +59,15 @@ def _store_blocks(ckpt: str, name: str, pmeta: Dict, seed: int, rank_files: Dict
     # dense local->value maps per rank (materialised rows only)
     per_rank = {}
     for r in range(pl.world):
-        t = rank_files[r]["tables"][name]
-        per_rank[r] = (t["rows"].numpy(), t["weight"], t["state"])
+        per_rank[r] = _rank_rows(ckpt, rank_files[r]["tables"][name])
+    dtype = table_dtype(rank_files[0]["tables"][name])
     for start in range(0, pl.vocab, block):
         ids = np.arange(start, min(pl.vocab, start + block), dtype=np.int64)
-        dtype = rank_files[0]["tables"][name]["weight"].dtype
         w = torch.from_numpy(init_rows(seed, pl.table_id, ids, dim, pmeta["init_scale"],
                                        pmeta.get("first_col", 0))).to(dtype)
         s = torch.zeros(len(ids), dtype=dtype)
         owner, local = pl.owner_and_row(ids)
-        for r, (rows, rw, rs) in per_rank.items():
+        for r, (rows, rw, rs, by_row) in per_rank.items():
             sel = np.nonzero(owner == r)[0]
             if not len(sel) or not len(rows):
                 continue
@@ -77,10 +76,28 @@ def _store_blocks(ckpt: str, name: str, pmeta: Dict, seed: int, rank_files: Dict
             hit = rows[pos_c] == local[sel]
             if hit.any():
                 dst = torch.from_numpy(sel[hit])
-                src = torch.from_numpy(pos_c[hit])
+                # rows saved in the payload are indexed by their position, a row file snapshot by the row itself
+                src = torch.from_numpy(rows[pos_c[hit]] if by_row else pos_c[hit])
                 w.index_copy_(0, dst, rw.index_select(0, src))
                 s.index_copy_(0, dst, rs.index_select(0, src))
         yield start, w, s
+
+
+def table_dtype(entry: Dict) -> torch.dtype:
+    """The dtype of a checkpointed store (a row file snapshot of the memory-mapped tier is float32)."""
+    return torch.float32 if "snapshot" in entry else entry["weight"].dtype
+
+
+def _rank_rows(ckpt: str, entry: Dict):
+    """(materialised rows ascending, weights, states, indexed by row?) of one store in one rank's checkpoint: the
+    payload's tensors, or the memory-mapped row files of a snapshot (read as the export's blocks need them)."""
+    if "snapshot" not in entry:
+        return entry["rows"].numpy(), entry["weight"], entry["state"], False
+    n, dim = int(entry["rows_total"]), int(entry["dim"])
+    w = np.memmap(os.path.join(ckpt, entry["snapshot"][0]), dtype=np.float32, mode="c", shape=(n, dim))
+    st = np.memmap(os.path.join(ckpt, entry["snapshot"][1]), dtype=np.float32, mode="c", shape=(n,))
+    rows = torch.nonzero(entry["materialized"]).flatten().numpy()
+    return rows, torch.from_numpy(w), torch.from_numpy(st), True
 
 
 def assemble(run: str, ckpt: str = None, max_rows_in_memory: int = 50_000_000) -> Dict[str, torch.Tensor]:
@@ -198,7 +215,7 @@ def export_safetensors(run: str, out_file: str, block_rows: int = 1_000_000) -> 
     entries = []
     for name, parts in _tables(meta["placement"]).items():
         parts = [(st, dict(pm, init_scale=cfg.embedding.init_scale)) for st, pm in parts]
-        dtype = rank_files[0]["tables"][parts[0][0]]["weight"].dtype
+        dtype = table_dtype(rank_files[0]["tables"][parts[0][0]])
         vocab, dim = parts[0][1]["vocab"], sum(pm["dim"] for _, pm in parts)
         states: list = []  # the state blocks, kept while the weight blocks are written (the weight comes first)
 

@@ -366,6 +366,11 @@ def bench_big(a):
                     cg = None
         try:
             res = run_ranks(big_worker, a, on_start=(lambda procs: [cg.add(p.pid) for p in procs]) if cg else None)
+        except RuntimeError as e:
+            if cg:  # a rank killed without a traceback: most likely the cgroup's out-of-memory killer
+                raise RuntimeError(f"{e}; the ranks ran in a memory cgroup of {a.memory_limit_gib} GiB (cache "
+                                   f"{a.big_cache_mb:.0f} MiB per rank): an out-of-memory kill shows in dmesg") from e
+            raise
         finally:
             if cg:
                 cg.close()

@@ -6,10 +6,12 @@ batch's buffer, update the buffer, :meth:`write_back`); the trainer never reads 
 The values moved are bitwise those of the DRAM store, so a run on this tier trains bitwise like one on DRAM.
 
 Files (``STORE_DIR/TABLE.rankR.{weight,state}``, raw float32, ``[rows, dim]`` and ``[rows]``, with
-``TABLE.rankR.json`` naming the run, world size and shape): memory-mapped, but never read through the mapping's
-pages for long: after every batch the store drops its mapping's pages (``MADV_DONTNEED``; the data stays in the
-page cache, and dirty pages are written by the kernel), so the process's resident memory is the cache, not the
-table.
+``TABLE.rankR.json`` naming the run, world size and shape): the weights are memory-mapped, but their pages are
+not kept mapped for long: the store drops them from the process (``MADV_DONTNEED``; the data stays in the page
+cache, and dirty pages are written by the kernel) whenever the rows touched could map a quarter of the cache's
+bytes, so the process's resident memory is the cache, not the table. The AdaGrad state, one float per row
+(1 / (dim + 1) of the shard), is kept in DRAM whole: read from disk it would cost a page per row like the weights;
+its file is written at every flush (checkpoints).
 
 Cache (``embedding.dram_cache_mb`` per rank, split over the rank's tiered stores by their row bytes), invariants:
 - a row is in at most one cache slot; ``slot_of[row]`` is its slot or -1;
@@ -110,6 +112,9 @@ class TieredRowStore:
             json.dump(meta, f)
         os.replace(meta_path + ".tmp", meta_path)
         self.paths = (base + ".weight", base + ".state")
+        # the AdaGrad state (one float per row: 1 / (dim + 1) of the shard) is worked on in DRAM, a read of it would
+        # cost a disk page per row like the weights; its file is written when the store is flushed (checkpoints)
+        self.state_mem = np.array(self.state_file)
         self._fds = [os.open(p, os.O_RDONLY) for p in self.paths]  # for read-ahead advice
         self.materialized = torch.zeros(n, dtype=torch.bool)
         self.num_materialized = 0
@@ -146,7 +151,7 @@ class TieredRowStore:
         8,000 cold rows in 3.6-5.1 s that way, 0.09-0.12 s after this advice)."""
         if not len(rows) or not hasattr(os, "posix_fadvise"):
             return
-        for fd, row_bytes in zip(self._fds, (self.dim * 4, 4)):
+        for fd, row_bytes in zip(self._fds[:1], (self.dim * 4,)):
             first = rows * row_bytes // mmap.PAGESIZE
             last = (rows * row_bytes + row_bytes - 1) // mmap.PAGESIZE
             pages = np.unique(np.concatenate([first, last]))
@@ -165,7 +170,7 @@ class TieredRowStore:
         w = np.empty((len(rows), self.dim), dtype=np.float32)
         s = np.empty(len(rows), dtype=np.float32)
         w[order] = self.weight_file[srt]
-        s[order] = self.state_file[srt]
+        s[order] = self.state_mem[srt]
         fresh = ~self.materialized.numpy()[rows]
         if fresh.any():
             ids = self.placement.ids_of_rows(self.rank, rows[fresh])
@@ -180,18 +185,18 @@ class TieredRowStore:
         self._will_need(rows[order])  # a row is part of a page: the page is read before it is written
         try:
             self.weight_file[rows[order]] = w[order]
-            self.state_file[rows[order]] = s[order]
+            self.state_mem[rows[order]] = s[order]
         except OSError as e:  # a full disk reaches a memory-mapped write as SIGBUS unless the blocks exist
             raise TierError(f"{self.paths[0]}: writing rows failed ({e})") from e
         self.timer.add("tier.write", time.perf_counter() - t0)
 
     def release_pages(self, touched_rows: int = -1) -> None:
         """Drop the mappings' pages from this process (the page cache keeps them) once the rows read or written
-        through them since the last drop could map more than a quarter of the cache's bytes (one 4 KiB page per
-        row and file at worst); ``touched_rows`` < 0: now. Resident memory stays about the cache's."""
+        through them since the last drop could map more than a quarter of the cache's bytes (one 4 KiB weight page
+        per row at worst); ``touched_rows`` < 0: now. Resident memory stays about the cache's."""
         if touched_rows >= 0:
             self._touched += touched_rows
-            if self._touched * 2 * mmap.PAGESIZE <= self.cache_rows * (self.dim + 1) * 4 // 4:
+            if self._touched * mmap.PAGESIZE <= self.cache_rows * (self.dim + 1) * 4 // 4:
                 return
         self._touched = 0
         for mm in (self.weight_file, self.state_file):
@@ -323,11 +328,12 @@ class TieredRowStore:
                 ids = self.placement.ids_of_rows(self.rank, rows)
                 w = init_rows(self.seed, self.placement.table_id, ids, self.dim, self.init_scale, self.first_col)
                 self.weight_file[lo:lo + len(rows)] = w
-                self.state_file[lo:lo + len(rows)] = 0.0
+                self.state_mem[lo:lo + len(rows)] = 0.0
                 self.release_pages()
             self.materialized[:] = True
             self.num_materialized = self._n
             self.weight_file.flush()
+            self.state_file[:] = self.state_mem
             self.state_file.flush()
 
     def drop_page_cache(self) -> None:
@@ -354,6 +360,7 @@ class TieredRowStore:
                                  self.cache_s.index_select(0, vt).numpy())
                 self.slot_dirty[dirty] = False
             self.weight_file.flush()
+            self.state_file[:] = self.state_mem
             self.state_file.flush()
             self.release_pages()
 
@@ -364,7 +371,7 @@ class TieredRowStore:
         r = rows.numpy()
         with self.lock:
             w = torch.from_numpy(np.ascontiguousarray(self.weight_file[r]))
-            s = torch.from_numpy(np.ascontiguousarray(self.state_file[r]))
+            s = torch.from_numpy(np.ascontiguousarray(self.state_mem[r]))
             self.release_pages()
         return {"rows": rows, "weight": w, "state": s}
 
@@ -400,6 +407,7 @@ class TieredRowStore:
             for fd in self._fds:
                 os.close(fd)
             self._fds = [os.open(p, os.O_RDONLY) for p in self.paths]
+            self.state_mem = np.array(self.state_file)
             self.resize_cache(self.cache_rows)
             self.materialized.copy_(d["materialized"])
             self.num_materialized = int(self.materialized.sum())

@@ -127,6 +127,9 @@ def test_mmap_tier_with_a_small_cache_trains_bitwise_like_dram(runs, model):
         stages = m["per_rank"][0]["stages_s"]
         assert stages.get("tier.read", 0) > 0 and stages.get("tier.write", 0) > 0, stages  # evictions happened
         assert os.listdir(os.path.join(run, "store"))
+        assert m["exposed_tier_s_per_step"] > 0
+        cats = {e["cat"] for e in json.load(open(os.path.join(run, "trace.json")))["traceEvents"] if e["ph"] == "X"}
+        assert {"tier.gather", "tier.write_back"} <= cats, cats
     # negative control: evicted updates not written back
     assert _diff(ref, assemble(runs[(model, "mmap-nowb")]))
 
@@ -174,3 +177,20 @@ def test_snapshot_copies_the_row_files_and_restores_them(tmp_path):
     tier.load_state_dict(snap, where=str(snap_dir))
     assert torch.equal(tier.materialized, dram.materialized)
     assert all(torch.equal(x, y) for x, y in zip(tier.full_rows(0, 500), dram.full_rows(0, 500)))
+
+
+def test_a_write_error_names_the_row_file(tmp_path):
+    import errno
+
+    _, tier = _pair(tmp_path, cache_rows=64)
+    rows = torch.arange(10)
+    w, s = tier.gather(rows)
+    tier.write_back(rows, w + 1, s + 1)
+
+    class FailingFile:
+        def __setitem__(self, key, value):
+            raise OSError(errno.EIO, "Input/output error")
+
+    tier.weight_file = FailingFile()
+    with pytest.raises(TierError, match=r"t\.rank0\.weight: writing rows failed .*Input/output error"):
+        tier.flush()

@@ -305,6 +305,7 @@ def build_state(cfg: TrainConfig, manifest: Manifest, rank: int, world: int, dev
     o = cfg.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                   weight_decay=o.weight_decay, foreach=False)
+    emb.timeline = timeline
     return StepState(cfg, manifest, rank, world, device, emb, model, optimizer, timer, group, groups, timeline)
 
 

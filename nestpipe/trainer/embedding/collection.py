@@ -39,6 +39,7 @@ communication thread can run the first two while the compute thread runs the den
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Dict, List, Optional, Tuple
@@ -212,6 +213,7 @@ class ShardedEmbeddingCollection:
         self.cfg, self.rank, self.world, self.device, self.group = cfg, rank, world, device, group
         self.dtype = dtype
         self.timer = timer or StageTimer()
+        self.timeline = None  # the run's trace (pipeline.timeline.Timeline), set by the trainer
         names = sorted(manifest.tables)
         unknown = sorted(set(cfg.table_lr) - set(names))
         if unknown or any(float(v) < 0 for v in cfg.table_lr.values()):
@@ -543,7 +545,8 @@ class ShardedEmbeddingCollection:
                 o.update_in_store = (self.device.type == "cpu" and self.replica_sync is None and self.update_in_store
                                      and store.in_dram)
                 # the update reads the AdaGrad state from the store when it updates there: no state in the buffer
-                w, s_ = store.gather(o.rows, with_state=not o.update_in_store)
+                with self._tier_span(store, "tier.gather", routing.batch.step):
+                    w, s_ = store.gather(o.rows, with_state=not o.update_in_store)
                 o.buf_w, o.buf_s = w.to(self.device), s_.to(self.device) if s_ is not None else None
                 o.src = o.buf_w
                 o.fwd_idx = [torch.from_numpy(p) for p in o.fwd_pos]
@@ -747,7 +750,7 @@ class ShardedEmbeddingCollection:
         for st, o in routing.own.items():
             store = self.stores[st]
             if o.bags:
-                self._update_bags(store, o, g)
+                self._update_bags(store, o, g, routing.batch.step)
                 continue
             o.dedup()
             grad_pairs = (o.entry_offsets, o.pair_src)
@@ -766,7 +769,8 @@ class ShardedEmbeddingCollection:
                 apply_adagrad(o.buf_w, o.buf_s, buf_rows, g, cfg.lr_of(store.table), cfg.eps, self.sparse_momentum_scale,
                               (o.seg_order, o.seg_offsets), o.inv, grad_pairs)
                 t_wb = time.perf_counter()
-                store.write_back(o.rows, o.buf_w, o.buf_s)
+                with self._tier_span(store, "tier.write_back", routing.batch.step):
+                    store.write_back(o.rows, o.buf_w, o.buf_s)
                 self.timer.add("update.write_back", time.perf_counter() - t_wb)
         if self.replica_sync is not None:  # 2D-SP: average the replicas of the touched rows (store and buffer)
             self.replica_sync.sync(routing, before)
@@ -776,7 +780,14 @@ class ShardedEmbeddingCollection:
             g.zero_()  # the gradients restart from zero (only the per-micro-batch-update control updates again)
         self.timer.add("update.sparse", time.perf_counter() - t0)
 
-    def _update_bags(self, store: RowStore, o: _OwnStore, g: torch.Tensor) -> None:
+    def _tier_span(self, store, stage: str, step: int):
+        """A span of the run's trace around a memory-mapped store's gather or write-back (its file reads and
+        writes happen there); nothing for DRAM stores or without a trace."""
+        if store.in_dram or self.timeline is None:
+            return contextlib.nullcontext()
+        return self.timeline.span(stage, step)
+
+    def _update_bags(self, store: RowStore, o: _OwnStore, g: torch.Tensor, step: int) -> None:
         """The bag update of one store (:func:`nestpipe.kernels.adagrad_bags`): in place in the store (direct, and
         buffered with the update in the store) with store rows as indices, else in the buffer with buffer
         positions (the sorted distinct rows: a monotone renumbering, so the arithmetic is the same) and written
@@ -796,7 +807,8 @@ class ShardedEmbeddingCollection:
         kernels.adagrad_bags(o.buf_w, o.buf_s, positions, o.bag_offsets, grad_output, self.cfg.lr_of(store.table),
                              self.cfg.eps)
         t_wb = time.perf_counter()
-        store.write_back(o.rows, o.buf_w, o.buf_s)
+        with self._tier_span(store, "tier.write_back", step):
+            store.write_back(o.rows, o.buf_w, o.buf_s)
         self.timer.add("update.write_back", time.perf_counter() - t_wb)
 
     @torch.no_grad()

@@ -21,8 +21,8 @@ Span = Dict[str, object]  # {"rank", "thread", "stage", "step", "mb", "t0", "t1"
 # display order of threads in traces and charts, and of stages (the five DBP stages, then the exchanges around the
 # dense compute) in the chart's lanes
 THREAD_ORDER = ["data", "h2d", "route", "retrieve", "compute", "comm", "embed-comm", "grad-comm"]
-STAGE_ORDER = ["prefetch", "h2d", "route", "retrieve", "prime", "embed.a2a", "fwd_bwd", "dense", "grad.a2a",
-               "dense.allreduce.comm", "update", "update.dense"]
+STAGE_ORDER = ["prefetch", "h2d", "route", "retrieve", "tier.gather", "prime", "embed.a2a", "fwd_bwd", "dense",
+               "grad.a2a", "dense.allreduce.comm", "update", "tier.write_back", "update.dense"]
 
 
 class Timeline:

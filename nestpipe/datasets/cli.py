@@ -86,11 +86,12 @@ def run_synth(args) -> int:
 
 def run_check_raw(args) -> int:
     from nestpipe.datasets import kuairand  # start-up time: Polars only for the command that runs
+    from nestpipe.utils import storage  # beside it: paths or fsspec URLs
 
     found = kuairand.discover(args.dir, release=args.release)
     print(f"{found.root}: KuaiRand {found.release} release, all columns as published (CSV headers, Parquet schemas)")
     for kind, paths in found.files.items():
         print(f"  {kind}: {len(paths)} file(s)")
         for p in paths:
-            print(f"    {os.path.basename(p)}  ({os.path.getsize(p) / 2**20:.1f} MiB)")
+            print(f"    {os.path.basename(p)}  ({storage.size(p) / 2**20:.1f} MiB)")
     return 0

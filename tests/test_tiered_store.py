@@ -194,3 +194,66 @@ def test_a_write_error_names_the_row_file(tmp_path):
     tier.weight_file = FailingFile()
     with pytest.raises(TierError, match=r"t\.rank0\.weight: writing rows failed .*Input/output error"):
         tier.flush()
+
+
+def _dual_buffer_run(store, batches):
+    """The retrieval stage's gather of batch t+1 on a thread while batch t is written back, then the dual-buffer
+    sync (rows of t and t+1 taken from t's updated buffer): the protocol the DBP schedules run on a store."""
+    import threading
+
+    rows = batches[0]
+    w, s = store.gather(rows)
+    for t in range(len(batches)):
+        new_w, new_s = w * 0.5 + 0.25 * (t + 1), s + 1.0  # batch t's update, in its buffer
+        nxt = {}
+        if t + 1 < len(batches):
+            th = threading.Thread(target=lambda: nxt.update(zip("ws", store.gather(batches[t + 1]))))
+            th.start()
+        store.write_back(rows, new_w, new_s)
+        if t + 1 < len(batches):
+            th.join()
+            nrows = batches[t + 1]
+            pos = {int(r): i for i, r in enumerate(rows)}
+            w, s = nxt["w"].clone(), nxt["s"].clone()
+            for j, r in enumerate(nrows.tolist()):
+                if r in pos:
+                    w[j], s[j] = new_w[pos[r]], new_s[pos[r]]
+            rows = nrows
+
+
+@pytest.mark.parametrize("cache_rows", [48, 24])
+def test_concurrent_gather_and_write_back_keep_the_dram_stores_values(tmp_path, cache_rows):
+    # 48: below two batches of about 36 rows (loads and evictions overlap the write-back); 24: below one (rows pass
+    # through; the next batch's gather loads rows while the write-back runs)
+    import time
+
+    dram, tier = _pair(tmp_path, cache_rows=cache_rows)
+    read = tier._read_rows
+
+    def slow_read(rows):  # a disk read long enough for batch t's write-back to land while batch t+1's rows load
+        out = read(rows)
+        time.sleep(0.003)
+        return out
+
+    tier._read_rows = slow_read
+    batches = list(_random_batches(200, steps=40, seed=7))
+    for store in (dram, tier):
+        _dual_buffer_run(store, batches)
+    assert tier.stats["evicted_dirty"] > 0 and (cache_rows > 36 or tier.stats["passed_through"] > 0)
+    assert all(torch.equal(x, y) for x, y in zip(dram.full_rows(0, 500), tier.full_rows(0, 500)))
+
+
+def test_a_write_back_that_lands_while_its_row_loads_is_kept(tmp_path):
+    # the interleaving the retrieval stage and the compute thread can produce, step by step: batch t+1 reserves a
+    # slot for row r and reads r from the file outside the lock; batch t's write-back of r lands in that slot;
+    # the read then must not overwrite it
+    _, tier = _pair(tmp_path, cache_rows=8)
+    rows = np.arange(5, dtype=np.int64)
+    slots, miss_idx, take = tier._reserve(rows)
+    assert len(take) == 5
+    new_w, new_s = torch.full((5, 8), 7.0), torch.full((5,), 3.0)
+    tier.write_back(torch.from_numpy(rows), new_w, new_s)
+    w_m, s_m, fresh = tier._read_rows(rows[miss_idx])
+    tier._install(rows, miss_idx, take, w_m, s_m, fresh)
+    w, s = tier.gather(torch.from_numpy(rows))
+    assert torch.equal(w, new_w) and torch.equal(s, new_s)

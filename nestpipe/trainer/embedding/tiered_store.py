@@ -19,7 +19,7 @@ Cache (``embedding.dram_cache_mb`` per rank, split over the rank's tiered stores
   retrieval stages bring them in one batch ahead: a batch never misses at compute time); when a batch misses more
   rows than the cache can free, the rest pass through uncached (read from the files, their write-back goes there);
 - eviction: least recently gathered first (each slot carries the batch counter of its last gather), only slots
-  not gathered by the current gather;
+  no gather in progress holds (a gather pins its hits and the slots it loads until it has copied them out);
 - a slot is dirty from the write-back of its row until its eviction or a flush; an evicted dirty row is written to
   the file before its slot is reused (``skip_dirty_write_back`` turns that off, for the negative-control test
   only), and :meth:`flush` writes every dirty row (checkpoints);
@@ -139,7 +139,7 @@ class TieredRowStore:
         self.slot_row = np.full(self.cache_rows, -1, dtype=np.int64)
         self.slot_used = np.zeros(self.cache_rows, dtype=np.int64)  # gather counter of the slot's last use
         self.slot_dirty = np.zeros(self.cache_rows, dtype=bool)
-        self.slot_loading = np.zeros(self.cache_rows, dtype=bool)  # reserved, its row being read outside the lock
+        self.slot_pins = np.zeros(self.cache_rows, dtype=np.int32)  # gathers between their reserve and copy-out
         self.slot_written = np.zeros(self.cache_rows, dtype=bool)  # written back while loading
         self.slot_of[:] = -1
         self.clock = 0
@@ -223,7 +223,7 @@ class TieredRowStore:
         free = np.flatnonzero(self.slot_row < 0)
         take = free[:len(miss_idx)]
         if len(take) < len(miss_idx):
-            cand = np.flatnonzero((self.slot_row >= 0) & (self.slot_used < self.clock) & ~self.slot_loading)
+            cand = np.flatnonzero((self.slot_row >= 0) & (self.slot_used < self.clock) & (self.slot_pins == 0))
             victims = cand[np.argsort(self.slot_used[cand], kind="stable")[:len(miss_idx) - len(take)]]
             self._evict(victims)
             take = np.concatenate([take, victims])
@@ -232,7 +232,6 @@ class TieredRowStore:
         self.slot_row[take] = reserved_rows
         self.slot_used[take] = self.clock
         self.slot_dirty[take] = False
-        self.slot_loading[take] = True
         self.slot_written[take] = False
         self.slot_of[reserved_rows] = take
         slots[miss_idx[:k]] = take
@@ -254,7 +253,6 @@ class TieredRowStore:
             self.cache_s.index_copy_(0, pt, torch.from_numpy(s[:k]).index_select(0, sel))
             # a row initialised by the read exists only in the cache: dirty, so that its eviction writes it
             self.slot_dirty[put] = fresh[:k][keep]
-        self.slot_loading[take] = False
         newly = rows[miss_idx][fresh] if fresh.any() else miss_idx[:0]
         if k < len(miss_idx) and fresh[k:].any():
             f = np.flatnonzero(fresh[k:]) + k
@@ -286,11 +284,17 @@ class TieredRowStore:
         r = rows.numpy().astype(np.int64, copy=False)
         with self.lock:
             slots, miss_idx, take = self._reserve(r)
+            # pinned until copied out: a concurrent gather (2D-SP's replica sync beside the retrieval stage) evicts
+            # neither this gather's hits nor the slots it is loading
+            pinned = slots[slots >= 0]
+            self.slot_pins[pinned] += 1
+        w_m = s_m = None
         if len(miss_idx):
             w_m, s_m, fresh = self._read_rows(r[miss_idx])
-            with self.lock:
-                self._install(r, miss_idx, take, w_m, s_m, fresh)
         with self.lock:
+            if len(miss_idx):
+                self._install(r, miss_idx, take, w_m, s_m, fresh)
+            self.slot_pins[pinned] -= 1
             cached = slots >= 0
             sl = torch.from_numpy(np.where(cached, slots, 0))
             w = self.cache_w.index_select(0, sl)

@@ -32,7 +32,8 @@ the GR workload it reads the very sequences NestPipe trains on and runs NestPipe
 Prints one row per (network, workload, mode): step time, samples/s, exposed communication and lookup per step, their
 ratio to off, and speedup over off; the bound line (nested step vs max(CPU-bound stages, communication)); the
 ratios to TorchRec. All ratios compare runs of one invocation (the machine is shared: compare within a run).
-Writes DIR/results.json and keeps every run directory (trace.json, timeline.png).
+Writes DIR/results.json and keeps every run directory (trace.json, timeline.png); the runs' checkpoints are removed
+unless ``--keep-checkpoints`` (they hold the tables: about 10 GB for one invocation).
 """
 
 from __future__ import annotations
@@ -161,6 +162,9 @@ def run_modes(args, shards, tag, prefix=None, modes=MODES, workload="gr", env=No
         os.environ.update(saved)
     if p.returncode != 0:
         sys.exit(f"{tag}: training failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+    if not args.keep_checkpoints:  # each GR run's final checkpoint holds the 1M-row table: ~0.5 GB a run
+        for r in [warm, *runs.values()]:
+            shutil.rmtree(os.path.join(r, "checkpoints"), ignore_errors=True)
     return {m: json.load(open(os.path.join(r, "metrics.json"))) for m, r in runs.items()}
 
 
@@ -386,6 +390,8 @@ def main(argv=None):
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=1_000_000, help="GR: item table rows")
     ap.add_argument("--out", default="/tmp/nestpipe-pipeline-bench")
+    ap.add_argument("--keep-checkpoints", action="store_true",
+                    help="keep every run's checkpoints (about 0.5 GB per GR run; removed after each plan otherwise)")
     ap.add_argument("--rate", type=float, default=None, help="skip calibration: cap in bit/s")
     ap.add_argument("--no-pooled", action="store_true", help="skip the pooled workload")
     ap.add_argument("--repeats", type=int, default=1, help="rounds per network; the median round is reported")

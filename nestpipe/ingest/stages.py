@@ -44,8 +44,8 @@ from nestpipe.ingest.ctr import CTRTask
 from nestpipe.ingest.engines import make_executor
 from nestpipe.ingest.executor import Executor
 from nestpipe.ingest.gr import GRTask
-from nestpipe.ingest.parse import (Chunk, ColumnSpec, parse_chunk, parse_parquet_chunk, plan_chunks, plan_parquet_chunks,
-                                   read_chunk_bytes)
+from nestpipe.ingest.parse import (Chunk, ColumnSpec, parse_chunk, parse_parquet_chunk, plan_chunks,
+                                   plan_parquet_chunks, read_chunk_bytes)
 from nestpipe.ingest.spill import write_partitioned
 from nestpipe.utils import storage
 from nestpipe.utils.jsonio import read_json, write_json_atomic
@@ -375,7 +375,8 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
     parse_units = []
     chunk_bytes = max(1, int(cfg.chunk_mb * (1 << 20)))
     for kind, fidx, path in inputs:
-        chunks = plan_parquet_chunks(path, chunk_bytes) if kuairand.is_parquet(path) else plan_chunks(path, chunk_bytes)[1]
+        parquet = kuairand.is_parquet(path)
+        chunks = plan_parquet_chunks(path, chunk_bytes) if parquet else plan_chunks(path, chunk_bytes)[1]
         for ch in chunks:
             parse_units.append((work, cfg.task, kind, fidx, path, ch.index, ch.start, ch.end, num_parts))
     s1 = ex.run(_unit_parse, parse_units, cfg, "1/4 parse", cost=lambda u: u[7] - u[6])  # chunk bytes
@@ -429,10 +430,10 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
         k = -1
         for k, first in enumerate(range(0, n_batches, per_shard)):
             shard_units.append((work, cfg.out, split, k, first, min(per_shard, n_batches - first),
-                                dict(_shard_opts(cfg, tables), upload_to=remote)))
+                                _shard_opts(cfg, tables, remote)))
         if tail and split != "train":
-            opts = {**_shard_opts(cfg, tables), "batch_size": tail, "micro_batches": min(cfg.micro_batches, tail),
-                    "first_sample": n_batches * B, "upload_to": remote}
+            opts = {**_shard_opts(cfg, tables, remote), "batch_size": tail,
+                    "micro_batches": min(cfg.micro_batches, tail), "first_sample": n_batches * B}
             shard_units.append((work, cfg.out, split, k + 1, n_batches, 1, opts))
     s4 = ex.run(_unit_shard, shard_units, cfg, "4/4 shards", rows_of=lambda s: s["samples"],
                 cost=lambda u: u[5])  # batches
@@ -486,8 +487,9 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
     return manifest
 
 
-def _shard_opts(cfg: IngestConfig, tables: Dict[str, shards.TableSpec]) -> Dict[str, Any]:
+def _shard_opts(cfg: IngestConfig, tables: Dict[str, shards.TableSpec], upload_to: Optional[str]) -> Dict[str, Any]:
     return {
+        "upload_to": upload_to,  # a URL --out: each shard uploaded whole as it completes
         "task": cfg.task, "batch_size": cfg.batch_size, "micro_batches": cfg.micro_batches, "seed": cfg.seed,
         "clustering": cfg.clustering, "tables": list(tables), "history_len": cfg.history_len,
         "cluster_tables": TASKS[cfg.task].cluster_tables,

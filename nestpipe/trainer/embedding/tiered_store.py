@@ -120,7 +120,6 @@ class TieredRowStore:
         self.num_materialized = 0
         self.timer = StageTimer()
         self._touched = 0  # rows read or written through the mappings since their pages were last dropped
-        self._last_evicted = self._last_read = 0
         self.slot_of = np.full(n, -1, dtype=np.int32 if n < 2**31 else np.int64)
         self.resize_cache(cache_rows)
         # negative control only (testing hook skip_tier_write_back): evicted dirty rows are lost
@@ -208,25 +207,25 @@ class TieredRowStore:
     def _reserve(self, rows: np.ndarray):
         """Under the lock: the slots of ``rows`` (unique); cache slots reserved for the missing ones (evicting the
         least recently gathered slots not used by this gather); -1 for rows that pass through uncached. Returns
-        (slots, indices of the missing rows, the reserved slots)."""
+        (slots, indices of the missing rows, the reserved slots, evicted rows written to the file)."""
         self.clock += 1
-        self._last_evicted = self._last_read = 0
         slots = self.slot_of[rows].astype(np.int64)
         miss = slots < 0
         self.slot_used[slots[~miss]] = self.clock
         self.stats["hits"] += int((~miss).sum())
         self.stats["misses"] += int(miss.sum())
         miss_idx = np.flatnonzero(miss)
-        self._last_read = len(miss_idx)
         if not len(miss_idx):
-            return slots, miss_idx, miss_idx
+            return slots, miss_idx, miss_idx, 0
         free = np.flatnonzero(self.slot_row < 0)
         take = free[:len(miss_idx)]
         if len(take) < len(miss_idx):
             cand = np.flatnonzero((self.slot_row >= 0) & (self.slot_used < self.clock) & (self.slot_pins == 0))
             victims = cand[np.argsort(self.slot_used[cand], kind="stable")[:len(miss_idx) - len(take)]]
-            self._evict(victims)
+            written = self._evict(victims)
             take = np.concatenate([take, victims])
+        else:
+            written = 0
         k = len(take)
         reserved_rows = rows[miss_idx[:k]]
         self.slot_row[take] = reserved_rows
@@ -236,7 +235,7 @@ class TieredRowStore:
         self.slot_of[reserved_rows] = take
         slots[miss_idx[:k]] = take
         self.stats["passed_through"] += len(miss_idx) - k
-        return slots, miss_idx, take
+        return slots, miss_idx, take, written
 
     def _install(self, rows: np.ndarray, miss_idx: np.ndarray, take: np.ndarray, w: np.ndarray, s: np.ndarray,
                  fresh: np.ndarray) -> None:
@@ -264,17 +263,18 @@ class TieredRowStore:
             self.materialized[torch.from_numpy(newly)] = True
             self.num_materialized += int((~was).sum())
 
-    def _evict(self, victims: np.ndarray) -> None:
+    def _evict(self, victims: np.ndarray) -> int:
+        """Free ``victims``, writing their updated rows to the file first; returns how many were written."""
         dirty = victims[self.slot_dirty[victims]]
         if len(dirty) and not self.skip_dirty_write_back:
             vt = torch.from_numpy(dirty)
             self._write_rows(self.slot_row[dirty], self.cache_w.index_select(0, vt).numpy(),
                              self.cache_s.index_select(0, vt).numpy())
         self.stats["evicted_dirty"] += len(dirty)
-        self._last_evicted += len(dirty)
         self.slot_of[self.slot_row[victims]] = -1
         self.slot_row[victims] = -1
         self.slot_dirty[victims] = False
+        return len(dirty)
 
     # -- RowStore's interface (the buffered path) ------------------------------------------------------------
     def gather(self, rows: torch.Tensor, with_state: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -283,7 +283,7 @@ class TieredRowStore:
         the disk."""
         r = rows.numpy().astype(np.int64, copy=False)
         with self.lock:
-            slots, miss_idx, take = self._reserve(r)
+            slots, miss_idx, take, evicted = self._reserve(r)
             # pinned until copied out: a concurrent gather (2D-SP's replica sync beside the retrieval stage) evicts
             # neither this gather's hits nor the slots it is loading
             pinned = slots[slots >= 0]
@@ -304,7 +304,7 @@ class TieredRowStore:
                 idx = torch.from_numpy(np.flatnonzero(~cached))
                 w.index_copy_(0, idx, torch.from_numpy(w_m[k:]))
                 s.index_copy_(0, idx, torch.from_numpy(s_m[k:]))
-            self.release_pages(self._last_read + self._last_evicted)
+            self.release_pages(len(miss_idx) + evicted)
             return w, (s if with_state else None)
 
     def write_back(self, rows: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> None:
@@ -368,17 +368,7 @@ class TieredRowStore:
             self.state_file.flush()
             self.release_pages()
 
-    # -- checkpoints and export: the materialised rows, as the DRAM store gives them --------------------------
-    def state_dict(self) -> Dict[str, torch.Tensor]:
-        self.flush()
-        rows = torch.nonzero(self.materialized).flatten()
-        r = rows.numpy()
-        with self.lock:
-            w = torch.from_numpy(np.ascontiguousarray(self.weight_file[r]))
-            s = torch.from_numpy(np.ascontiguousarray(self.state_mem[r]))
-            self.release_pages()
-        return {"rows": rows, "weight": w, "state": s}
-
+    # -- checkpoints (row file snapshots; a DRAM store's rows load too) and export ------------------------------
     def snapshot(self, directory: str) -> Dict[str, object]:
         """A checkpoint of this store that never holds the table in memory: every updated cached row written to the
         files, the files copied into ``directory`` (streamed by the kernel), and which rows are materialised."""

@@ -99,6 +99,9 @@ class RowStore:
         return {"rows": rows, "weight": self.weight.index_select(0, rows), "state": self.state.index_select(0, rows)}
 
     def load_state_dict(self, d: Dict[str, torch.Tensor], where: str = "") -> None:
+        if "snapshot" in d:
+            raise ValueError(f"{where}: table {self.name} was checkpointed by the memory-mapped tier (its row files); "
+                             "resume with --set embedding.tier=\"mmap\"")
         rows = d["rows"].to(torch.int64)
         if len(rows) and int(rows.max()) >= self.num_rows:
             raise ValueError(f"{where}: table {self.name}: checkpoint row {int(rows.max())} >= {self.num_rows} rows")

@@ -39,7 +39,9 @@ class StageTimer:
 
     def add_split(self, name: str, total_s: float, exposed_s: float) -> None:
         """Work that ran ``total_s`` in the background (e.g. an asynchronous collective) while the compute thread
-        waited ``exposed_s`` of it."""
+        waited ``exposed_s`` of it. The total is at least the wait: a wait that returns later than the collective's
+        completion callback (thread wake-up, the GIL) still held the compute thread that long."""
+        total_s = max(total_s, exposed_s)
         with self._lock:
             self.total[name] += total_s
             self.count[name] += 1

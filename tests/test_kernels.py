@@ -677,6 +677,42 @@ def test_dedup_rows_equals_stable_argsort(n, num_rows):
         assert np.array_equal(rows[bad], rows[got[0]]) and not np.array_equal(bad, got[0])
 
 
+@pytest.mark.parametrize("case", ["valid", "int32", "empty_micro_batch", "unsorted_keys", "key_out_of_range",
+                                  "value_out_of_range", "uncovered"])
+def test_micro_batch_values_equals_numpy(case):
+    """The data stage's one-pass kernel gives the NumPy formulation's arrays and status, valid input or not (each
+    invalid case has its own status, which prepare_batch turns into its error message)."""
+    from nestpipe.kernels import cpu
+
+    rng = np.random.default_rng(7)
+    B, U = 40, 50
+    lens = rng.integers(0, 6, B)
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    inverse = rng.integers(0, U, int(offsets[-1])).astype(np.int32 if case == "int32" else np.int64)
+    samples = np.sort(rng.choice(B, 0 if case == "empty_micro_batch" else 17, replace=False)).astype(np.int64)
+    keys = reference.micro_batch_values(offsets, samples, inverse, np.arange(U), U)[1]
+    keys = np.unique(keys).astype(np.int64)
+    expect_status = {"unsorted_keys": 1, "key_out_of_range": 1, "value_out_of_range": 2, "uncovered": 3}.get(case, 0)
+    if case == "unsorted_keys":
+        keys = keys[::-1].copy()
+    elif case == "key_out_of_range":
+        keys = np.append(keys, U)
+    elif case == "value_out_of_range":
+        inverse[offsets[samples[0]]:offsets[samples[0] + 1]] = U
+        inverse[offsets[samples[0]]] = U
+    elif case == "uncovered":
+        keys = keys[1:]
+    a = reference.micro_batch_values(offsets, samples, inverse, keys, U)
+    b = cpu.micro_batch_values(offsets, samples, inverse, keys, U)
+    assert a[5] == b[5] == expect_status
+    n = 5 if expect_status == 0 else 3  # value_pos is only meaningful for valid input
+    for x, y in zip(a[:n] + (a[4],), b[:n] + (b[4],)):
+        assert x.dtype == y.dtype == np.int64 and np.array_equal(x, y)
+    if case == "valid":
+        assert np.array_equal(keys[a[3]], a[1]) and len(a[1]) == lens[samples].sum() > 0
+        assert np.array_equal(inverse[a[4]], a[1]) and np.array_equal(np.bincount(a[2], minlength=17), lens[samples])
+
+
 def _bags(seed, rows=300, dim=16, n_bags=60, max_len=12):
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(0, max_len, (n_bags,), generator=g)

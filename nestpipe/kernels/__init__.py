@@ -45,7 +45,7 @@ __all__ = [
     "MAX_VOCAB", "OPS", "RoutedKeys", "place_keys", "adagrad_bags", "adagrad_update", "affine_params", "block_size", "dual_buffer_sync",
     "dual_buffer_sync_rows", "gather_rows", "gather_to_device", "kernel_paths", "map_into_vocab", "owner_num_rows", "placement",
     "placement_hash", "pool_segments", "pooled_lookup", "route_keys", "select_path", "sequence_lookup", "splitmix64",
-    "dedup_rows", "csr_by_segment", "taken_paths", "reset_taken", "forced", "hstu_attention",
+    "dedup_rows", "csr_by_segment", "micro_batch_values", "taken_paths", "reset_taken", "forced", "hstu_attention",
 ]
 
 
@@ -306,6 +306,23 @@ def pool_segments(src: torch.Tensor, index: torch.Tensor, offsets: Optional[torc
         rows.index_add_(0, seg, src.index_select(0, index))
     at = (out_offsets.to(out.device)[:, None] + torch.arange(D, device=out.device)).reshape(-1)
     out.view(-1)[at] = rows.reshape(-1).to(out.dtype)
+
+
+def micro_batch_values(offsets: np.ndarray, samples: np.ndarray, inverse: np.ndarray, keys: np.ndarray,
+                       num_keys: int):
+    """One table's values of one micro-batch, from a batch record's CSR layout.
+
+    ``offsets`` [B + 1] delimit every sample's values in ``inverse`` (each value's position in the batch's
+    ``num_keys`` unique keys); ``samples`` (ascending) are the micro-batch's samples; ``keys`` its unique key
+    positions (a sorted set). Returns ``(lengths, value_key, value_sample, value_pos, value_index, status)``:
+    per sample its value count; per value (sample after sample, in value order) its key position, its sample
+    within the micro-batch, its position in ``keys`` and its index in ``inverse``. ``status``: 0 valid, 1 ``keys``
+    not a sorted set within ``[0, num_keys)``, 2 a value outside ``[0, num_keys)``, 3 a value not in ``keys``
+    (checked in that order; ``value_pos`` is only meaningful at 0). Numba's single pass when Numba imports, else
+    NumPy; the same arrays either way (tested)."""
+    if note("micro_batch_values", select_path("micro_batch_values", "cpu")) == "numba":
+        return backend("numba").micro_batch_values(offsets, samples, inverse, keys, num_keys)
+    return reference.micro_batch_values(offsets, samples, inverse, keys, num_keys)
 
 
 def dedup_rows(rows: np.ndarray, num_rows: int):

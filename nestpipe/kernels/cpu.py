@@ -250,11 +250,15 @@ def _adagrad_pairs(weights, state, rows, src, order, offsets, entry_offsets, pai
 
 @numba.jit(**_JIT)
 def _place_keys(ids, a, b, vocab, rows_per_shard, owners, dest, local):
+    # unsigned arithmetic (every operand is >= 0 and a * id + b < 2**62): no sign fix-ups around the divisions,
+    # and one division gives the shard and the row (about half the time of the signed ``%`` and ``//``)
+    ua, ub, uv, ur = np.uint64(a), np.uint64(b), np.uint64(vocab), np.uint64(rows_per_shard)
+    n_owners = owners.shape[0]
     for i in range(ids.shape[0]):
-        p = (ids[i] * a + b) % vocab
-        s = p // rows_per_shard
-        dest[i] = owners[s] if owners.shape[0] else s
-        local[i] = p % rows_per_shard
+        p = (np.uint64(ids[i]) * ua + ub) % uv
+        s = p // ur
+        dest[i] = owners[s] if n_owners else np.int64(s)
+        local[i] = np.int64(p - s * ur)
 
 
 def place_keys(ids: np.ndarray, a: int, b: int, vocab: int, rows_per_shard: int, owners: np.ndarray):
@@ -264,6 +268,51 @@ def place_keys(ids: np.ndarray, a: int, b: int, vocab: int, rows_per_shard: int,
     _place_keys(np.ascontiguousarray(ids, dtype=np.int64), np.int64(a), np.int64(b), np.int64(vocab),
                 np.int64(rows_per_shard), owners, dest, local)
     return dest, local
+
+
+@numba.jit(**_JIT)
+def _micro_batch_values(offsets, samples, inverse, keys, num_keys):
+    m = samples.shape[0]
+    lengths = np.empty(m, dtype=np.int64)
+    total = 0
+    for j in range(m):
+        n = offsets[samples[j] + 1] - offsets[samples[j]]
+        lengths[j] = n
+        total += n
+    value_index = np.empty(total, dtype=np.int64)
+    value_key = np.empty(total, dtype=np.int64)
+    value_sample = np.empty(total, dtype=np.int64)
+    value_pos = np.full(total, -1, dtype=np.int64)
+    at = 0
+    for j in range(m):
+        for v in range(offsets[samples[j]], offsets[samples[j] + 1]):
+            value_index[at] = v
+            value_key[at] = inverse[v]
+            value_sample[at] = j
+            at += 1
+    for k in range(keys.shape[0]):
+        if keys[k] < 0 or keys[k] >= num_keys or (k > 0 and keys[k] <= keys[k - 1]):
+            return lengths, value_key, value_sample, value_pos, value_index, 1
+    for v in range(total):
+        if value_key[v] < 0 or value_key[v] >= num_keys:
+            return lengths, value_key, value_sample, value_pos, value_index, 2
+    posmap = np.full(num_keys, -1, dtype=np.int64)
+    for k in range(keys.shape[0]):
+        posmap[keys[k]] = k
+    status = 0
+    for v in range(total):
+        p = posmap[value_key[v]]
+        value_pos[v] = p
+        if p < 0:
+            status = 3
+    return lengths, value_key, value_sample, value_pos, value_index, status
+
+
+def micro_batch_values(offsets, samples, inverse, keys, num_keys: int):
+    """One pass over the micro-batch's values (see :func:`nestpipe.kernels.micro_batch_values`)."""
+    return _micro_batch_values(np.ascontiguousarray(offsets, dtype=np.int64),
+                               np.ascontiguousarray(samples, dtype=np.int64), np.ascontiguousarray(inverse),
+                               np.ascontiguousarray(keys, dtype=np.int64), np.int64(num_keys))
 
 
 @numba.jit(**_JIT)

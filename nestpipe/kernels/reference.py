@@ -94,6 +94,26 @@ def adagrad_bags(weight: torch.Tensor, state: torch.Tensor, indices: torch.Tenso
     weight.index_copy_(0, rows, weight.index_select(0, rows) - (lr / (torch.sqrt(s) + eps)).unsqueeze(1) * grad)
 
 
+def micro_batch_values(offsets, samples, inverse, keys, num_keys):
+    """One table's values of one micro-batch (see :func:`nestpipe.kernels.micro_batch_values`), in NumPy."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    keys = np.asarray(keys, dtype=np.int64)
+    lengths = offsets[samples + 1] - offsets[samples]
+    value_index = (np.repeat(offsets[samples] - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
+                   + np.arange(lengths.sum(), dtype=np.int64))
+    value_key = np.asarray(inverse)[value_index].astype(np.int64)
+    value_sample = np.repeat(np.arange(len(samples), dtype=np.int64), lengths)
+    if len(keys) and (keys.min() < 0 or keys.max() >= num_keys or np.any(keys[1:] <= keys[:-1])):
+        return lengths, value_key, value_sample, np.full(len(value_key), -1, np.int64), value_index, 1
+    posmap = np.full(num_keys, -1, dtype=np.int64)
+    posmap[keys] = np.arange(len(keys), dtype=np.int64)
+    if len(value_key) and (value_key.min() < 0 or value_key.max() >= num_keys):
+        return lengths, value_key, value_sample, np.full(len(value_key), -1, np.int64), value_index, 2
+    value_pos = posmap[value_key]
+    status = 3 if len(value_pos) and value_pos.min() < 0 else 0
+    return lengths, value_key, value_sample, value_pos, value_index, status
+
+
 def dedup_rows(rows):
     """Stable dedup of int64 numpy ``rows`` by one stable argsort: ``(order, uniq, starts, inv_sorted, inv)`` with
     ``rows[order]`` sorted (equal rows in ascending position), ``uniq`` the distinct rows, ``starts`` their first

@@ -24,6 +24,7 @@ from nestpipe.datasets.shards import (Manifest, ShardError, decode_sample, load_
                                       verify_shard)
 from nestpipe.trainer.embedding.batch import MicroBatchData, PreparedBatch
 from nestpipe.trainer.embedding.placement import to_vocab
+from nestpipe import kernels
 from nestpipe.utils.hashing import splitmix64
 
 
@@ -90,41 +91,32 @@ def prepare_batch(record: Dict, manifest: Manifest, step: int, rank: int, seed: 
         samples = np.nonzero(mb == i)[0].astype(np.int64)
         if len(samples) == 0:
             raise ShardError(f"{where}: micro-batch {i} is empty")
-        lengths, vkey, vsample, mkeys, vpos = {}, {}, {}, {}, {}
+        lengths, vkey, vsample, mkeys, vpos, vindex = {}, {}, {}, {}, {}, {}
         for t in keys:
-            off = offsets[t]
-            lens = (off[samples + 1] - off[samples]).astype(np.int64)
-            starts = off[samples]
-            # value indices of this micro-batch's samples, in sample order
-            idx = np.repeat(starts - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens) + np.arange(lens.sum())
-            inv = np.asarray(record[f"{t}.inverse"], dtype=np.int64)[idx]
+            inverse = np.asarray(record[f"{t}.inverse"])
             if repartition:
-                mk = np.unique(inv)
+                off = offsets[t]
+                lens = off[samples + 1] - off[samples]
+                idx = np.repeat(off[samples] - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens) + np.arange(lens.sum())
+                mk = np.unique(inverse[idx]).astype(np.int64)
             else:
                 mo = record[f"{t}.mb_offsets"]
                 mk = np.asarray(record[f"{t}.mb_unique"][mo[i]:mo[i + 1]], dtype=np.int64)
-            # position of each value in mk through a position map over the batch keys (mk and inv index them):
-            # O(U + nnz) and cache-resident (a searchsorted would be O(nnz log U))
-            nk = len(keys[t])
-            if len(mk) and (mk.min() < 0 or mk.max() >= nk or np.any(mk[1:] <= mk[:-1])):
-                raise ShardError(f"{where}: table {t}: micro-batch {i}'s mb_unique is not a sorted set of key "
-                                 "positions")
-            posmap = np.full(nk, -1, dtype=np.int64)
-            posmap[mk] = np.arange(len(mk), dtype=np.int64)
-            if len(inv) and (inv.min() < 0 or inv.max() >= nk):
-                raise ShardError(f"{where}: table {t}: {t}.inverse points outside the table's unique keys")
-            pos = posmap[inv] if len(inv) else np.zeros(0, dtype=np.int64)
-            if len(inv) and pos.min() < 0:
-                raise ShardError(f"{where}: table {t}: micro-batch {i}'s mb_unique does not cover its values")
-            lengths[t], vkey[t], vsample[t] = lens, inv, np.repeat(np.arange(len(samples)), lens)
-            mkeys[t], vpos[t] = mk, pos
+            # per value: its key position, its sample, and its position in mk (a position map over the batch keys:
+            # O(U + nnz) and cache-resident, where a searchsorted would be O(nnz log U))
+            lens, inv, vs, pos, vindex[t], status = kernels.micro_batch_values(offsets[t], samples, inverse, mk,
+                                                                               len(keys[t]))
+            if status:
+                raise ShardError(f"{where}: table {t}: " + (
+                    f"micro-batch {i}'s mb_unique is not a sorted set of key positions" if status == 1 else
+                    f"{t}.inverse points outside the table's unique keys" if status == 2 else
+                    f"micro-batch {i}'s mb_unique does not cover its values"))
+            lengths[t], vkey[t], vsample[t], mkeys[t], vpos[t] = lens, inv, vs, mk, pos
         fields = {k: v[samples] for k, v in per_sample_fields.items()}
-        for k, v in per_value_fields.items():
-            t0 = "item" if "item" in offsets else next(iter(offsets))
-            off = offsets[t0]
-            lens = lengths[t0]
-            idx = np.repeat(off[samples] - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens) + np.arange(lens.sum())
-            fields[k] = v[idx]
+        if per_value_fields:
+            idx = vindex["item" if "item" in offsets else next(iter(offsets))]
+            for k, v in per_value_fields.items():
+                fields[k] = v[idx]
         micro.append(MicroBatchData(i, samples, lengths, vkey, vsample, mkeys, vpos, fields))
     negatives = None
     n_rand, n_pop = num_negatives

@@ -468,51 +468,53 @@ class ShardedEmbeddingCollection:
             raise RuntimeError(f"table {st}: rank {self.rank} received a request for a row it does not own")
         slots = [s for s in self.slots if self.store_of(s) == st]
         pooled = self.slot_exchange(slots[0]) == "reduction" if slots else False
+        bags = self.bag_update()
         pair_entry, fwd_offsets, fwd_out, upd_src = [], [], [], []
         for i in range(N):
-            p_entry, p_seg, seg_out, n_seg = [], [], [], 0
+            p_entry, p_counts, seg_out, n_seg = [], [], [], 0
             for r in range(W):
                 for slot in slots:
                     lst = raw_mb[i][r][slot]
                     b0 = base[(r, slot)]
                     at = block_off[i][(r, slot)]
-                    if pooled:
-                        b = own_b[i][r]
-                        seg_r, entries_r = ReductionBased.segments(lst, b)
-                        p_seg.append(seg_r + n_seg)
-                        p_entry.append(entries_r + b0)
-                        seg_out.append(at + dim * np.arange(b, dtype=np.int64))
-                        n_seg += b
-                    else:
-                        p_entry.append(lst.astype(np.int64) + b0)
-                        seg_out.append(at + dim * np.arange(len(lst), dtype=np.int64))
+                    # a reduction-based list is [count per sample..., entries...] (ReductionBased.plan): entries
+                    # come sample after sample, so the pairs are grouped by segment already, in ascending pair
+                    # order within one (the order the ordered segment sum adds them in)
+                    b = own_b[i][r] if pooled else 0
+                    p_counts.append(lst[:b])
+                    p_entry.append(np.add(lst[b:], b0, dtype=np.int64))
+                    seg_out.append(at + dim * np.arange(b if pooled else len(lst), dtype=np.int64))
+                    n_seg += b
             e = np.concatenate(p_entry) if p_entry else np.zeros(0, np.int64)
             out_off = np.concatenate(seg_out) if seg_out else np.zeros(0, np.int64)
             if pooled:
-                seg = np.concatenate(p_seg) if p_seg else np.zeros(0, np.int64)
-                if len(seg) > 1 and not bool((seg[1:] >= seg[:-1]).all()):
-                    # pairs grouped by segment, ascending pair order within one: the order index_add_ sums in
-                    perm = np.argsort(seg, kind="stable")
-                    seg, e = seg[perm], e[perm]
+                counts = np.concatenate(p_counts) if p_counts else np.zeros(0, np.int64)
                 offs = np.zeros(n_seg + 1, dtype=np.int64)
-                np.cumsum(np.bincount(seg, minlength=n_seg), out=offs[1:])
+                np.cumsum(counts, out=offs[1:])
                 fwd_offsets.append(torch.from_numpy(offs))
-                upd_src.append(grad_mb_off[i] + out_off[seg])
+                # every pair's gradient offset (the entry update only): its segment's
+                if not bags:
+                    upd_src.append(grad_mb_off[i] + np.repeat(out_off, counts))
             else:
                 fwd_offsets.append(None)
-                upd_src.append(grad_mb_off[i] + out_off)
+                if not bags:
+                    upd_src.append(grad_mb_off[i] + out_off)
             pair_entry.append(e)
             fwd_out.append(torch.from_numpy(out_off))
         o = _OwnStore(rows_all, pair_entry, base, pooled=pooled, fwd_offsets=fwd_offsets, fwd_out=fwd_out,
                       upd_src=upd_src, num_store_rows=self.stores[st].num_rows)
-        if self.bag_update():
+        if bags:
             o.bags = True
             pe = np.concatenate(pair_entry) if pair_entry else np.zeros(0, np.int64)
             o.bag_rows = torch.from_numpy(rows_all[pe])
             if pooled:
-                sizes = np.concatenate([np.diff(f.numpy()) for f in fwd_offsets]) if N else np.zeros(0, np.int64)
-                bag_offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
-                np.cumsum(sizes, out=bag_offsets[1:])
+                # the micro-batches' CSRs, concatenated
+                bag_offsets = np.zeros(sum(len(f) - 1 for f in fwd_offsets) + 1, dtype=np.int64)
+                at, done = 1, 0
+                for f in fwd_offsets:
+                    bag_offsets[at:at + len(f) - 1] = f.numpy()[1:] + done
+                    at += len(f) - 1
+                    done += int(f[-1])
                 o.bag_offsets = torch.from_numpy(bag_offsets)
             else:
                 o.bag_offsets = torch.arange(len(pe) + 1, dtype=torch.int64)
@@ -540,7 +542,9 @@ class ShardedEmbeddingCollection:
                 if store.num_materialized < store.num_rows:
                     store.ensure_materialized(o.rows)
                 o.src = store.weight
-                o.fwd_idx = [torch.from_numpy(o.rows_all[e]) for e in o.pair_entry]
+                # every pair's store row: the bag update's rows, split by micro-batch (computed once)
+                o.fwd_idx = (list(torch.split(o.bag_rows, [len(e) for e in o.pair_entry])) if o.bags
+                             else [torch.from_numpy(o.rows_all[e]) for e in o.pair_entry])
             else:
                 o.update_in_store = (self.device.type == "cpu" and self.replica_sync is None and self.update_in_store
                                      and store.in_dram)

@@ -46,7 +46,8 @@ class ReductionBased:
         b = int(num_samples) if num_samples is not None else (int(value_sample[-1]) + 1 if len(value_sample) else 0)
         if owner is not None:
             counts = np.bincount(value_sample, minlength=b).astype(np.int64)
-            entries = pos_in_dest[value_key]
+            # one owner: every key is in its list, in key order (``pos_in_dest`` is the identity)
+            entries = value_key
             empty = np.zeros(b, np.int64)
             return [np.concatenate([counts, entries]) if r == owner else np.concatenate([empty, entries[:0]])
                     for r in range(world)]

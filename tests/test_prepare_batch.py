@@ -1,0 +1,74 @@
+"""The data stage's per-batch preparation (``nestpipe.trainer.data.prepare_batch``) on both host-op paths.
+
+Every micro-batch's per-value arrays are checked against their definition (values of the micro-batch's samples in
+sample order), and a corrupt record fails naming the table and what is wrong.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nestpipe import kernels
+from nestpipe.clustering import tables_fields
+from nestpipe.datasets.shards import Manifest, ShardError, TableSpec
+from nestpipe.trainer.data import prepare_batch
+
+PATHS = ["reference"] + (["numba"] if kernels.select.has_numba() else [])
+
+
+def _batch(micro_batches=3, B=30, seed=0):
+    rng = np.random.default_rng(seed)
+    feats = {}
+    for t in ("a", "b"):
+        lens = rng.integers(0, 5, B)
+        feats[t] = (rng.integers(0, 40, int(lens.sum())).astype(np.int64), lens)
+    mb = rng.integers(0, micro_batches, B).astype(np.int32)
+    mb[:micro_batches] = np.arange(micro_batches)
+    rec = {"meta": {"micro_batches": micro_batches}, "mb": mb, "dense": rng.normal(size=(B, 2)).astype(np.float32),
+           "labels": rng.integers(0, 2, (B, 1)).astype(np.float32)}
+    for name, fields in tables_fields(feats, mb).items():
+        rec.update({f"{name}.{f}": arr for f, arr in fields.items()})
+    man = Manifest(task="ctr", batch_size=B, micro_batches=micro_batches, sets={},
+                   tables={t: TableSpec(100, 4, "pooled") for t in feats}, dense_features=["x", "y"],
+                   labels=["is_click"])
+    return rec, man, feats
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_micro_batches_hold_their_samples_values(path):
+    rec, man, feats = _batch()
+    with kernels.forced({"micro_batch_values": path}):
+        batch = prepare_batch(rec, man, step=0, rank=0, seed=0, where="shard-0.tar record 0")
+    for t, (values, lens) in feats.items():
+        off = np.concatenate([[0], np.cumsum(lens)])
+        for mbd in batch.micro:
+            expect = np.concatenate([values[off[s]:off[s + 1]] for s in mbd.samples])
+            assert np.array_equal(batch.keys[t][mbd.value_key[t]], expect)
+            assert np.array_equal(mbd.mb_keys[t][mbd.value_pos[t]], mbd.value_key[t])
+            assert np.array_equal(mbd.value_sample[t], np.repeat(np.arange(len(mbd.samples)), lens[mbd.samples]))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("corrupt,message", [
+    ("unsorted", "table a: micro-batch 0's mb_unique is not a sorted set of key positions"),
+    ("inverse", "table a: a.inverse points outside the table's unique keys"),
+    ("uncovered", "table a: micro-batch 0's mb_unique does not cover its values"),
+])
+def test_corrupt_record_names_table_and_fault(path, corrupt, message):
+    rec, man, _ = _batch()
+    mo = rec["a.mb_offsets"]
+    mu = rec["a.mb_unique"].copy()
+    if corrupt == "unsorted":
+        mu[mo[0]:mo[1]] = mu[mo[0]:mo[1]][::-1]
+    elif corrupt == "inverse":
+        inv = rec["a.inverse"].copy()
+        inv[:] = len(rec["a.unique"])
+        rec["a.inverse"] = inv
+    else:
+        mu = np.delete(mu, mo[0])
+        rec["a.mb_offsets"] = mo - np.array([0] + [1] * (len(mo) - 1))
+    rec["a.mb_unique"] = mu
+    with kernels.forced({"micro_batch_values": path}), pytest.raises(ShardError) as err:
+        prepare_batch(rec, man, step=0, rank=0, seed=0, where="shard-0.tar record 0")
+    assert str(err.value) == "shard-0.tar record 0: " + message

@@ -8,7 +8,8 @@ lengths, dense features and labels), cycled; the first ``--warmup`` steps are no
 
 - NestPipe: ``nestpipe.trainer.step.train_step`` on in-memory records of the shard format (micro-batches from
   ``--micro-batches``; 1 = the whole batch), all tables reduction-based. Its time includes the host preparation
-  (``prepare_batch``), key routing, retrieval, exchange, dense fwd/bwd and both updates.
+  (``prepare_batch``), key routing, retrieval, exchange, dense fwd/bwd and both updates; as the trainer runs
+  ``off``, each step prepares the next batch and issues its routing All2Alls (``pipe.route_ahead``).
 - TorchRec (when ``--torchrec-python`` points at a python with torchrec 1.8 + fbgemm-gpu-cpu, e.g. a separate venv,
   never the project's): ``EmbeddingBagCollection`` under ``DistributedModelParallel`` with the default CPU plan,
   fused row-wise AdaGrad (``apply_optimizer_in_backward``), ``TrainPipelineSparseDist``.
@@ -136,7 +137,9 @@ def nestpipe_worker(rank: int, world: int, a, port: int, q):
             prof.enable()
         dist.barrier()
         t0 = time.perf_counter()
-        loss = train_step(state, step, recs[step % len(recs)])
+        # as the trainer's runner calls it: the next batch prepared and routed during this one (pipe.route_ahead)
+        nxt = (recs[(step + 1) % len(recs)], "") if cfg.pipe.route_ahead and step + 1 < a.warmup + a.steps else None
+        loss = train_step(state, step, recs[step % len(recs)], next_record=nxt)
         times.append(time.perf_counter() - t0)
     if prof is not None:
         prof.disable()

@@ -100,6 +100,8 @@ def runs(tmp_path_factory):
         add(plan2, 2, model, "fwp", "fwp")
     for model in ("hstu", "dlrm"):
         add(plan2, 2, model, "auto", "auto")
+        add(plan2, 2, model, "off-noahead", "off", route_ahead=False)
+    add(plan2, 2, "dlrm", "off-stale-ahead", "off", hooks={"route_ahead_repeat_record": True})
     nosync = {"skip_dual_buffer_sync": True}  # negative control (nestpipe.trainer.testing_hooks)
     add(plan2, 2, "hstu", "nosync", "nested", hooks=nosync)
     add(plan2, 2, "dlrm", "nosync", "nested", hooks=nosync)
@@ -258,6 +260,31 @@ def test_dbp_alone_and_fwp_alone_are_bitwise_equal_to_off(runs, model, world):
     for rank in range(world):  # each schedule overlapped what it overlaps, and only that
         assert tl.a2a_overlaps(dbp, rank) == [] and len(tl.retrieval_overlaps(dbp, rank)) > 0
         assert tl.retrieval_overlaps(fwp, rank) == [] and len(tl.a2a_overlaps(fwp, rank)) > 0
+
+
+@pytest.mark.parametrize("model", ["hstu", "dlrm"])
+def test_routing_ahead_is_bitwise_equal_to_routing_in_step(runs, model):
+    """off's default (pipe.route_ahead): batch t+1 is prepared and its routing All2Alls issued during batch t; the
+    trained parameters are those of routing every batch in its own step, and the trace shows each batch routed
+    during the one before it (only in the ahead run)."""
+    ahead, inline = runs[(2, model, "off")], runs[(2, model, "off-noahead")]
+    assert _bitwise_diff(_export(ahead), _export(inline)) == []
+    for run, expect in ((ahead, True), (inline, False)):
+        spans = _spans(run)
+        for rank in range(2):
+            early = {s["step"]: s["t0"] for s in spans if s["rank"] == rank and s["stage"] == "route.ahead"}
+            upd = {s["step"]: s["t1"] for s in spans if s["rank"] == rank and s["stage"] == "update"}
+            if not expect:
+                assert early == {}
+                continue
+            # segments end drained: step 0 is routed in its own step, every later one during the step before
+            assert sorted(early) == list(range(1, STEPS)), (rank, sorted(early))
+            assert all(early[t] < upd[t - 1] for t in early), rank
+
+
+def test_negative_control_stale_batch_routed_ahead_breaks_equality(runs):
+    diff = _bitwise_diff(_export(runs[(2, "dlrm", "off")]), _export(runs[(2, "dlrm", "off-stale-ahead")]))
+    assert any(k.startswith("embedding.") for k in diff), diff
 
 
 @pytest.mark.parametrize("model", ["hstu", "dlrm"])
@@ -454,7 +481,8 @@ def test_runs_use_their_saved_sharding_plan(runs):
 
 # the kernel ops the trainer runs (nestpipe.kernels' public ops: routing, grouping, gathers, pooling, updates, sync)
 TRAINER_KERNEL_OPS = {"place_keys", "gather_rows", "adagrad_update", "adagrad_bags", "pool_segments",
-                      "dual_buffer_sync_rows", "dedup_rows", "csr_by_segment", "lookup", "hstu_attention"}
+                      "dual_buffer_sync_rows", "dedup_rows", "csr_by_segment", "micro_batch_values", "lookup",
+                      "hstu_attention"}
 
 
 def _paths_problem(recorded, rule):
@@ -476,8 +504,9 @@ def test_kernel_paths_record_what_ran(runs, model, name):
     m = json.load(open(os.path.join(runs[(2, model, name)], "metrics.json")))
     assert _paths_problem(m["kernel_paths"], m["kernel_rule"]) is None, m["kernel_paths"]
     assert all(r["kernel_paths"] for r in m["per_rank"])  # every rank noted its calls, with counts
-    # the routing, the owner update and the exchange all went through the dispatch
-    assert set(m["kernel_paths"]) >= {"place_keys", "adagrad_bags", "pool_segments"}, m["kernel_paths"]
+    # the data stage, the routing, the owner update and the exchange all went through the dispatch
+    assert set(m["kernel_paths"]) >= {"place_keys", "adagrad_bags", "pool_segments", "micro_batch_values"}, \
+        m["kernel_paths"]
     if model == "hstu":  # the dense model's jagged attention went through the dispatch too
         assert set(m["kernel_paths"].get("hstu_attention", [])) & {"numba", "blocked"}, m["kernel_paths"]
     # negative control: the rule's table (what metrics.json held before) lists paths this run never took

@@ -60,6 +60,10 @@ class PipelineConfig:
     boundary_prime: int = opt(
         1, help="how many of the next batch's embedding All2Alls start at the batch boundary, while this batch's "
         "dense all-reduce is in flight (a schedule choice; the arithmetic is the same)", minimum=1)
+    route_ahead: bool = opt(
+        True, help="off and fwp: prepare the next batch and issue its key-routing All2Alls asynchronously during this "
+        "batch (waited for at the next step), as a pipelined input distribution does; routing reads keys only, so "
+        "nothing in the arithmetic changes")
     micro_batching: str = opt(
         "clustered", help="clustered: the shard's key-centric partition; random: re-partition every batch uniformly "
         "at random (same samples, same gradient sum up to summation order)", choices=("clustered", "random"))

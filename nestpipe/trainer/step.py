@@ -35,7 +35,7 @@ from nestpipe.trainer.data import prepare_batch
 from nestpipe.trainer.distributed import sparse_groups
 from nestpipe.trainer.embedding import replica_sync
 from nestpipe.trainer.embedding.batch import NEG_SLOT, PreparedBatch
-from nestpipe.trainer.embedding.collection import Routing, ShardedEmbeddingCollection
+from nestpipe.trainer.embedding.collection import RouteInFlight, Routing, ShardedEmbeddingCollection
 from nestpipe.trainer.models import build_model, model_spec
 from nestpipe.utils.timing import StageTimer
 
@@ -61,6 +61,7 @@ class StepState:
     # GR: step -> (tokens, attention cost a n^2 + b n summed over the batch's sequences) of this rank's batch, for
     # metrics.json's token_imbalance across ranks
     batch_costs: Dict[int, Tuple[int, float]] = dataclasses.field(default_factory=dict)
+    routed_ahead: Optional["RoutedAhead"] = None  # the next batch, its routing in flight (pipe.route_ahead)
 
 
 def sequence_cost(manifest: Manifest) -> SequenceCost:
@@ -262,19 +263,45 @@ def stage_update(state: StepState, routing: Routing, loss: torch.Tensor, release
     return update_dense(state, red)
 
 
+@dataclasses.dataclass
+class RoutedAhead:
+    """The next batch, prepared, with its key routing in flight (``pipe.route_ahead``): issued during the previous
+    step, taken by :func:`train_step` of step ``step``."""
+
+    step: int
+    batch: PreparedBatch
+    route: RouteInFlight
+
+
 def train_step(state: StepState, step: int, record: Dict, where: str = "",
-               forward_backward: Optional[Callable[[Routing, List[Dict[str, torch.Tensor]]], torch.Tensor]] = None
-               ) -> float:
+               forward_backward: Optional[Callable[[Routing, List[Dict[str, torch.Tensor]]], torch.Tensor]] = None,
+               next_record: Optional[Tuple[Dict, str]] = None) -> float:
     """One synchronous step: the stages above, one after another. ``forward_backward`` replaces
     :func:`stage_forward_backward` (same contract: every micro-batch in order, gradients accumulated on return):
-    the ``fwp`` schedule passes the Frozen-Window Pipeline's."""
+    the ``fwp`` schedule passes the Frozen-Window Pipeline's.
+
+    ``next_record`` (the next step's record and where it came from; ``pipe.route_ahead``): the next batch is
+    prepared and its key routing issued during this step -- the counts All2All before this batch's retrieval,
+    the payload All2All after its backward -- and the next call takes it (``state.routed_ahead``) instead of
+    preparing and routing ``record`` itself. Routing depends on keys only, so the step's arithmetic is unchanged;
+    every rank issues the same collectives in the same order. A step without ``next_record`` leaves nothing in
+    flight (segments end drained)."""
     tl = state.timeline
+    ahead, state.routed_ahead = state.routed_ahead, None
+    if ahead is not None and ahead.step != step:
+        raise RuntimeError(f"the batch routed ahead is step {ahead.step}'s, this is step {step}")
     with _span(tl, "prefetch", step):
-        batch = stage_prefetch(state, step, record, where)
+        batch = stage_prefetch(state, step, record, where) if ahead is None else ahead.batch
     with _span(tl, "h2d", step):
         feats = stage_h2d(state, batch)
     with _span(tl, "route", step):
-        routing = stage_route(state, batch)
+        routing = stage_route(state, batch) if ahead is None else state.emb.input_dist_finish(ahead.route)
+    if next_record is not None:
+        if testing_hooks.active().route_ahead_repeat_record:
+            next_record = (record, where)  # negative control: the next step trains on this step's batch again
+        with _span(tl, "route.ahead", step + 1):
+            nxt = stage_prefetch(state, step + 1, next_record[0], next_record[1])
+            state.routed_ahead = RoutedAhead(step + 1, nxt, state.emb.input_dist_begin(nxt, _group(state, "route")))
     with _span(tl, "retrieve", step):
         stage_retrieve(state, routing)
     sleep_s = testing_hooks.active().step_sleep_s
@@ -285,6 +312,8 @@ def train_step(state: StepState, step: int, record: Dict, where: str = "",
             loss = stage_forward_backward(state, routing, feats)
         else:
             loss = forward_backward(routing, feats)
+    if state.routed_ahead is not None:
+        state.emb.input_dist_advance(state.routed_ahead.route)  # the counts have long arrived: issue the payload
     with _span(tl, "update", step):
         return stage_update(state, routing, loss)
 

@@ -34,6 +34,7 @@ class TestingHooks:
     update_per_micro_batch: bool = False  # FWP: the update runs after every micro-batch (the window is not frozen)
     replica_refresh_own_keys_only: bool = False  # 2D-SP + DBP: the sync refreshes only the group's own keys(t)
     skip_tier_write_back: bool = False  # tier=mmap: updated rows evicted from the DRAM cache are not written back
+    route_ahead_repeat_record: bool = False  # pipe.route_ahead: the batch routed ahead is this step's again (stale)
     # faults and timing: raise on ``fail_rank`` at step ``fail_step``; sleep inside checkpoint writes or between
     # retrieval and forward (a batch in flight), so a test can kill the run there
     fail_step: int = -1

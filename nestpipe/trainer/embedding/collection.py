@@ -206,6 +206,41 @@ class Routing:
     grad_payload: Optional[torch.Tensor] = None
 
 
+class RouteInFlight:
+    """One batch's key routing issued ahead (:meth:`ShardedEmbeddingCollection.input_dist_begin`): the requester's
+    plans and the routing All2All in flight (first the counts, then the payload). Each collective is asynchronous:
+    its time from issue to completion counts as ``route.comm`` and only the compute thread's wait for it as
+    exposed."""
+
+    def __init__(self, batch: PreparedBatch, req: Dict[str, "_ReqSlot"], payload: List[np.ndarray], group):
+        self.batch, self.req, self.payload, self.group = batch, req, payload, group
+        self.counts: Optional[np.ndarray] = None  # the received counts, once the first All2All has arrived
+        self._work = None
+        self._out: Optional[torch.Tensor] = None
+        self._send: Optional[torch.Tensor] = None
+        self._t_issue = 0.0
+        self._t_done: Optional[float] = None
+
+    def issue(self, emb: "ShardedEmbeddingCollection", send: torch.Tensor, send_splits: List[int],
+              recv_splits: List[int]) -> None:
+        out = send.new_empty(sum(recv_splits))
+        self._t_issue, self._t_done = time.perf_counter(), None
+        self._work = dist.all_to_all_single(out, send, recv_splits, send_splits,
+                                            group=self.group if self.group is not None else emb.group, async_op=True)
+        self._work.get_future().add_done_callback(lambda _f: setattr(self, "_t_done", time.perf_counter()))
+        emb.timer.add_bytes("route", (sum(send_splits) - send_splits[emb.rank]) * send.element_size())
+        self._out, self._send = out, send  # both held until the collective completes
+
+    def wait(self, emb: "ShardedEmbeddingCollection") -> torch.Tensor:
+        t0 = time.perf_counter()
+        self._work.wait()
+        t1 = time.perf_counter()
+        done = min(self._t_done, t1) if self._t_done is not None else t1
+        emb.timer.add_split("route.comm", done - self._t_issue, t1 - t0)
+        self._work, self._send = None, None
+        return self._out
+
+
 class ShardedEmbeddingCollection:
     def __init__(self, manifest: Manifest, cfg: EmbeddingConfig, seed: int, rank: int, world: int,
                  device: torch.device, negatives: bool = False, group=None, timer: Optional[StageTimer] = None,
@@ -313,11 +348,46 @@ class ShardedEmbeddingCollection:
         counts, payload = self._route_payload(batch, req)
         t0 = time.perf_counter()
         got_counts, got = self._exchange_route(batch, counts, payload, group)
+        routing = self._owner_side(batch, req, got_counts, got)
+        self.timer.add("route.total", time.perf_counter() - t0)
+        return routing
+
+    def input_dist_begin(self, batch: PreparedBatch, group=None) -> "RouteInFlight":
+        """:meth:`input_dist` issued ahead (``pipe.route_ahead``): the requester's plans, and the counts All2All
+        issued asynchronously. Then :meth:`input_dist_advance` (the payload All2All, asynchronously, once the counts
+        have arrived) and :meth:`input_dist_finish` (the owner's plans). The same collectives carry the same bytes
+        in the same order on every rank, so the Routing is the one :meth:`input_dist` returns."""
+        req = {slot: self._requester_slot(batch, slot) for slot in self.slots}
+        counts, payload = self._route_payload(batch, req)
+        C = counts.shape[1]
+        rif = RouteInFlight(batch, req, payload, group)
+        rif.issue(self, torch.from_numpy(counts.reshape(-1)).to(self.device), [C] * self.world,
+                  [C] * self.world)
+        return rif
+
+    def input_dist_advance(self, rif: "RouteInFlight") -> None:
+        """Wait for the counts (issued by :meth:`input_dist_begin`) and issue the payload All2All."""
+        W, S, N = self.world, len(self.slots), len(rif.batch.micro)
+        got_counts = rif.wait(self).view(W, -1).cpu().numpy()
+        rif.counts = got_counts
+        send = self._route_send(rif.batch, rif.payload)
+        rif.issue(self, send, [len(p) for p in rif.payload], [int(x) for x in got_counts[:, :S + N * S].sum(1)])
+
+    def input_dist_finish(self, rif: "RouteInFlight") -> Routing:
+        """Wait for the payload and build the owner's plans: the batch's Routing."""
+        t0 = time.perf_counter()
+        if rif.counts is None:
+            self.input_dist_advance(rif)
+        got = rif.wait(self).cpu().numpy()
+        routing = self._owner_side(rif.batch, rif.req, rif.counts, got)
+        self.timer.add("route.total", time.perf_counter() - t0)
+        return routing
+
+    def _owner_side(self, batch: PreparedBatch, req, got_counts: np.ndarray, got: np.ndarray) -> Routing:
         entries, base, raw_mb, own_b = self._parse_route(batch, got_counts, got)
         send_splits, recv_splits, block_off, grad_mb_off = self._payload_splits(batch, req, raw_mb, own_b)
         own = {st: self._owner_plan(st, entries[st], base[st], raw_mb, own_b, block_off, grad_mb_off)
                for st in self.stores}
-        self.timer.add("route.total", time.perf_counter() - t0)
         return Routing(batch, req, own, own_b, send_splits, recv_splits, self._negatives_inverse(batch), grad_mb_off)
 
     def _negatives_inverse(self, batch: PreparedBatch) -> Optional[torch.Tensor]:
@@ -384,14 +454,17 @@ class ShardedEmbeddingCollection:
         C = counts.shape[1]
         got_counts = self._a2a(torch.from_numpy(counts.reshape(-1)).to(self.device), [C] * W, [C] * W, "route", group)
         got_counts = got_counts.view(W, C).cpu().numpy()
+        got = self._a2a(self._route_send(batch, payload), [len(p) for p in payload],
+                        [int(x) for x in got_counts[:, :S + N * S].sum(1)], "route", group)
+        return got_counts, got.cpu().numpy()
+
+    def _route_send(self, batch: PreparedBatch, payload: List[np.ndarray]) -> torch.Tensor:
+        """The routing payload as one tensor of the routing dtype (int32 where the manifest bounds every value)."""
         flat = np.concatenate(payload)
         if self.route_dtype == np.int32 and len(flat) and int(flat.max()) >= 2 ** 31:
             raise RuntimeError(f"step {batch.step}: a routing value ({int(flat.max())}) exceeds int32 although the "
                                f"manifest bounds it (batch size {self.manifest_batch_size})")
-        send_payload = torch.from_numpy(flat.astype(self.route_dtype, copy=False)).to(self.device)
-        got = self._a2a(send_payload, [len(p) for p in payload], [int(x) for x in got_counts[:, :S + N * S].sum(1)],
-                        "route", group)
-        return got_counts, got.cpu().numpy()
+        return torch.from_numpy(flat.astype(self.route_dtype, copy=False)).to(self.device)
 
     def _parse_route(self, batch: PreparedBatch, got_counts: np.ndarray, got: np.ndarray):
         """Owner side, in (requester, slot) order: the rows every requester asked for per store (``entries``, with

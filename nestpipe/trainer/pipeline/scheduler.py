@@ -4,6 +4,7 @@ Every mode runs the same stage functions of :mod:`nestpipe.trainer.step` on the 
 groups; only where (which thread) and when they run differs:
 
     off     prefetch, h2d, route, retrieve, [embed a2a, dense, grad a2a] x N, update   - all on the compute thread
+            (with ``pipe.route_ahead``, the next batch's prefetch and routing collectives are issued during this one)
     fwp     as off, but the N micro-batches run in the Frozen-Window Pipeline (``embed-comm``/``grad-comm`` threads)
     dbp     the five-stage Dual-Buffer Pipeline; micro-batches as in off
     nested  DBP between batches and FWP inside each batch (the default)
@@ -156,14 +157,18 @@ class PipelineRunner:
     def _run_sequential(self, records, start, stop, before_step, fw):
         """``off`` and ``fwp``: :func:`~nestpipe.trainer.step.train_step` itself, with FWP's forward/backward."""
         st = self.state
+        ahead = st.cfg.pipe.route_ahead  # the next batch prepared and routed during this one (within the segment)
+        nxt = None
         for step in range(start, stop):
             if before_step:
                 before_step(step)
-            s, record, path = next(records)
+            s, record, path = nxt if nxt is not None else next(records)
             if s != step:
                 raise RuntimeError(f"data stream at step {s}, expected {step}")
+            nxt = next(records) if ahead and step + 1 < stop else None
             yield step, train_step(st, step, record, path,
-                                   forward_backward=lambda routing, feats: self._forward_backward(fw, routing, feats))
+                                   forward_backward=lambda routing, feats: self._forward_backward(fw, routing, feats),
+                                   next_record=nxt[1:] if nxt is not None else None)
 
 
 class DualBufferSchedule:

@@ -108,6 +108,23 @@ def test_calibration_refuses_a_pipelined_run(trained):
         measured.calibrate_run(nested)
 
 
+def test_calibration_refuses_an_off_run_routed_ahead(trained, tmp_path):
+    """The model's off routes every batch in its own step; an off run with pipe.route_ahead (the trainer's default)
+    overlaps its routing collectives with the step, so its collective times cannot be fitted."""
+    import json
+    import shutil
+
+    run = str(tmp_path / "ahead")
+    shutil.copytree(trained["calib"], run)
+    cfg = json.load(open(os.path.join(run, "config.json")))
+    assert cfg["pipe"]["route_ahead"] is False  # what validate_local trains with
+    measured.calibrate_run(run)
+    cfg["pipe"]["route_ahead"] = True
+    json.dump(cfg, open(os.path.join(run, "config.json"), "w"))
+    with pytest.raises(measured.RunError, match="route_ahead=false"):
+        measured.calibrate_run(run)
+
+
 def test_calibration_measures_collective_cpu_and_probes_the_dense_model(trained):
     meas = measured.read_run(trained["calib"])
     # the trainer records process CPU per step and inside each collective (what competes for the cores)

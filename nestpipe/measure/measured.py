@@ -318,6 +318,10 @@ def fit_hardware(meas: RunMeasurement, wl: LocalWorkload, cores: Optional[int] =
                        f"modes stage times overlap and the compute thread's figures are waits")
     if meas.world < 2:
         raise RunError(f"{where}: calibration needs world >= 2 (collectives to fit; got {meas.world})")
+    if meas.cfg.get("pipe", {}).get("route_ahead", False):
+        raise RunError(f"{where}: calibration needs an off run that routes every batch in its own step (train with "
+                       "--set pipe.route_ahead=false): routed ahead, the routing All2Alls overlap the step and their "
+                       "times are not the compute thread's")
     st, n = meas.stages, wl.micro_batches
     pts = _collective_points(meas, n)
     if len(pts) < 2:

@@ -216,6 +216,7 @@ def adagrad_bags(
     grad_output: torch.Tensor,
     lr: float,
     eps: float = 1e-8,
+    indices_checked: bool = False,
 ) -> None:
     """Row-wise AdaGrad (the formula of :func:`adagrad_update`, ``momentum_scale`` 1) in place, from bags.
 
@@ -224,6 +225,7 @@ def adagrad_bags(
     gradients of the bags it occurs in (with multiplicity); every touched row is updated once. A unique-based
     request is a bag of one row. The summation order is the path's own (fbgemm: rows grouped by a stable sort);
     every caller that must agree bitwise has to take the same path with the same bags in the same order.
+    ``indices_checked``: the caller has bounded the indices already (the range check's two passes are skipped).
     """
     if weights.dtype != torch.float32 or state.dtype != torch.float32 or grad_output.dtype != torch.float32:
         raise ValueError("adagrad_bags: weights, state and grad_output must be float32")
@@ -233,7 +235,7 @@ def adagrad_bags(
     if grad_output.shape != (len(offsets) - 1, weights.shape[1]):
         raise ValueError(f"adagrad_bags: grad_output {tuple(grad_output.shape)} != ({len(offsets) - 1}, "
                          f"{weights.shape[1]})")
-    if len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= weights.shape[0]):
+    if not indices_checked and len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= weights.shape[0]):
         raise IndexError(f"adagrad_bags: an index is outside [0, {weights.shape[0]})")
     if len(indices) == 0:  # no row touched (fbgemm refuses a table of zero rows)
         return

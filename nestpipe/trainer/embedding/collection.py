@@ -80,6 +80,16 @@ def choose_kind(name: str, vocab: int, table_kind: str, cfg: EmbeddingConfig) ->
     return kind
 
 
+def _runs(offsets: np.ndarray, dim: int) -> List[Tuple[int, int]]:
+    """Element offsets of ``dim``-wide rows as runs of back-to-back rows: ``[(first offset, rows), ...]``."""
+    if len(offsets) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(offsets) != dim) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(offsets)]])
+    return [(int(offsets[a]), int(b - a)) for a, b in zip(starts, ends)]
+
+
 def _split(x: torch.Tensor, sizes: List[int]) -> List[torch.Tensor]:
     return list(torch.split(x, sizes))
 
@@ -130,6 +140,7 @@ class _OwnStore:
     bag_rows: Optional[torch.Tensor] = None
     bag_offsets: Optional[torch.Tensor] = None
     bag_grad: Optional[torch.Tensor] = None
+    bag_grad_runs: Optional[List[Tuple[int, int]]] = None  # bag_grad as runs of back-to-back rows: (offset, rows)
     # set by retrieve: rows are read from ``src`` at ``fwd_idx[i]`` -- the store itself (direct) or the buffer
     direct: bool = False
     # buffered, host-resident buffer (CPU): the update goes to the store in place and the dual-buffer sync reads the
@@ -593,6 +604,7 @@ class ShardedEmbeddingCollection:
                 o.bag_offsets = torch.arange(len(pe) + 1, dtype=torch.int64)
             o.bag_grad = torch.from_numpy(np.concatenate([grad_mb_off[i] + f.numpy() for i, f in enumerate(fwd_out)])
                                           if N else np.zeros(0, np.int64))
+            o.bag_grad_runs = _runs(o.bag_grad.numpy(), dim)
         return o
 
     # -- stage: embedding retrieval -----------------------------------------------------------------------------
@@ -872,13 +884,21 @@ class ShardedEmbeddingCollection:
         if len(o.bag_grad) == 0:
             return
         dim = store.dim
-        # each bag's gradient row, gathered from the payload at its element offset (blocks of different dims
-        # share the payload, so the rows are taken from its length-dim windows)
-        grad_output = g.unfold(0, dim, 1).index_select(0, o.bag_grad)
+        # each bag's gradient row, from the payload at its element offset: the bags are runs of back-to-back rows
+        # (a (requester, slot) block each), so the rows are one view or the concatenation of a few; else gathered
+        # from the payload's length-dim windows (blocks of different dims share it)
+        runs = o.bag_grad_runs
+        if runs is not None and len(runs) == 1:
+            grad_output = g[runs[0][0]:runs[0][0] + runs[0][1] * dim].view(-1, dim)
+        elif runs is not None and len(runs) <= 64:
+            grad_output = torch.cat([g[at:at + n * dim].view(n, dim) for at, n in runs])
+        else:
+            grad_output = g.unfold(0, dim, 1).index_select(0, o.bag_grad)
         if o.direct or o.update_in_store:
             with store.lock:
+                # bag_rows index rows_all, which _owner_plan bounded to the store's rows
                 kernels.adagrad_bags(store.weight, store.state, o.bag_rows, o.bag_offsets, grad_output,
-                                     self.cfg.lr_of(store.table), self.cfg.eps)
+                                     self.cfg.lr_of(store.table), self.cfg.eps, indices_checked=True)
             return
         positions = torch.from_numpy(np.concatenate(o.fwd_pos))
         kernels.adagrad_bags(o.buf_w, o.buf_s, positions, o.bag_offsets, grad_output, self.cfg.lr_of(store.table),

@@ -86,12 +86,14 @@ def test_reduction_plan_single_owner_shortcut_equals_general():
     pos = np.arange(keys, dtype=np.int64)
     for owner in range(world):
         dest = np.full(keys, owner, dtype=np.int64)
-        general = ReductionBased.plan(dest, pos, value_key, value_sample, world)
+        general = ReductionBased.plan(dest, pos, value_key, value_sample, world, owners=(owner,))
         short = ReductionBased.plan(dest, pos, value_key, value_sample, world, owner)
         assert len(short) == world
         for a, b in zip(general, short):
             assert a.dtype == b.dtype and np.array_equal(a, b)
         assert len(short[owner]) == 64 + len(value_key)
+        # the ranks holding none of the table get nothing (no counts: no partial sums travel to or from them)
+        assert all(len(short[r]) == 0 for r in range(world) if r != owner)
         # negative control: the check catches lists handed to the wrong owner
         wrong = ReductionBased.plan(dest, pos, value_key, value_sample, world, (owner + 1) % world)
         assert not all(np.array_equal(a, b) for a, b in zip(general, wrong))

@@ -329,6 +329,10 @@ class ShardedEmbeddingCollection:
         of one table are concatenated in column order)."""
         return NEG_SLOT if self.is_negatives(slot) else self.table_of(slot)
 
+    def holds(self, slot: str, rank: int) -> bool:
+        """Whether ``rank`` holds rows of the store behind ``slot`` (serves part of its requests)."""
+        return rank in self.req_placement[self.store_of(slot)].owner_ranks
+
     def slot_exchange(self, slot: str) -> str:
         return "unique" if self.is_negatives(slot) else self.kinds[self.table_of(slot)]
 
@@ -434,7 +438,7 @@ class ShardedEmbeddingCollection:
                 unperm.append(torch.from_numpy(up).to(self.device))
             else:
                 lists = ReductionBased.plan(dest, pos_in_dest, mbd.value_key[t], mbd.value_sample[t], W,
-                                            one, num_samples=len(mbd.samples))
+                                            one, num_samples=len(mbd.samples), owners=pl.owner_ranks)
                 unperm.append(None)
             mb_lists.append(lists)
         return _ReqSlot(dest, pos_in_dest, send_rows, mb_lists, unperm)
@@ -520,9 +524,9 @@ class ShardedEmbeddingCollection:
                     if self.slot_exchange(slot) == "unique":
                         n_send = len(raw_mb[i][r][slot]) * dim
                         recv_splits[i][r] += len(req[slot].mb_lists[i][r]) * dim
-                    else:
-                        n_send = own_b[i][r] * dim
-                        recv_splits[i][r] += len(mbd.samples) * dim
+                    else:  # partial sums travel between a requester and the ranks holding rows of the table only
+                        n_send = own_b[i][r] * dim if self.holds(slot, self.rank) else 0
+                        recv_splits[i][r] += len(mbd.samples) * dim if self.holds(slot, r) else 0
                     send_splits[i][r] += n_send
                     at += n_send
             block_off.append(offs)
@@ -564,7 +568,7 @@ class ShardedEmbeddingCollection:
                     # a reduction-based list is [count per sample..., entries...] (ReductionBased.plan): entries
                     # come sample after sample, so the pairs are grouped by segment already, in ascending pair
                     # order within one (the order the ordered segment sum adds them in)
-                    b = own_b[i][r] if pooled else 0
+                    b = own_b[i][r] if pooled and self.holds(slot, self.rank) else 0
                     p_counts.append(lst[:b])
                     p_entry.append(np.add(lst[b:], b0, dtype=np.int64))
                     seg_out.append(at + dim * np.arange(b if pooled else len(lst), dtype=np.int64))
@@ -755,9 +759,11 @@ class ShardedEmbeddingCollection:
                 if self.slot_exchange(slot) == "unique":
                     n = len(routing.req[slot].mb_lists[i][r])
                     pieces[slot].append(leaf[off:off + n * dim].view(n, dim))
-                else:
+                elif self.holds(slot, r):
                     n = b
                     blocks[slot].append((off, n, dim))
+                else:
+                    n = 0  # rank r holds none of the table: no partial sum from it
                 off += n * dim
         pooled_slots = [s for s in self.slots if self.slot_exchange(s) != "unique"]
         if pooled_slots:

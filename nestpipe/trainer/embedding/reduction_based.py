@@ -10,16 +10,17 @@ sum per owner instead of the bag's rows is about ``ids per bag`` times fewer byt
 - compute (owner, in ``collection.py``): ``partial[sample] = sum of buffer[entry]`` over its pairs, in value order
   starting from zero: ``nestpipe.kernels.pool_segments``' ordered segment sum (bitwise equal to
   ``zeros.index_add_(0, samples, buffer[entries])``, tested).
-- output_dist (the per-micro-batch embedding All2All): each owner returns ``[b, D]``; the requester adds the partial
-  sums in rank order: ``((partial_0 + partial_1) + ...)``.
-- backward: the pooled gradient ``[b, D]`` goes to every owner; the owner's update treats every (requester, sample)
+- output_dist (the per-micro-batch embedding All2All): each rank holding rows of the table returns ``[b, D]`` (a
+  rank holding none of it sends and receives nothing for it: a table-wise table's partial sum comes from its one
+  owner); the requester adds the partial sums in rank order: ``((partial_0 + partial_1) + ...)``.
+- backward: the pooled gradient ``[b, D]`` goes to every rank holding rows of the table; the owner's update treats every (requester, sample)
   as one bag of its entries (``nestpipe.kernels.adagrad_bags``) or, on the entry path, adds ``grad[sample]`` into
   each pair's entry in value order (``entry_grads_from_pairs``).
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -32,15 +33,18 @@ class ReductionBased:
 
     @staticmethod
     def plan(dest: np.ndarray, pos_in_dest: np.ndarray, value_key: np.ndarray, value_sample: np.ndarray,
-             world: int, owner: Optional[int] = None, num_samples: Optional[int] = None) -> List[np.ndarray]:
-        """Per-owner flat int64 lists ``[counts..., entries...]`` for one micro-batch of ``num_samples`` samples
+             world: int, owner: Optional[int] = None, num_samples: Optional[int] = None,
+             owners: Optional[Sequence[int]] = None) -> List[np.ndarray]:
+        """Per-rank flat int64 lists ``[counts..., entries...]`` for one micro-batch of ``num_samples`` samples
         (default: the largest sample index + 1): ``counts[s]`` is how many of sample s's values the owner holds,
         ``entries`` their rows in the owner's list, sample after sample in value order. The owner rebuilds each
         entry's sample as ``repeat(arange(b), counts)``: one number per sample on the wire instead of one per
         value (a bag of 20 values: about half the routing bytes). Requires ``value_sample`` non-decreasing (values
         in sample order, as the shards store them); the stable owner sort keeps that order within every list.
-        ``owner``: the one rank every key of the table goes to (a table-wise layout), where the stable owner sort
-        is the identity."""
+        ``owners``: the ranks holding rows of the table (default: all); every other rank gets an empty list (it
+        serves none of the table, so no partial sum of it travels either way). ``owner``: the one rank every key
+        of the table goes to (a table-wise layout, ``owners == (owner,)``), where the stable owner sort is the
+        identity."""
         if len(value_sample) > 1 and not bool((value_sample[1:] >= value_sample[:-1]).all()):
             raise ValueError("reduction plan: values must come in sample order")
         b = int(num_samples) if num_samples is not None else (int(value_sample[-1]) + 1 if len(value_sample) else 0)
@@ -48,16 +52,16 @@ class ReductionBased:
             counts = np.bincount(value_sample, minlength=b).astype(np.int64)
             # one owner: every key is in its list, in key order (``pos_in_dest`` is the identity)
             entries = value_key
-            empty = np.zeros(b, np.int64)
-            return [np.concatenate([counts, entries]) if r == owner else np.concatenate([empty, entries[:0]])
-                    for r in range(world)]
+            empty = np.zeros(0, np.int64)
+            return [np.concatenate([counts, entries]) if r == owner else empty for r in range(world)]
+        holds = set(range(world) if owners is None else owners)
         d = dest[value_key]
         order = owner_order(d, world)
         bounds = owner_bounds(d, world)
         samples = value_sample[order]
         entries = pos_in_dest[value_key[order]]
         return [np.concatenate([np.bincount(samples[bounds[r]:bounds[r + 1]], minlength=b).astype(np.int64),
-                                entries[bounds[r]:bounds[r + 1]]])
+                                entries[bounds[r]:bounds[r + 1]]]) if r in holds else np.zeros(0, np.int64)
                 for r in range(world)]
 
     @staticmethod

@@ -120,33 +120,37 @@ def stage_retrieve(state: StepState, routing: Routing) -> None:
 
 
 # -- stage 5: forward / backward, micro-batch by micro-batch ------------------------------------------------------
-def stage_forward_backward(state: StepState, routing: Routing, feats: List[Dict[str, torch.Tensor]]) -> torch.Tensor:
+def stage_forward_backward(state: StepState, routing: Routing, feats: List[Dict[str, torch.Tensor]],
+                           while_embed: Optional[Callable[[], None]] = None,
+                           while_grad: Optional[Callable[[], None]] = None) -> torch.Tensor:
     """Returns this rank's loss sum divided by ``B * W`` (a detached scalar).
 
-    Nothing overlaps the exchange here, so all micro-batches' embedding All2Alls are one collective before the
-    first dense forward, and their gradient All2Alls one after the last backward (``emb.embed_all`` /
+    No dense work overlaps the exchange here, so all micro-batches' embedding All2Alls are one collective before
+    the first dense forward, and their gradient All2Alls one after the last backward (``emb.embed_all`` /
     ``emb.grad_exchange_all``: the same bytes and values as one exchange per micro-batch, so bitwise the same
-    result as the Frozen-Window Pipeline's per-micro-batch exchanges, which tests/test_pipeline.py compares)."""
+    result as the Frozen-Window Pipeline's per-micro-batch exchanges, which tests/test_pipeline.py compares).
+    ``while_embed`` / ``while_grad``: work on other tensors (the next batch's routing) run while the embedding /
+    gradient All2All is in flight."""
     total = torch.zeros((), dtype=torch.float64)
     step = routing.batch.step
     tl = state.timeline
     n = len(routing.batch.micro)
     if n > 1:
         with _span(tl, "embed.a2a", step, 0):
-            outs = state.emb.embed_all(routing, _group(state, "embed"))
+            outs = state.emb.embed_all(routing, _group(state, "embed"), during=while_embed)
         for i, (emb_out, _) in enumerate(outs):
             with _span(tl, "dense", step, i):
                 total += dense_forward_backward(state, routing, emb_out, feats[i])
         with _span(tl, "grad.a2a", step, n - 1):
-            state.emb.grad_exchange_all(routing, [leaf for _, leaf in outs], _group(state, "grad"))
+            state.emb.grad_exchange_all(routing, [leaf for _, leaf in outs], _group(state, "grad"), during=while_grad)
         return total
-    for i in range(n):
+    for i in range(n):  # one micro-batch
         with _span(tl, "embed.a2a", step, i):
-            emb_out, leaf = state.emb.embed(routing, i, _group(state, "embed"))
+            emb_out, leaf = state.emb.embed(routing, i, _group(state, "embed"), during=while_embed)
         with _span(tl, "dense", step, i):
             total += dense_forward_backward(state, routing, emb_out, feats[i])
         with _span(tl, "grad.a2a", step, i):
-            state.emb.grad_exchange_and_accumulate(routing, i, leaf, _group(state, "grad"))
+            state.emb.grad_exchange_and_accumulate(routing, i, leaf, _group(state, "grad"), during=while_grad)
     return total
 
 
@@ -281,9 +285,10 @@ def train_step(state: StepState, step: int, record: Dict, where: str = "",
     the ``fwp`` schedule passes the Frozen-Window Pipeline's.
 
     ``next_record`` (the next step's record and where it came from; ``pipe.route_ahead``): the next batch is
-    prepared and its key routing issued during this step -- the counts All2All before this batch's retrieval,
-    the payload All2All after its backward -- and the next call takes it (``state.routed_ahead``) instead of
-    preparing and routing ``record`` itself. Routing depends on keys only, so the step's arithmetic is unchanged;
+    prepared and its key routing issued during this step -- the preparation, the requester's plans and the counts
+    All2All while this batch's embedding All2All is in flight, the payload All2All while its gradient All2All is
+    (``fwp``: before this batch's retrieval and after its backward) -- and the next call takes it
+    (``state.routed_ahead``) instead of preparing and routing ``record`` itself. Routing depends on keys only, so the step's arithmetic is unchanged;
     every rank issues the same collectives in the same order. A step without ``next_record`` leaves nothing in
     flight (segments end drained)."""
     tl = state.timeline
@@ -296,12 +301,22 @@ def train_step(state: StepState, step: int, record: Dict, where: str = "",
         feats = stage_h2d(state, batch)
     with _span(tl, "route", step):
         routing = stage_route(state, batch) if ahead is None else state.emb.input_dist_finish(ahead.route)
-    if next_record is not None:
-        if testing_hooks.active().route_ahead_repeat_record:
-            next_record = (record, where)  # negative control: the next step trains on this step's batch again
-        with _span(tl, "route.ahead", step + 1):
-            nxt = stage_prefetch(state, step + 1, next_record[0], next_record[1])
-            state.routed_ahead = RoutedAhead(step + 1, nxt, state.emb.input_dist_begin(nxt, _group(state, "route")))
+    if next_record is not None and testing_hooks.active().route_ahead_repeat_record:
+        next_record = (record, where)  # negative control: the next step trains on this step's batch again
+
+    def begin_next():  # prepare the next batch, its requester plans, and issue its counts All2All
+        if next_record is not None:
+            with _span(tl, "route.ahead", step + 1):
+                nxt = stage_prefetch(state, step + 1, next_record[0], next_record[1])
+                state.routed_ahead = RoutedAhead(step + 1, nxt,
+                                                 state.emb.input_dist_begin(nxt, _group(state, "route")))
+
+    def advance_next():  # the counts have arrived: issue the payload All2All
+        if state.routed_ahead is not None:
+            state.emb.input_dist_advance(state.routed_ahead.route)
+
+    if forward_backward is not None:  # fwp: its communication threads own the exchanges; route around them
+        begin_next()
     with _span(tl, "retrieve", step):
         stage_retrieve(state, routing)
     sleep_s = testing_hooks.active().step_sleep_s
@@ -309,11 +324,11 @@ def train_step(state: StepState, step: int, record: Dict, where: str = "",
         time.sleep(sleep_s)  # testing hook: a window to kill the run with a batch in flight
     with _span(tl, "fwd_bwd", step):
         if forward_backward is None:
-            loss = stage_forward_backward(state, routing, feats)
+            # off: the next batch's routing work runs while this batch's embedding / gradient All2All is in flight
+            loss = stage_forward_backward(state, routing, feats, while_embed=begin_next, while_grad=advance_next)
         else:
             loss = forward_backward(routing, feats)
-    if state.routed_ahead is not None:
-        state.emb.input_dist_advance(state.routed_ahead.route)  # the counts have long arrived: issue the payload
+            advance_next()
     with _span(tl, "update", step):
         return stage_update(state, routing, loss)
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -337,14 +337,29 @@ class ShardedEmbeddingCollection:
         return "unique" if self.is_negatives(slot) else self.kinds[self.table_of(slot)]
 
     def _a2a(self, send: torch.Tensor, send_splits: List[int], recv_splits: List[int], stage: str,
-             group=None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+             group=None, out: Optional[torch.Tensor] = None, during: Optional[Callable[[], None]] = None
+             ) -> torch.Tensor:
+        """One ``all_to_all_single``. ``during``: work that needs neither buffer, run on this thread while the
+        collective is in flight (issued asynchronously, waited for after it): the collective's time counts from
+        issue to completion, and only the wait as exposed."""
         if out is None:
             out = send.new_empty(sum(recv_splits))
         t0, c0 = time.perf_counter(), time.process_time()
-        dist.all_to_all_single(out, send, recv_splits, send_splits, group=group if group is not None else self.group)
+        grp = group if group is not None else self.group
         self.timer.add_bytes(stage, (sum(send_splits) - send_splits[self.rank]) * send.element_size())
-        self.timer.add(stage + ".comm", time.perf_counter() - t0)
-        self.timer.add_cpu(stage + ".comm", time.process_time() - c0)
+        if during is None:
+            dist.all_to_all_single(out, send, recv_splits, send_splits, group=grp)
+            self.timer.add(stage + ".comm", time.perf_counter() - t0)
+            self.timer.add_cpu(stage + ".comm", time.process_time() - c0)
+            return out
+        work = dist.all_to_all_single(out, send, recv_splits, send_splits, group=grp, async_op=True)
+        done: List[float] = []
+        work.get_future().add_done_callback(lambda _f: done.append(time.perf_counter()))
+        during()
+        t1 = time.perf_counter()
+        work.wait()
+        t2 = time.perf_counter()
+        self.timer.add_split(stage + ".comm", (min(done[0], t2) if done else t2) - t0, t2 - t1)
         return out
 
     def _slot_keys(self, batch: PreparedBatch, slot: str) -> np.ndarray:
@@ -648,13 +663,16 @@ class ShardedEmbeddingCollection:
         self.timer.add("retrieve", time.perf_counter() - t0)
 
     # -- per micro-batch: embedding All2All ---------------------------------------------------------------------
-    def embed(self, routing: Routing, i: int, group=None) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
-        """Outputs of micro-batch ``i`` (per table; ``item#neg`` for negatives) and the received leaf tensor."""
+    def embed(self, routing: Routing, i: int, group=None, during: Optional[Callable[[], None]] = None
+              ) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
+        """Outputs of micro-batch ``i`` (per table; ``item#neg`` for negatives) and the received leaf tensor.
+        ``during``: independent work run while the All2All is in flight (:meth:`_a2a`)."""
         send = self.embed_send(routing, i)
-        recv = self.embed_exchange(routing, i, send, group)
+        recv = self.embed_exchange(routing, i, send, group, during=during)
         return self.embed_unpack(routing, i, recv)
 
-    def embed_all(self, routing: Routing, group=None) -> List[Tuple[Dict[str, torch.Tensor], torch.Tensor]]:
+    def embed_all(self, routing: Routing, group=None, during: Optional[Callable[[], None]] = None
+                  ) -> List[Tuple[Dict[str, torch.Tensor], torch.Tensor]]:
         """Every micro-batch's :meth:`embed` through ONE All2All (the synchronous schedules, where nothing overlaps
         the exchange anyway): the owner pools every micro-batch from the frozen rows, the per-micro-batch payloads
         travel concatenated per destination, and each micro-batch's received payload becomes its own leaf. The
@@ -664,7 +682,8 @@ class ShardedEmbeddingCollection:
         sends = self._embed_send_all(routing)
         send = self._fuse_by_peer([_split(x, routing.send_splits[i]) for i, x in enumerate(sends)])
         recv = self._a2a(send, [sum(routing.send_splits[i][r] for i in range(N)) for r in range(W)],
-                         [sum(routing.recv_splits[i][r] for i in range(N)) for r in range(W)], "embed", group)
+                         [sum(routing.recv_splits[i][r] for i in range(N)) for r in range(W)], "embed", group,
+                         during=during)
         per_mb = self._unfuse_by_peer(recv, routing.recv_splits)
         return [self.embed_unpack(routing, i, torch.cat(per_mb[i])) for i in range(N)]
 
@@ -691,7 +710,8 @@ class ShardedEmbeddingCollection:
         self.timer.add("embed.owner", time.perf_counter() - t0)
         return list(torch.split(flat, sizes))
 
-    def grad_exchange_all(self, routing: Routing, leaves: List[torch.Tensor], group=None) -> None:
+    def grad_exchange_all(self, routing: Routing, leaves: List[torch.Tensor], group=None,
+                          during: Optional[Callable[[], None]] = None) -> None:
         """Every micro-batch's gradient exchange (after all of their backwards) through ONE All2All, received into
         each micro-batch's slice of the gradient payload: the bytes of :meth:`grad_exchange_and_accumulate` called
         micro-batch by micro-batch, in one collective."""
@@ -699,7 +719,8 @@ class ShardedEmbeddingCollection:
         grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
         send = self._fuse_by_peer([_split(g, routing.recv_splits[i]) for i, g in enumerate(grads)])
         recv = self._a2a(send, [sum(routing.recv_splits[i][r] for i in range(N)) for r in range(W)],
-                         [sum(routing.send_splits[i][r] for i in range(N)) for r in range(W)], "grad", group)
+                         [sum(routing.send_splits[i][r] for i in range(N)) for r in range(W)], "grad", group,
+                         during=during)
         t0 = time.perf_counter()
         for i, parts in enumerate(self._unfuse_by_peer(recv, routing.send_splits)):
             off = routing.grad_mb_off[i]
@@ -738,9 +759,10 @@ class ShardedEmbeddingCollection:
         self.timer.add("embed.owner", time.perf_counter() - t0)
         return send
 
-    def embed_exchange(self, routing: Routing, i: int, send: torch.Tensor, group=None) -> torch.Tensor:
+    def embed_exchange(self, routing: Routing, i: int, send: torch.Tensor, group=None,
+                       during: Optional[Callable[[], None]] = None) -> torch.Tensor:
         """The embedding All2All of micro-batch ``i`` (owner -> requester) on ``group``."""
-        return self._a2a(send, routing.send_splits[i], routing.recv_splits[i], "embed", group)
+        return self._a2a(send, routing.send_splits[i], routing.recv_splits[i], "embed", group, during=during)
 
     def embed_unpack(self, routing: Routing, i: int, recv: torch.Tensor) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
         """Requester side of micro-batch ``i``: the received payload becomes the autograd leaf; per-table outputs."""
@@ -802,20 +824,23 @@ class ShardedEmbeddingCollection:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
 
     # -- per micro-batch: gradient All2All ----------------------------------------------------------------------
-    def grad_exchange_and_accumulate(self, routing: Routing, i: int, leaf: torch.Tensor, group=None) -> None:
+    def grad_exchange_and_accumulate(self, routing: Routing, i: int, leaf: torch.Tensor, group=None,
+                                     during: Optional[Callable[[], None]] = None) -> None:
         """Micro-batch ``i``'s backward path: :meth:`grad_exchange` (the All2All to owners) then
         :meth:`grad_accumulate` (the owner adds each entry's gradient, in order)."""
         g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-        self.grad_accumulate(routing, i, self.grad_exchange(routing, i, g, group))
+        self.grad_accumulate(routing, i, self.grad_exchange(routing, i, g, group, during=during))
 
-    def grad_exchange(self, routing: Routing, i: int, g: torch.Tensor, group=None) -> torch.Tensor:
+    def grad_exchange(self, routing: Routing, i: int, g: torch.Tensor, group=None,
+                      during: Optional[Callable[[], None]] = None) -> torch.Tensor:
         """The gradient All2All of micro-batch ``i`` (requester -> owner) on ``group``, received straight into
         micro-batch ``i``'s slice of the batch's gradient payload."""
         out = None
         if routing.grad_payload is not None:
             off = routing.grad_mb_off[i]
             out = routing.grad_payload[off:off + sum(routing.send_splits[i])]
-        return self._a2a(g.contiguous(), routing.recv_splits[i], routing.send_splits[i], "grad", group, out=out)
+        return self._a2a(g.contiguous(), routing.recv_splits[i], routing.send_splits[i], "grad", group, out=out,
+                         during=during)
 
     def grad_accumulate(self, routing: Routing, i: int, got: torch.Tensor) -> None:
         """Owner side of micro-batch ``i``'s gradient: keep it in the batch's gradient payload (a no-op when

@@ -251,7 +251,8 @@ def update_dense(state: StepState, red: DenseReduce) -> float:
     return float(flat[-1])
 
 
-def stage_update(state: StepState, routing: Routing, loss: torch.Tensor, release: bool = True) -> float:
+def stage_update(state: StepState, routing: Routing, loss: torch.Tensor, release: bool = True,
+                 while_reduce: Optional[Callable[[], None]] = None) -> float:
     """All-reduce dense + replicated gradients (one flat buffer), owner AdaGrad, AdamW. Returns the global loss.
 
     The all-reduce is issued asynchronously and is in flight during the owners' sparse update (as a DDP backward
@@ -261,9 +262,12 @@ def stage_update(state: StepState, routing: Routing, loss: torch.Tensor, release
     between them changes no bit; the pipelined modes call the same parts in the same order.
 
     ``release=False`` keeps the updated rows in the batch's buffer (the DBP active buffer) for the dual-buffer
-    sync into the next batch's prefetch buffer."""
+    sync into the next batch's prefetch buffer. ``while_reduce``: work on other tensors run after the sparse
+    update, while the all-reduce may still be in flight."""
     red = update_begin(state, loss, async_op=True)
     state.emb.update(routing, release=release)
+    if while_reduce is not None:
+        while_reduce()
     return update_dense(state, red)
 
 
@@ -275,6 +279,7 @@ class RoutedAhead:
     step: int
     batch: PreparedBatch
     route: RouteInFlight
+    routing: Optional[Routing] = None  # the owner's plans, once built (off: while this step's all-reduce flies)
 
 
 def train_step(state: StepState, step: int, record: Dict, where: str = "",
@@ -287,7 +292,8 @@ def train_step(state: StepState, step: int, record: Dict, where: str = "",
     ``next_record`` (the next step's record and where it came from; ``pipe.route_ahead``): the next batch is
     prepared and its key routing issued during this step -- the preparation, the requester's plans and the counts
     All2All while this batch's embedding All2All is in flight, the payload All2All while its gradient All2All is
-    (``fwp``: before this batch's retrieval and after its backward) -- and the next call takes it
+    (``fwp``: before this batch's retrieval and after its backward), its owner's plans while this batch's dense
+    all-reduce is (``off``) -- and the next call takes it
     (``state.routed_ahead``) instead of preparing and routing ``record`` itself. Routing depends on keys only, so the step's arithmetic is unchanged;
     every rank issues the same collectives in the same order. A step without ``next_record`` leaves nothing in
     flight (segments end drained)."""
@@ -300,7 +306,8 @@ def train_step(state: StepState, step: int, record: Dict, where: str = "",
     with _span(tl, "h2d", step):
         feats = stage_h2d(state, batch)
     with _span(tl, "route", step):
-        routing = stage_route(state, batch) if ahead is None else state.emb.input_dist_finish(ahead.route)
+        routing = (stage_route(state, batch) if ahead is None else
+                   ahead.routing if ahead.routing is not None else state.emb.input_dist_finish(ahead.route))
     if next_record is not None and testing_hooks.active().route_ahead_repeat_record:
         next_record = (record, where)  # negative control: the next step trains on this step's batch again
 
@@ -314,6 +321,10 @@ def train_step(state: StepState, step: int, record: Dict, where: str = "",
     def advance_next():  # the counts have arrived: issue the payload All2All
         if state.routed_ahead is not None:
             state.emb.input_dist_advance(state.routed_ahead.route)
+
+    def finish_next():  # the payload has arrived: the owner's plans of the next batch
+        if state.routed_ahead is not None:
+            state.routed_ahead.routing = state.emb.input_dist_finish(state.routed_ahead.route)
 
     if forward_backward is not None:  # fwp: its communication threads own the exchanges; route around them
         begin_next()
@@ -330,7 +341,7 @@ def train_step(state: StepState, step: int, record: Dict, where: str = "",
             loss = forward_backward(routing, feats)
             advance_next()
     with _span(tl, "update", step):
-        return stage_update(state, routing, loss)
+        return stage_update(state, routing, loss, while_reduce=finish_next if forward_backward is None else None)
 
 
 def build_state(cfg: TrainConfig, manifest: Manifest, rank: int, world: int, device: torch.device,

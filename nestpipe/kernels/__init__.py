@@ -290,8 +290,7 @@ def pool_segments(src: torch.Tensor, index: torch.Tensor, offsets: Optional[torc
     if (offsets is not None and src.device.type == "cpu" and out.device.type == "cpu" and src.dtype == torch.float32
             and out.dtype == torch.float32 and len(out_offsets) and path not in ("reference", "triton", "npu")):
         note("pool_segments", "aten")  # ATen's embedding_bag (fbgemm's EmbeddingSpMDM on x86)
-        pooled = torch.nn.functional.embedding_bag(index, src.detach(), offsets, mode="sum", include_last_offset=True)
-        _write_runs(out, out_offsets, pooled)
+        _embedding_bag_into(out, out_offsets, src.detach(), index, offsets)
         return
     if (src.device.type == "cpu" and out.device.type == "cpu" and src.dtype == torch.float32
             and out.dtype == torch.float32 and path == "numba"):
@@ -347,6 +346,24 @@ def csr_by_segment(segment_of: torch.Tensor, num_segments: int):
         return backend("numba").csr_by_segment(segment_of, num_segments)
     note("csr_by_segment", "reference")
     return reference.csr_by_segment(segment_of, num_segments)
+
+
+def _embedding_bag_into(out: torch.Tensor, out_offsets: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
+                        offsets: torch.Tensor) -> None:
+    """Sum-mode ``embedding_bag`` written straight into ``out``: one call per run of segments laid out back to back
+    (``_embedding_bag_forward_only.out`` into a view of ``out``; the same kernel and arithmetic as the functional
+    op, which would return a new tensor to copy)."""
+    D = src.shape[1]
+    offs = out_offsets.numpy()
+    starts = np.flatnonzero(np.diff(offs) != D) + 1
+    bounds = [0, *starts.tolist(), len(offs)]
+    op = torch.ops.aten._embedding_bag_forward_only.out
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        o = int(offs[a])
+        lo, hi = int(offsets[a]), int(offsets[b])
+        scratch = [torch.empty(0, dtype=torch.int64) for _ in range(3)]  # offset2bag, bag_size, max_indices
+        op(src, index[lo:hi], offsets[a:b + 1] - lo, False, 0, False, None, True, -1,
+           out0=out[o:o + (b - a) * D].view(b - a, D), out1=scratch[0], out2=scratch[1], out3=scratch[2])
 
 
 def _write_runs(out: torch.Tensor, out_offsets: torch.Tensor, rows: torch.Tensor) -> None:

@@ -608,9 +608,11 @@ class ShardedEmbeddingCollection:
                       upd_src=upd_src, num_store_rows=self.stores[st].num_rows)
         if bags:
             o.bags = True
-            pe = np.concatenate(pair_entry) if pair_entry else np.zeros(0, np.int64)
+            pe = (pair_entry[0] if N == 1 else np.concatenate(pair_entry)) if pair_entry else np.zeros(0, np.int64)
             o.bag_rows = torch.from_numpy(rows_all[pe])
-            if pooled:
+            if pooled and N == 1:
+                o.bag_offsets = fwd_offsets[0]
+            elif pooled:
                 # the micro-batches' CSRs, concatenated
                 bag_offsets = np.zeros(sum(len(f) - 1 for f in fwd_offsets) + 1, dtype=np.int64)
                 at, done = 1, 0
@@ -621,8 +623,9 @@ class ShardedEmbeddingCollection:
                 o.bag_offsets = torch.from_numpy(bag_offsets)
             else:
                 o.bag_offsets = torch.arange(len(pe) + 1, dtype=torch.int64)
-            o.bag_grad = torch.from_numpy(np.concatenate([grad_mb_off[i] + f.numpy() for i, f in enumerate(fwd_out)])
-                                          if N else np.zeros(0, np.int64))
+            o.bag_grad = (fwd_out[0] if N == 1 and grad_mb_off[0] == 0 else
+                          torch.from_numpy(np.concatenate([grad_mb_off[i] + f.numpy() for i, f in enumerate(fwd_out)])
+                                           if N else np.zeros(0, np.int64)))
             o.bag_grad_runs = _runs(o.bag_grad.numpy(), dim)
         return o
 

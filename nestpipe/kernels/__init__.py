@@ -45,7 +45,8 @@ __all__ = [
     "MAX_VOCAB", "OPS", "RoutedKeys", "place_keys", "adagrad_bags", "adagrad_update", "affine_params", "block_size", "dual_buffer_sync",
     "dual_buffer_sync_rows", "gather_rows", "gather_to_device", "kernel_paths", "map_into_vocab", "owner_num_rows", "placement",
     "placement_hash", "pool_segments", "pooled_lookup", "route_keys", "select_path", "sequence_lookup", "splitmix64",
-    "dedup_rows", "csr_by_segment", "micro_batch_values", "taken_paths", "reset_taken", "forced", "hstu_attention",
+    "dedup_rows", "csr_by_segment", "micro_batch_values", "taken_paths", "reset_taken", "forced",
+    "hstu_attention",
 ]
 
 

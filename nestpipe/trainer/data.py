@@ -97,7 +97,8 @@ def prepare_batch(record: Dict, manifest: Manifest, step: int, rank: int, seed: 
             if repartition:
                 off = offsets[t]
                 lens = off[samples + 1] - off[samples]
-                idx = np.repeat(off[samples] - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens) + np.arange(lens.sum())
+                idx = (np.repeat(off[samples] - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens)
+                       + np.arange(lens.sum()))
                 mk = np.unique(inverse[idx]).astype(np.int64)
             else:
                 mo = record[f"{t}.mb_offsets"]

@@ -293,10 +293,10 @@ def train_step(state: StepState, step: int, record: Dict, where: str = "",
     prepared and its key routing issued during this step -- the preparation, the requester's plans and the counts
     All2All while this batch's embedding All2All is in flight, the payload All2All while its gradient All2All is
     (``fwp``: before this batch's retrieval and after its backward), its owner's plans while this batch's dense
-    all-reduce is (``off``) -- and the next call takes it
-    (``state.routed_ahead``) instead of preparing and routing ``record`` itself. Routing depends on keys only, so the step's arithmetic is unchanged;
-    every rank issues the same collectives in the same order. A step without ``next_record`` leaves nothing in
-    flight (segments end drained)."""
+    all-reduce is (``off``) -- and the next call takes it (``state.routed_ahead``) instead of preparing and
+    routing ``record`` itself. Routing depends on keys only, so the step's arithmetic is unchanged; every rank
+    issues the same collectives in the same order. A step without ``next_record`` leaves nothing in flight
+    (segments end drained)."""
     tl = state.timeline
     ahead, state.routed_ahead = state.routed_ahead, None
     if ahead is not None and ahead.step != step:

@@ -217,39 +217,42 @@ class Routing:
     grad_payload: Optional[torch.Tensor] = None
 
 
+class AllToAllInFlight:
+    """One ``all_to_all_single`` issued asynchronously on ``group``: its time from issue to completion counts as
+    ``STAGE.comm`` and only the compute thread's wait for it (:meth:`wait`) as exposed. Holds both buffers until
+    the collective completes."""
+
+    def __init__(self, timer: StageTimer, rank: int, send: torch.Tensor, send_splits: List[int],
+                 recv_splits: List[int], stage: str, group, out: Optional[torch.Tensor] = None):
+        self.timer, self.stage = timer, stage
+        self.out = send.new_empty(sum(recv_splits)) if out is None else out
+        self.send = send
+        self.t_issue, self.t_done = time.perf_counter(), None
+        self.work = dist.all_to_all_single(self.out, send, recv_splits, send_splits, group=group, async_op=True)
+        self.work.get_future().add_done_callback(lambda _f: setattr(self, "t_done", time.perf_counter()))
+        timer.add_bytes(stage, (sum(send_splits) - send_splits[rank]) * send.element_size())
+
+    def wait(self) -> torch.Tensor:
+        t0 = time.perf_counter()
+        self.work.wait()
+        t1 = time.perf_counter()
+        done = min(self.t_done, t1) if self.t_done is not None else t1
+        self.timer.add_split(self.stage + ".comm", done - self.t_issue, t1 - t0)
+        self.send = None
+        return self.out
+
+
+@dataclasses.dataclass
 class RouteInFlight:
     """One batch's key routing issued ahead (:meth:`ShardedEmbeddingCollection.input_dist_begin`): the requester's
-    plans and the routing All2All in flight (first the counts, then the payload). Each collective is asynchronous:
-    its time from issue to completion counts as ``route.comm`` and only the compute thread's wait for it as
-    exposed."""
+    plans and the routing All2All in flight (first the counts, then the payload)."""
 
-    def __init__(self, batch: PreparedBatch, req: Dict[str, "_ReqSlot"], payload: List[np.ndarray], group):
-        self.batch, self.req, self.payload, self.group = batch, req, payload, group
-        self.counts: Optional[np.ndarray] = None  # the received counts, once the first All2All has arrived
-        self._work = None
-        self._out: Optional[torch.Tensor] = None
-        self._send: Optional[torch.Tensor] = None
-        self._t_issue = 0.0
-        self._t_done: Optional[float] = None
-
-    def issue(self, emb: "ShardedEmbeddingCollection", send: torch.Tensor, send_splits: List[int],
-              recv_splits: List[int]) -> None:
-        out = send.new_empty(sum(recv_splits))
-        self._t_issue, self._t_done = time.perf_counter(), None
-        self._work = dist.all_to_all_single(out, send, recv_splits, send_splits,
-                                            group=self.group if self.group is not None else emb.group, async_op=True)
-        self._work.get_future().add_done_callback(lambda _f: setattr(self, "_t_done", time.perf_counter()))
-        emb.timer.add_bytes("route", (sum(send_splits) - send_splits[emb.rank]) * send.element_size())
-        self._out, self._send = out, send  # both held until the collective completes
-
-    def wait(self, emb: "ShardedEmbeddingCollection") -> torch.Tensor:
-        t0 = time.perf_counter()
-        self._work.wait()
-        t1 = time.perf_counter()
-        done = min(self._t_done, t1) if self._t_done is not None else t1
-        emb.timer.add_split("route.comm", done - self._t_issue, t1 - t0)
-        self._work, self._send = None, None
-        return self._out
+    batch: PreparedBatch
+    req: Dict[str, "_ReqSlot"]
+    payload: List[np.ndarray]
+    group: object
+    pending: Optional[AllToAllInFlight] = None
+    counts: Optional[np.ndarray] = None  # the received counts, once the first All2All has arrived
 
 
 class ShardedEmbeddingCollection:
@@ -342,25 +345,19 @@ class ShardedEmbeddingCollection:
         """One ``all_to_all_single``. ``during``: work that needs neither buffer, run on this thread while the
         collective is in flight (issued asynchronously, waited for after it): the collective's time counts from
         issue to completion, and only the wait as exposed."""
-        if out is None:
-            out = send.new_empty(sum(recv_splits))
-        t0, c0 = time.perf_counter(), time.process_time()
         grp = group if group is not None else self.group
-        self.timer.add_bytes(stage, (sum(send_splits) - send_splits[self.rank]) * send.element_size())
         if during is None:
+            if out is None:
+                out = send.new_empty(sum(recv_splits))
+            t0, c0 = time.perf_counter(), time.process_time()
+            self.timer.add_bytes(stage, (sum(send_splits) - send_splits[self.rank]) * send.element_size())
             dist.all_to_all_single(out, send, recv_splits, send_splits, group=grp)
             self.timer.add(stage + ".comm", time.perf_counter() - t0)
             self.timer.add_cpu(stage + ".comm", time.process_time() - c0)
             return out
-        work = dist.all_to_all_single(out, send, recv_splits, send_splits, group=grp, async_op=True)
-        done: List[float] = []
-        work.get_future().add_done_callback(lambda _f: done.append(time.perf_counter()))
+        flight = AllToAllInFlight(self.timer, self.rank, send, send_splits, recv_splits, stage, grp, out)
         during()
-        t1 = time.perf_counter()
-        work.wait()
-        t2 = time.perf_counter()
-        self.timer.add_split(stage + ".comm", (min(done[0], t2) if done else t2) - t0, t2 - t1)
-        return out
+        return flight.wait()
 
     def _slot_keys(self, batch: PreparedBatch, slot: str) -> np.ndarray:
         if self.is_negatives(slot):
@@ -390,25 +387,26 @@ class ShardedEmbeddingCollection:
         req = {slot: self._requester_slot(batch, slot) for slot in self.slots}
         counts, payload = self._route_payload(batch, req)
         C = counts.shape[1]
-        rif = RouteInFlight(batch, req, payload, group)
-        rif.issue(self, torch.from_numpy(counts.reshape(-1)).to(self.device), [C] * self.world,
-                  [C] * self.world)
+        rif = RouteInFlight(batch, req, payload, group if group is not None else self.group)
+        rif.pending = AllToAllInFlight(self.timer, self.rank, torch.from_numpy(counts.reshape(-1)).to(self.device),
+                                       [C] * self.world, [C] * self.world, "route", rif.group)
         return rif
 
     def input_dist_advance(self, rif: "RouteInFlight") -> None:
         """Wait for the counts (issued by :meth:`input_dist_begin`) and issue the payload All2All."""
         W, S, N = self.world, len(self.slots), len(rif.batch.micro)
-        got_counts = rif.wait(self).view(W, -1).cpu().numpy()
+        got_counts = rif.pending.wait().view(W, -1).cpu().numpy()
         rif.counts = got_counts
-        send = self._route_send(rif.batch, rif.payload)
-        rif.issue(self, send, [len(p) for p in rif.payload], [int(x) for x in got_counts[:, :S + N * S].sum(1)])
+        rif.pending = AllToAllInFlight(self.timer, self.rank, self._route_send(rif.batch, rif.payload),
+                                       [len(p) for p in rif.payload],
+                                       [int(x) for x in got_counts[:, :S + N * S].sum(1)], "route", rif.group)
 
     def input_dist_finish(self, rif: "RouteInFlight") -> Routing:
         """Wait for the payload and build the owner's plans: the batch's Routing."""
         t0 = time.perf_counter()
         if rif.counts is None:
             self.input_dist_advance(rif)
-        got = rif.wait(self).cpu().numpy()
+        got = rif.pending.wait().cpu().numpy()
         routing = self._owner_side(rif.batch, rif.req, rif.counts, got)
         self.timer.add("route.total", time.perf_counter() - t0)
         return routing

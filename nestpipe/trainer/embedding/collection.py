@@ -80,6 +80,12 @@ def choose_kind(name: str, vocab: int, table_kind: str, cfg: EmbeddingConfig) ->
     return kind
 
 
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The concatenated ranges ``[starts[j], starts[j] + lengths[j])`` (int64)."""
+    ends = np.cumsum(lengths)
+    return np.repeat(starts - (ends - lengths), lengths) + np.arange(ends[-1] if len(ends) else 0, dtype=np.int64)
+
+
 def _runs(offsets: np.ndarray, dim: int) -> List[Tuple[int, int]]:
     """Element offsets of ``dim``-wide rows as runs of back-to-back rows: ``[(first offset, rows), ...]``."""
     if len(offsets) == 0:
@@ -412,9 +418,9 @@ class ShardedEmbeddingCollection:
         return routing
 
     def _owner_side(self, batch: PreparedBatch, req, got_counts: np.ndarray, got: np.ndarray) -> Routing:
-        entries, base, raw_mb, own_b = self._parse_route(batch, got_counts, got)
+        entries, base, raw_mb, raw_at, own_b = self._parse_route(batch, got_counts, got)
         send_splits, recv_splits, block_off, grad_mb_off = self._payload_splits(batch, req, raw_mb, own_b)
-        own = {st: self._owner_plan(st, entries[st], base[st], raw_mb, own_b, block_off, grad_mb_off)
+        own = {st: self._owner_plan(st, entries[st], base[st], raw_mb, own_b, block_off, grad_mb_off, got, raw_at)
                for st in self.stores}
         return Routing(batch, req, own, own_b, send_splits, recv_splits, self._negatives_inverse(batch), grad_mb_off)
 
@@ -504,6 +510,7 @@ class ShardedEmbeddingCollection:
         n_entries = {s: 0 for s in self.stores}
         base: Dict[str, Dict[Tuple[int, str], int]] = {s: {} for s in self.stores}
         raw_mb: List[List[Dict[str, np.ndarray]]] = [[{} for _ in range(W)] for _ in range(N)]
+        raw_at: List[List[Dict[str, int]]] = [[{} for _ in range(W)] for _ in range(N)]  # each list's start in got
         own_b = [[0] * W for _ in range(N)]
         for r in range(W):
             for si, slot in enumerate(self.slots):
@@ -517,9 +524,10 @@ class ShardedEmbeddingCollection:
                 for si, slot in enumerate(self.slots):
                     k = int(got_counts[r, S + i * S + si])
                     raw_mb[i][r][slot] = got[cursor:cursor + k]
+                    raw_at[i][r][slot] = cursor
                     cursor += k
                 own_b[i][r] = int(got_counts[r, S + N * S + i])
-        return entries, base, raw_mb, own_b
+        return entries, base, raw_mb, raw_at, own_b
 
     def _payload_splits(self, batch: PreparedBatch, req: Dict[str, "_ReqSlot"], raw_mb, own_b):
         """Per micro-batch: the embedding All2All's send and receive split sizes (elements), each (requester,
@@ -557,7 +565,7 @@ class ShardedEmbeddingCollection:
                 and self.sparse_momentum_scale == 1 and self.replica_sync is None)
 
     def _owner_plan(self, st: str, entries: List[np.ndarray], base: Dict[Tuple[int, str], int],
-                    raw_mb, own_b, block_off, grad_mb_off) -> _OwnStore:
+                    raw_mb, own_b, block_off, grad_mb_off, got: np.ndarray, raw_at) -> _OwnStore:
         """The owner's plan of store ``st`` for one batch: every micro-batch's pairs grouped by output segment
         (the forward), and either the bags of the whole batch (the bag update) or, on first use, the entries'
         dedup into rows (:meth:`_OwnStore.dedup`: the buffered schedules and the entry update)."""
@@ -571,57 +579,58 @@ class ShardedEmbeddingCollection:
         pooled = self.slot_exchange(slots[0]) == "reduction" if slots else False
         bags = self.bag_update()
         pair_entry, fwd_offsets, fwd_out, upd_src = [], [], [], []
-        for i in range(N):
-            p_entry, p_counts, seg_out, n_seg = [], [], [], 0
+        if pooled:
+            # one slot per pooled store; its (micro-batch, requester) blocks in that order, all at once: a list is
+            # [count per sample..., entries...] (ReductionBased.plan) and entries come sample after sample, so the
+            # pairs are grouped by segment already, in ascending pair order within one (the ordered sum's order)
+            slot = slots[0]
+            mine = self.holds(slot, self.rank)
+            at = np.array([raw_at[i][r][slot] for i in range(N) for r in range(W)], dtype=np.int64)
+            size = np.array([len(raw_mb[i][r][slot]) for i in range(N) for r in range(W)], dtype=np.int64)
+            b = np.array([own_b[i][r] if mine else 0 for i in range(N) for r in range(W)], dtype=np.int64)
+            b0 = np.array([base[(r, slot)] for _ in range(N) for r in range(W)], dtype=np.int64)
+            out_at = np.array([block_off[i][(r, slot)] for i in range(N) for r in range(W)], dtype=np.int64)
+            counts = got[_ranges(at, b)].astype(np.int64)
+            e_all = got[_ranges(at + b, size - b)].astype(np.int64) + np.repeat(b0, size - b)
+            out_all = np.repeat(out_at, b) + dim * _ranges(np.zeros_like(b), b)
+            cs = np.zeros(len(counts) + 1, dtype=np.int64)
+            np.cumsum(counts, out=cs[1:])
+            seg_end = np.cumsum(b.reshape(N, W).sum(1))  # per micro-batch: its segments end here, its pairs at cs[]
+            seg_start = np.concatenate([[0], seg_end[:-1]]).astype(np.int64)
+            for i in range(N):
+                s0, s1 = int(seg_start[i]), int(seg_end[i])
+                out_i = out_all[s0:s1]
+                fwd_offsets.append(torch.from_numpy(cs[s0:s1 + 1] - cs[s0]))
+                fwd_out.append(torch.from_numpy(out_i))
+                pair_entry.append(e_all[cs[s0]:cs[s1]])
+                if not bags:  # every pair's gradient offset (the entry update only): its segment's
+                    upd_src.append(grad_mb_off[i] + np.repeat(out_i, counts[s0:s1]))
+        for i in range(N) if not pooled else ():
+            p_entry, seg_out = [], []
             for r in range(W):
                 for slot in slots:
                     lst = raw_mb[i][r][slot]
-                    b0 = base[(r, slot)]
-                    at = block_off[i][(r, slot)]
-                    # a reduction-based list is [count per sample..., entries...] (ReductionBased.plan): entries
-                    # come sample after sample, so the pairs are grouped by segment already, in ascending pair
-                    # order within one (the order the ordered segment sum adds them in)
-                    b = own_b[i][r] if pooled and self.holds(slot, self.rank) else 0
-                    p_counts.append(lst[:b])
-                    p_entry.append(np.add(lst[b:], b0, dtype=np.int64))
-                    seg_out.append(at + dim * np.arange(b if pooled else len(lst), dtype=np.int64))
-                    n_seg += b
+                    p_entry.append(np.add(lst, base[(r, slot)], dtype=np.int64))
+                    seg_out.append(block_off[i][(r, slot)] + dim * np.arange(len(lst), dtype=np.int64))
             e = np.concatenate(p_entry) if p_entry else np.zeros(0, np.int64)
             out_off = np.concatenate(seg_out) if seg_out else np.zeros(0, np.int64)
-            if pooled:
-                counts = np.concatenate(p_counts) if p_counts else np.zeros(0, np.int64)
-                offs = np.zeros(n_seg + 1, dtype=np.int64)
-                np.cumsum(counts, out=offs[1:])
-                fwd_offsets.append(torch.from_numpy(offs))
-                # every pair's gradient offset (the entry update only): its segment's
-                if not bags:
-                    upd_src.append(grad_mb_off[i] + np.repeat(out_off, counts))
-            else:
-                fwd_offsets.append(None)
-                if not bags:
-                    upd_src.append(grad_mb_off[i] + out_off)
+            fwd_offsets.append(None)
+            if not bags:
+                upd_src.append(grad_mb_off[i] + out_off)
             pair_entry.append(e)
             fwd_out.append(torch.from_numpy(out_off))
         o = _OwnStore(rows_all, pair_entry, base, pooled=pooled, fwd_offsets=fwd_offsets, fwd_out=fwd_out,
                       upd_src=upd_src, num_store_rows=self.stores[st].num_rows)
         if bags:
             o.bags = True
-            pe = (pair_entry[0] if N == 1 else np.concatenate(pair_entry)) if pair_entry else np.zeros(0, np.int64)
+            pe = e_all if pooled else np.concatenate(pair_entry) if pair_entry else np.zeros(0, np.int64)
             o.bag_rows = torch.from_numpy(rows_all[pe])
-            if pooled and N == 1:
-                o.bag_offsets = fwd_offsets[0]
-            elif pooled:
-                # the micro-batches' CSRs, concatenated
-                bag_offsets = np.zeros(sum(len(f) - 1 for f in fwd_offsets) + 1, dtype=np.int64)
-                at, done = 1, 0
-                for f in fwd_offsets:
-                    bag_offsets[at:at + len(f) - 1] = f.numpy()[1:] + done
-                    at += len(f) - 1
-                    done += int(f[-1])
-                o.bag_offsets = torch.from_numpy(bag_offsets)
+            if pooled:
+                o.bag_offsets = torch.from_numpy(cs)  # the micro-batches' CSRs, concatenated
             else:
                 o.bag_offsets = torch.arange(len(pe) + 1, dtype=torch.int64)
-            o.bag_grad = (fwd_out[0] if N == 1 and grad_mb_off[0] == 0 else
+            o.bag_grad = (torch.from_numpy(out_all + np.repeat(np.asarray(grad_mb_off, dtype=np.int64),
+                                                               seg_end - seg_start)) if pooled else
                           torch.from_numpy(np.concatenate([grad_mb_off[i] + f.numpy() for i, f in enumerate(fwd_out)])
                                            if N else np.zeros(0, np.int64)))
             o.bag_grad_runs = _runs(o.bag_grad.numpy(), dim)

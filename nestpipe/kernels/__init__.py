@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from . import reference
+from .ranges import concat_ranges, row_runs
 from .attention import hstu_attention
 from .row_placement import (
     MAX_VOCAB,
@@ -46,7 +47,7 @@ __all__ = [
     "dual_buffer_sync_rows", "gather_rows", "gather_to_device", "kernel_paths", "map_into_vocab", "owner_num_rows", "placement",
     "placement_hash", "pool_segments", "pooled_lookup", "route_keys", "select_path", "sequence_lookup", "splitmix64",
     "dedup_rows", "csr_by_segment", "micro_batch_values", "taken_paths", "reset_taken", "forced",
-    "hstu_attention",
+    "hstu_attention", "concat_ranges", "row_runs",
 ]
 
 
@@ -356,10 +357,8 @@ def _embedding_bag_into(out: torch.Tensor, out_offsets: torch.Tensor, src: torch
     op, which would return a new tensor to copy)."""
     D = src.shape[1]
     offs = out_offsets.numpy()
-    starts = np.flatnonzero(np.diff(offs) != D) + 1
-    bounds = [0, *starts.tolist(), len(offs)]
     op = torch.ops.aten._embedding_bag_forward_only.out
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in row_runs(offs, D):
         o = int(offs[a])
         lo, hi = int(offsets[a]), int(offsets[b])
         scratch = [torch.empty(0, dtype=torch.int64) for _ in range(3)]  # offset2bag, bag_size, max_indices
@@ -371,9 +370,7 @@ def _write_runs(out: torch.Tensor, out_offsets: torch.Tensor, rows: torch.Tensor
     """``out[out_offsets[s]:out_offsets[s] + D] = rows[s]``, one copy per run of segments laid out back to back."""
     D = rows.shape[1]
     offs = out_offsets.numpy()
-    starts = np.flatnonzero(np.diff(offs) != D) + 1
-    bounds = [0, *starts.tolist(), len(offs)]
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in row_runs(offs, D):
         o = int(offs[a])
         out[o:o + (b - a) * D].view(b - a, D).copy_(rows[a:b])
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .ranges import concat_ranges
+
 
 def gather_rows(weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``weights[rows]`` as a new contiguous tensor."""
@@ -99,8 +101,7 @@ def micro_batch_values(offsets, samples, inverse, keys, num_keys):
     offsets = np.asarray(offsets, dtype=np.int64)
     keys = np.asarray(keys, dtype=np.int64)
     lengths = offsets[samples + 1] - offsets[samples]
-    value_index = (np.repeat(offsets[samples] - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
-                   + np.arange(lengths.sum(), dtype=np.int64))
+    value_index = concat_ranges(offsets[samples], lengths)
     value_key = np.asarray(inverse)[value_index].astype(np.int64)
     value_sample = np.repeat(np.arange(len(samples), dtype=np.int64), lengths)
     if len(keys) and (keys.min() < 0 or keys.max() >= num_keys or np.any(keys[1:] <= keys[:-1])):

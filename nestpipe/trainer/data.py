@@ -96,10 +96,8 @@ def prepare_batch(record: Dict, manifest: Manifest, step: int, rank: int, seed: 
             inverse = np.asarray(record[f"{t}.inverse"])
             if repartition:
                 off = offsets[t]
-                lens = off[samples + 1] - off[samples]
-                idx = (np.repeat(off[samples] - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens)
-                       + np.arange(lens.sum()))
-                mk = np.unique(inverse[idx]).astype(np.int64)
+                mk = np.unique(inverse[kernels.concat_ranges(off[samples], off[samples + 1] - off[samples])])
+                mk = mk.astype(np.int64)
             else:
                 mo = record[f"{t}.mb_offsets"]
                 mk = np.asarray(record[f"{t}.mb_unique"][mo[i]:mo[i + 1]], dtype=np.int64)

@@ -80,22 +80,6 @@ def choose_kind(name: str, vocab: int, table_kind: str, cfg: EmbeddingConfig) ->
     return kind
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The concatenated ranges ``[starts[j], starts[j] + lengths[j])`` (int64)."""
-    ends = np.cumsum(lengths)
-    return np.repeat(starts - (ends - lengths), lengths) + np.arange(ends[-1] if len(ends) else 0, dtype=np.int64)
-
-
-def _runs(offsets: np.ndarray, dim: int) -> List[Tuple[int, int]]:
-    """Element offsets of ``dim``-wide rows as runs of back-to-back rows: ``[(first offset, rows), ...]``."""
-    if len(offsets) == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(offsets) != dim) + 1
-    starts = np.concatenate([[0], breaks])
-    ends = np.concatenate([breaks, [len(offsets)]])
-    return [(int(offsets[a]), int(b - a)) for a, b in zip(starts, ends)]
-
-
 def _split(x: torch.Tensor, sizes: List[int]) -> List[torch.Tensor]:
     return list(torch.split(x, sizes))
 
@@ -590,9 +574,9 @@ class ShardedEmbeddingCollection:
             b = np.array([own_b[i][r] if mine else 0 for i in range(N) for r in range(W)], dtype=np.int64)
             b0 = np.array([base[(r, slot)] for _ in range(N) for r in range(W)], dtype=np.int64)
             out_at = np.array([block_off[i][(r, slot)] for i in range(N) for r in range(W)], dtype=np.int64)
-            counts = got[_ranges(at, b)].astype(np.int64)
-            e_all = got[_ranges(at + b, size - b)].astype(np.int64) + np.repeat(b0, size - b)
-            out_all = np.repeat(out_at, b) + dim * _ranges(np.zeros_like(b), b)
+            counts = got[kernels.concat_ranges(at, b)].astype(np.int64)
+            e_all = got[kernels.concat_ranges(at + b, size - b)].astype(np.int64) + np.repeat(b0, size - b)
+            out_all = np.repeat(out_at, b) + dim * kernels.concat_ranges(np.zeros_like(b), b)
             cs = np.zeros(len(counts) + 1, dtype=np.int64)
             np.cumsum(counts, out=cs[1:])
             seg_end = np.cumsum(b.reshape(N, W).sum(1))  # per micro-batch: its segments end here, its pairs at cs[]
@@ -605,35 +589,36 @@ class ShardedEmbeddingCollection:
                 pair_entry.append(e_all[cs[s0]:cs[s1]])
                 if not bags:  # every pair's gradient offset (the entry update only): its segment's
                     upd_src.append(grad_mb_off[i] + np.repeat(out_i, counts[s0:s1]))
-        for i in range(N) if not pooled else ():
-            p_entry, seg_out = [], []
-            for r in range(W):
-                for slot in slots:
-                    lst = raw_mb[i][r][slot]
-                    p_entry.append(np.add(lst, base[(r, slot)], dtype=np.int64))
-                    seg_out.append(block_off[i][(r, slot)] + dim * np.arange(len(lst), dtype=np.int64))
-            e = np.concatenate(p_entry) if p_entry else np.zeros(0, np.int64)
-            out_off = np.concatenate(seg_out) if seg_out else np.zeros(0, np.int64)
-            fwd_offsets.append(None)
-            if not bags:
-                upd_src.append(grad_mb_off[i] + out_off)
-            pair_entry.append(e)
-            fwd_out.append(torch.from_numpy(out_off))
+        else:
+            for i in range(N):
+                p_entry, seg_out = [], []
+                for r in range(W):
+                    for slot in slots:
+                        lst = raw_mb[i][r][slot]
+                        p_entry.append(np.add(lst, base[(r, slot)], dtype=np.int64))
+                        seg_out.append(block_off[i][(r, slot)] + dim * np.arange(len(lst), dtype=np.int64))
+                e = np.concatenate(p_entry) if p_entry else np.zeros(0, np.int64)
+                out_off = np.concatenate(seg_out) if seg_out else np.zeros(0, np.int64)
+                fwd_offsets.append(None)
+                if not bags:
+                    upd_src.append(grad_mb_off[i] + out_off)
+                pair_entry.append(e)
+                fwd_out.append(torch.from_numpy(out_off))
         o = _OwnStore(rows_all, pair_entry, base, pooled=pooled, fwd_offsets=fwd_offsets, fwd_out=fwd_out,
                       upd_src=upd_src, num_store_rows=self.stores[st].num_rows)
         if bags:
             o.bags = True
-            pe = e_all if pooled else np.concatenate(pair_entry) if pair_entry else np.zeros(0, np.int64)
-            o.bag_rows = torch.from_numpy(rows_all[pe])
-            if pooled:
-                o.bag_offsets = torch.from_numpy(cs)  # the micro-batches' CSRs, concatenated
-            else:
-                o.bag_offsets = torch.arange(len(pe) + 1, dtype=torch.int64)
-            o.bag_grad = (torch.from_numpy(out_all + np.repeat(np.asarray(grad_mb_off, dtype=np.int64),
-                                                               seg_end - seg_start)) if pooled else
-                          torch.from_numpy(np.concatenate([grad_mb_off[i] + f.numpy() for i, f in enumerate(fwd_out)])
-                                           if N else np.zeros(0, np.int64)))
-            o.bag_grad_runs = _runs(o.bag_grad.numpy(), dim)
+            if pooled:  # the micro-batches' CSRs and segment offsets, concatenated
+                pe, bag_offsets = e_all, cs
+                bag_grad = out_all + np.repeat(np.asarray(grad_mb_off, dtype=np.int64), seg_end - seg_start)
+            else:  # a bag of one row per pair
+                pe = np.concatenate(pair_entry) if pair_entry else np.zeros(0, np.int64)
+                bag_offsets = np.arange(len(pe) + 1, dtype=np.int64)
+                bag_grad = (np.concatenate([grad_mb_off[i] + f.numpy() for i, f in enumerate(fwd_out)]) if N
+                            else np.zeros(0, np.int64))
+            o.bag_rows, o.bag_offsets, o.bag_grad = (torch.from_numpy(rows_all[pe]), torch.from_numpy(bag_offsets),
+                                                     torch.from_numpy(bag_grad))
+            o.bag_grad_runs = [(int(bag_grad[a]), b - a) for a, b in kernels.row_runs(bag_grad, dim)]
         return o
 
     # -- stage: embedding retrieval -----------------------------------------------------------------------------

@@ -65,12 +65,6 @@ class ReductionBased:
                 for r in range(world)]
 
     @staticmethod
-    def segments(lst: np.ndarray, num_samples: int) -> Tuple[np.ndarray, np.ndarray]:
-        """Owner side: (sample of every entry, entries) from a list of :meth:`plan`."""
-        counts = lst[:num_samples].astype(np.int64)
-        return np.repeat(np.arange(num_samples, dtype=np.int64), counts), lst[num_samples:].astype(np.int64)
-
-    @staticmethod
     def unpack(pieces: List[torch.Tensor]) -> torch.Tensor:
         out = pieces[0]
         for p in pieces[1:]:

@@ -25,7 +25,8 @@ rows x dim 64, batch 1024 per rank, 15-25 ids per feature, 13 dense features, DL
 
 Per network: the GR workload in every mode (and ``nested-1t``: nested with one communication thread for both
 exchange groups, ``pipe.comm_threads = 1``, for comparison in the same run), the pooled workload
-in ``off`` and ``nested``, and, with ``--torchrec-python`` (a python with torchrec 1.8 + fbgemm-gpu-cpu 1.8, e.g.
+in ``off`` (at the default ``pipe.micro_batching = auto`` its batches train whole: DLRM's loss does not depend on the
+partition), ``off-clustered`` (``off`` over the shards' micro-batches), ``nested`` and ``auto``, and, with ``--torchrec-python`` (a python with torchrec 1.8 + fbgemm-gpu-cpu 1.8, e.g.
 a separate venv), TorchRec's ``TrainPipelineSparseDist`` on both workloads (``benchmarks/torchrec_runner.py``; on
 the GR workload it reads the very sequences NestPipe trains on and runs NestPipe's HSTU module as its dense model).
 
@@ -50,7 +51,7 @@ import numpy as np
 
 from nestpipe.clustering import assign, table_fields
 from nestpipe.utils.host import describe_host, host_line
-from nestpipe.datasets.shards import Manifest, TableSpec, save_manifest, write_split_shards
+from nestpipe.datasets.shards import Manifest, TableSpec, pack_tables, save_manifest, write_split_shards
 from nestpipe.measure.launcher import run_plan, write_run
 from nestpipe.measure.validate_local import make_gr_shards as make_gr_workload_shards
 
@@ -73,7 +74,8 @@ def make_gr_shards(out, batch, seq_len, micro_batches, vocab, batches_per_rank, 
 
 
 def make_pooled_shards(out, micro_batches, batches_per_rank, seed=11):
-    """The pooled comparison workload as CTR shards (micro-batches from the clustering of table t0)."""
+    """The pooled comparison workload as CTR shards (micro-batches from the clustering of table t0), the tables in
+    one packed group as ``nestpipe ingest`` writes its bag tables (six tar members instead of six per table)."""
     P = POOLED
     rng = np.random.default_rng(seed)
     names = [f"t{i}" for i in range(P["tables"])]
@@ -95,7 +97,7 @@ def make_pooled_shards(out, micro_batches, batches_per_rank, seed=11):
         d = rng.normal(size=(B, P["dense"])).astype(np.float32)
         rec["dense"] = d
         rec["labels"] = (rng.random(B) < 1 / (1 + np.exp(-0.8 * d[:, 0]))).astype(np.float32)[:, None]
-        return rec
+        return pack_tables(rec, "bags", names)
 
     sets_ = write_split_shards(out, (("train", [batches_per_rank] * WORLD), ("eval", [1])), P["batch"], record)
     save_manifest(out, Manifest(task="ctr", batch_size=P["batch"], micro_batches=micro_batches, tables=tables,
@@ -150,6 +152,8 @@ def run_modes(args, shards, tag, prefix=None, modes=MODES, workload="gr", env=No
         cfg = sets(args, workload)
         if m.endswith("-1t"):
             cfg["pipe"]["comm_threads"] = 1  # the one-comm-thread FWP layout
+        if m.endswith("-clustered"):
+            cfg["pipe"]["micro_batching"] = "clustered"  # the shards' micro-batches (the default trains off's whole)
         write_run(run, shards, "hstu" if workload == "gr" else "dlrm", m.split("-")[0], args.steps, cfg)
         plan.append({"run": run})
         runs[m] = run
@@ -170,12 +174,13 @@ def run_modes(args, shards, tag, prefix=None, modes=MODES, workload="gr", env=No
 
 def run_network(args, shards, tag, prefix=None, round_index=0):
     """Everything measured on one network: the GR workload in every mode (+ nested-1t), the pooled workload in off,
-    nested and auto, TorchRec on both. Round k runs the modes in an order rotated by k."""
+    off-clustered, nested and auto, TorchRec on both. Round k runs the modes in an order rotated by k."""
     gr_modes = rotated(tuple(MODES) + ("nested-1t", "auto"), round_index)
     out = {"gr": run_modes(args, shards["gr"], f"{tag}-gr", prefix, modes=gr_modes)}
     if shards.get("pooled"):
         out["pooled"] = run_modes(args, shards["pooled"], f"{tag}-pooled", prefix,
-                                  modes=rotated(("off", "nested", "auto"), round_index), workload="pooled")
+                                  modes=rotated(("off", "off-clustered", "nested", "auto"), round_index),
+                                  workload="pooled")
     if args.torchrec_python:
         tr = {}
         common = {"warmup": 3, "steps": args.steps, "timeout": 1500}
@@ -269,8 +274,9 @@ def torchrec_lines(res, title):
         if a is not None:
             out[w]["default_schedule"] = a["pipeline_choice"]
             out[w]["auto_over_torchrec"] = a["samples_per_s"] / t["samples_per_s"]
-            print(f"{title}, {w}: NestPipe default schedule (auto -> {a['pipeline']}: {a['pipeline_choice']['reason']}) "
-                  f"{a['samples_per_s']:.0f} samples/s: default / TorchRec = {out[w]['auto_over_torchrec']:.2f} in "
+            print(f"{title}, {w}: NestPipe default schedule (auto -> {a['pipeline']}: {a['pipeline_choice']['reason']}; "
+                  f"{a.get('micro_batches')} micro-batch(es) per batch, pipe.micro_batching -> "
+                  f"{a.get('micro_batching')}) {a['samples_per_s']:.0f} samples/s: default / TorchRec = {out[w]['auto_over_torchrec']:.2f} in "
                   f"samples/s, {out[w].get('auto_over_torchrec_cpu', float('nan')):.2f} in CPU time per step")
         if "samples_per_s_rounds" in t:
             print(f"{title}, {w}: TorchRec samples/s per round: "

@@ -621,12 +621,13 @@ def test_adagrad_grad_pairs_rejects_bad_input():
                              grad_pairs=(eo, ps))
 
 
-@pytest.mark.parametrize("layout", ["scattered", "runs"])
+@pytest.mark.parametrize("layout", ["scattered", "runs", "runs-unaligned"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_pool_segments_bitwise_equals_index_add(threads, layout, monkeypatch):
     """pool_segments: ordered segment sums into a flat payload at given offsets (scattered, or in runs of segments
-    laid out back to back as a payload's blocks are) == zeros.index_add_ per segment (bitwise), copies ==
-    index_select; the reference path agrees; reversed pair order differs (negative control)."""
+    laid out back to back as a payload's blocks are; on rows of the payload or, as after a block of another row
+    width, off them) == zeros.index_add_ per segment (bitwise), copies == index_select; the reference path agrees;
+    reversed pair order differs (negative control)."""
     g = torch.Generator().manual_seed(7)
     dim, n_seg, n_pairs = 64, 30, 600
     src = torch.randn(200, dim, generator=g) * torch.logspace(-3, 4, 200).unsqueeze(1)
@@ -635,15 +636,16 @@ def test_pool_segments_bitwise_equals_index_add(threads, layout, monkeypatch):
     offsets = torch.zeros(n_seg + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(torch.bincount(seg, minlength=n_seg), 0)
     out_offsets = torch.randperm(n_seg + 5, generator=g)[:n_seg] * dim
-    if layout == "runs":  # three blocks of consecutive segments with gaps between them
+    if layout.startswith("runs"):  # three blocks of consecutive segments with gaps between them
         out_offsets = torch.cat([torch.arange(0, 10), torch.arange(12, 22), torch.arange(25, 35)]) * dim
+        out_offsets += 5 if layout == "runs-unaligned" else 0
     expect = torch.zeros(n_seg, dim).index_add_(0, seg, src[index])
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = torch.full(((n_seg + 5) * dim,), float("nan"))
+        out = torch.full(((n_seg + 6) * dim,), float("nan"))
         kernels.pool_segments(src, index, offsets, out, out_offsets)
-        copy = torch.full(((n_seg + 5) * dim,), float("nan"))
+        copy = torch.full(((n_seg + 6) * dim,), float("nan"))
         kernels.pool_segments(src, index[:n_seg], None, copy, out_offsets)
     finally:
         torch.set_num_threads(old)
@@ -651,12 +653,12 @@ def test_pool_segments_bitwise_equals_index_add(threads, layout, monkeypatch):
     assert torch.equal(out[at], expect)
     assert torch.equal(copy[at], src[index[:n_seg]])
     monkeypatch.setenv("NESTPIPE_KERNELS", "reference")
-    ref = torch.zeros((n_seg + 5) * dim)
+    ref = torch.zeros((n_seg + 6) * dim)
     kernels.pool_segments(src, index, offsets, ref, out_offsets)
     assert torch.equal(ref[at], expect)
     monkeypatch.delenv("NESTPIPE_KERNELS")
     flipped = torch.cat([index[offsets[s]:offsets[s + 1]].flip(0) for s in range(n_seg)])
-    other = torch.zeros((n_seg + 5) * dim)
+    other = torch.zeros((n_seg + 6) * dim)
     kernels.pool_segments(src, flipped, offsets, other, out_offsets)
     assert not torch.equal(other[at], expect)
 

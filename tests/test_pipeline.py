@@ -52,7 +52,9 @@ NO_GANTT = {"pipe": {"gantt_steps": 0}}
 
 def _sets(model, **pipe):
     d = json.loads(json.dumps(SETS[model]))
-    d["pipe"] = dict(NO_GANTT["pipe"], **pipe)
+    # schedules are compared over the same (the shards') micro-batches; pipe.micro_batching=auto would train off's
+    # and dbp's batches whole (the runs "*-default" below)
+    d["pipe"] = {**NO_GANTT["pipe"], "micro_batching": "clustered", **pipe}
     return d
 
 
@@ -114,6 +116,12 @@ def runs(tmp_path_factory):
     add(plan2, 2, "hstu", "nosync-wb", "nested", emb=wb, hooks=nosync)
     add(plan2, 2, "hstu", "per-mb", "nested", hooks={"update_per_micro_batch": True})
     add(plan2, 2, "hstu", "random-mb", "nested", micro_batching="random")
+    # the default micro-batching (auto): off and dbp train a batch as one micro-batch where the loss allows it
+    for model in ("hstu", "dlrm"):
+        add(plan2, 2, model, "off-default", "off", micro_batching="auto")
+    add(plan2, 2, "dlrm", "dbp-default", "dbp", micro_batching="auto")
+    add(plan2, 2, "dlrm", "nested-default", "nested", micro_batching="auto")
+    add(plan2, 2, "dlrm", "nosync-default", "dbp", micro_batching="auto", hooks={"skip_dual_buffer_sync": True})
     # column-wise shards (a plan file's column splits, executed as they are): GR's item table cut into two column
     # ranges, the first row-wise over ranks (1, 0), the second table-wise on rank 0 (both also serve the negatives);
     # DLRM's pooled history column-wise on ranks 1 and 0, video_id two column ranges each row-wise over both ranks
@@ -358,6 +366,39 @@ def test_clustering_on_vs_off_agrees_within_fp_tolerance_not_bitwise(runs):
     for k in clustered:
         torch.testing.assert_close(rnd[k], clustered[k], rtol=1e-3, atol=1e-4, msg=lambda m: f"{k}: {m}")
     assert _bitwise_diff(clustered, rnd), "a different partition should change the summation order somewhere"
+
+
+@pytest.mark.parametrize("model", ["hstu", "dlrm"])
+def test_default_micro_batching_trains_off_batches_whole(runs, model):
+    """pipe.micro_batching=auto (the default): off trains every batch as one micro-batch (its loss is partition-
+    invariant here: no in-batch negatives), recorded in metrics.json and seen in the trace (one forward/backward per
+    step); the gradient is the clustered micro-batches' sum in another order, so the result agrees with off over the
+    shards' micro-batches within float32 tolerance but not bitwise (the whole batch really ran)."""
+    run = runs[(2, model, "off-default")]
+    m = json.load(open(os.path.join(run, "metrics.json")))
+    assert (m["micro_batching"], m["micro_batches"], m["pipeline_choice"]["micro_batching"]) == ("whole", 1, "whole")
+    dense = [s for s in _spans(run) if s["stage"] == "dense"]
+    assert dense and {s["mb"] for s in dense} == {0}, sorted({s["mb"] for s in dense})
+    clustered = json.load(open(os.path.join(runs[(2, model, "off")], "metrics.json")))
+    assert (clustered["micro_batching"], clustered["micro_batches"]) == ("clustered", MB)
+    a, b = _export(runs[(2, model, "off")]), _export(run)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-4, msg=lambda msg: f"{k}: {msg}")
+    assert _bitwise_diff(a, b), "one micro-batch should change the summation order somewhere"
+
+
+def test_whole_batches_train_bitwise_alike_in_dbp_and_nested_keeps_the_clustering(runs):
+    """dbp at the default micro-batching trains whole batches bitwise like off does (the dual-buffer sync holds for
+    one micro-batch per step; negative control: without it, not equal); nested at the default keeps the shards'
+    clustered micro-batches (its frozen window overlaps them) and equals off over those bitwise."""
+    off = _export(runs[(2, "dlrm", "off-default")])
+    dbp = runs[(2, "dlrm", "dbp-default")]
+    assert json.load(open(os.path.join(dbp, "metrics.json")))["micro_batching"] == "whole"
+    assert _bitwise_diff(off, _export(dbp)) == []
+    assert _bitwise_diff(off, _export(runs[(2, "dlrm", "nosync-default")]))
+    nested = runs[(2, "dlrm", "nested-default")]
+    assert json.load(open(os.path.join(nested, "metrics.json")))["micro_batching"] == "clustered"
+    assert _bitwise_diff(_export(runs[(2, "dlrm", "off")]), _export(nested)) == []
 
 
 @pytest.mark.parametrize("model", ["hstu", "dlrm"])

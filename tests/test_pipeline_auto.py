@@ -34,3 +34,33 @@ def test_explicit_schedule_is_kept_and_unknown_refused():
     assert auto.choose("auto", torch.device("cpu"), 1).schedule == "off"
     with pytest.raises(ValueError, match="expected auto or one of"):
         auto.choose("fast", torch.device("cpu"), 1)
+
+
+@pytest.mark.parametrize("requested,schedule,invariant,expect", [
+    ("auto", "off", True, "whole"),          # no frozen window: micro-batches would only add passes
+    ("auto", "dbp", True, "whole"),
+    ("auto", "fwp", True, "clustered"),      # the frozen window overlaps micro-batch i+1's All2All with i's compute
+    ("auto", "nested", True, "clustered"),
+    ("auto", "off", False, "clustered"),     # in-batch negatives: the partition is part of the loss
+    ("clustered", "off", True, "clustered"),  # anything explicit is kept
+    ("whole", "nested", False, "whole"),
+    ("random", "off", True, "random"),
+])
+def test_micro_batching_follows_the_schedule(requested, schedule, invariant, expect):
+    assert auto.micro_batching_for(requested, schedule, invariant) == expect
+
+
+def test_model_specs_say_whether_their_loss_depends_on_the_partition():
+    import torch
+
+    from nestpipe.trainer.config import default_config, TrainConfig
+    from nestpipe.trainer.models import model_spec
+
+    for model, field in (("hstu", "hstu"), ("sasrec", "sasrec")):
+        d = default_config(model)
+        assert not model_spec(model).partition_invariant(TrainConfig.from_dict(d))  # in-batch negatives by default
+        d[field]["in_batch_negatives"] = 0
+        assert model_spec(model).partition_invariant(TrainConfig.from_dict(d))
+    assert model_spec("dlrm").partition_invariant(TrainConfig.from_dict(default_config("dlrm")))
+    ch = auto.choose("off", torch.device("cpu"), 1, micro_batching="auto", partition_invariant=True)
+    assert (ch.schedule, ch.micro_batching) == ("off", "whole")

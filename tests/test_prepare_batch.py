@@ -50,6 +50,26 @@ def test_micro_batches_hold_their_samples_values(path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_whole_batch_is_one_micro_batch_of_every_sample_and_key(path):
+    """micro_batching="whole": one micro-batch holding every sample in order, every unique key, the dense fields
+    and labels of all samples; the same values as the clustered micro-batches together."""
+    rec, man, feats = _batch()
+    with kernels.forced({"micro_batch_values": path}):
+        whole = prepare_batch(rec, man, step=0, rank=0, seed=0, micro_batching="whole")
+        clustered = prepare_batch(rec, man, step=0, rank=0, seed=0)
+    (mbd,) = whole.micro
+    assert np.array_equal(mbd.samples, np.arange(man.batch_size))
+    assert np.array_equal(mbd.fields["dense"], rec["dense"]) and np.array_equal(mbd.fields["labels"], rec["labels"])
+    for t, (values, lens) in feats.items():
+        assert np.array_equal(whole.keys[t][mbd.value_key[t]], values)
+        assert np.array_equal(mbd.mb_keys[t], np.arange(len(whole.keys[t])))
+        assert np.array_equal(mbd.value_sample[t], np.repeat(np.arange(man.batch_size), lens))
+        per_sample = {int(s): list(clustered.keys[t][m.value_key[t][m.value_sample[t] == j]])
+                      for m in clustered.micro for j, s in enumerate(m.samples)}
+        assert [v for s in range(man.batch_size) for v in per_sample[s]] == list(values)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("corrupt,message", [
     ("unsorted", "table a: micro-batch 0's mb_unique is not a sorted set of key positions"),
     ("inverse", "table a: a.inverse points outside the table's unique keys"),

@@ -131,7 +131,7 @@ def runs(tmp_path_factory):
     def add(model, name, pipeline="off", hooks=None, **top):
         sets = json.loads(json.dumps(SETS[model]))
         sets["embedding"]["optimizer"] = OPTIMIZER[model]
-        sets["pipe"] = {"gantt_steps": 0}
+        sets["pipe"] = {"gantt_steps": 0, "micro_batching": "clustered"}  # every schedule over the same micro-batches
         sets["dtype"] = "float64"
         for k, v in top.items():
             if isinstance(v, dict):

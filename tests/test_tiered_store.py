@@ -90,7 +90,7 @@ def runs(tmp_path_factory):
             run = str(base / f"{model}-{name}")
             sets = json.loads(json.dumps(SETS[model]))
             sets["embedding"].update(emb)
-            sets["pipe"] = {"gantt_steps": 0}
+            sets["pipe"] = {"gantt_steps": 0, "micro_batching": "clustered"}
             write_run(run, shards[model], model, mode, 16, sets, 0)
             plan.append({"run": run, "resume": False, "testing_hooks": hooks})
             out[(model, name)] = run
@@ -98,7 +98,7 @@ def runs(tmp_path_factory):
     run = str(base / "hstu-mmap-resumed")
     sets = json.loads(json.dumps(SETS["hstu"]))
     sets["embedding"].update(MMAP)
-    sets["pipe"] = {"gantt_steps": 0}
+    sets["pipe"] = {"gantt_steps": 0, "micro_batching": "clustered"}
     write_run(run, shards["hstu"], "hstu", "nested", 8, sets, 4)
     plan.append({"run": run, "resume": False, "testing_hooks": {}})
     out[("hstu", "mmap-resumed")] = run

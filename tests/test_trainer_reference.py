@@ -72,13 +72,15 @@ def reference(run: str):
     params = dict(model.named_parameters())
     adam = {n: (torch.zeros_like(p), torch.zeros_like(p)) for n, p in params.items()}
     streams = [ShardStream(cfg.shards, "train", r, WORLD, verify=False).records(0) for r in range(WORLD)]
+    # the micro-batches the run trained (pipe.micro_batching as resolved for its schedule)
+    micro_batching = json.load(open(os.path.join(run, "metrics.json")))["micro_batching"]
     B = man.batch_size
     o = cfg.optim
     for step in range(STEPS):
         for r in range(WORLD):
             s, rec, path = next(streams[r])
             assert s == step
-            batch = prepare_batch(rec, man, step, r, cfg.seed, num_negatives(cfg))
+            batch = prepare_batch(rec, man, step, r, cfg.seed, num_negatives(cfg), micro_batching=micro_batching)
             for i, mbd in enumerate(batch.micro):
                 emb = micro_batch_embeddings(tables.__getitem__, man, batch, mbd, dims, names)
                 feats = {k: (v.double() if v.is_floating_point() else v)

@@ -352,12 +352,22 @@ def csr_by_segment(segment_of: torch.Tensor, num_segments: int):
 
 def _embedding_bag_into(out: torch.Tensor, out_offsets: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
                         offsets: torch.Tensor) -> None:
-    """Sum-mode ``embedding_bag`` written straight into ``out``: one call per run of segments laid out back to back
-    (``_embedding_bag_forward_only.out`` into a view of ``out``; the same kernel and arithmetic as the functional
-    op, which would return a new tensor to copy)."""
+    """Sum-mode ``embedding_bag`` of every segment into ``out`` at ``out_offsets`` (``_embedding_bag_forward_only.out``:
+    the functional op's kernel and arithmetic, each segment summed on its own). Where every offset is a multiple of
+    the row width, one call pools all segments and one ``index_copy_`` places the rows; otherwise one call per run
+    of segments laid out back to back writes straight into a view of ``out``."""
     D = src.shape[1]
     offs = out_offsets.numpy()
     op = torch.ops.aten._embedding_bag_forward_only.out
+    if out.numel() % D == 0 and not (offs % D).any() and int(offsets[0]) == 0:
+        # every segment starts on a row of ``out`` viewed as [-1, D]: one call for all of them, then one scatter of
+        # whole rows (a payload of many (micro-batch, requester) blocks would take one call per run)
+        rows = torch.empty(len(offs), D, dtype=out.dtype)
+        scratch = [torch.empty(0, dtype=torch.int64) for _ in range(3)]  # offset2bag, bag_size, max_indices
+        op(src, index, offsets, False, 0, False, None, True, -1, out0=rows, out1=scratch[0], out2=scratch[1],
+           out3=scratch[2])
+        out.view(-1, D).index_copy_(0, torch.from_numpy(offs // D), rows)
+        return
     for a, b in row_runs(offs, D):
         o = int(offs[a])
         lo, hi = int(offsets[a]), int(offsets[b])

@@ -322,6 +322,10 @@ def fit_hardware(meas: RunMeasurement, wl: LocalWorkload, cores: Optional[int] =
         raise RunError(f"{where}: calibration needs an off run that routes every batch in its own step (train with "
                        "--set pipe.route_ahead=false): routed ahead, the routing All2Alls overlap the step and their "
                        "times are not the compute thread's")
+    if meas.cfg.get("pipe", {}).get("micro_batching", "clustered") in ("auto", "whole"):
+        raise RunError(f"{where}: calibration needs an off run over the shards' {wl.micro_batches} micro-batches "
+                       "(train with --set pipe.micro_batching=clustered): this one ran every batch as one micro-batch "
+                       "(pipe.micro_batching auto or whole), and the model is fitted per micro-batch")
     st, n = meas.stages, wl.micro_batches
     pts = _collective_points(meas, n)
     if len(pts) < 2:

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from nestpipe.clustering import assign, table_fields
-from nestpipe.datasets.shards import Manifest, TableSpec, save_manifest, write_split_shards
+from nestpipe.datasets.shards import Manifest, TableSpec, pack_tables, save_manifest, write_split_shards
 from nestpipe.measure import measured
 from nestpipe.measure.launcher import run_plan, write_run
 
@@ -42,7 +42,7 @@ class Config:
 def make_gr_shards(out: str, batch: int, seq_len: int, micro_batches: int, vocab: int, batches: int,
                    n_shards: int = 6, zipf: float = 1.2, seed: int = 7) -> str:
     """GR shards (item ``vocab`` rows + action 256 rows, Zipf item ids, clustered micro-batches); ``n_shards``
-    train shards (6 feed world 2 and 3 evenly). The same seed gives the same sequences for every micro-batch count."""
+    train shards (6 feed world 2 and 3 evenly), the tables in one packed group as ``nestpipe ingest`` writes them. The same seed gives the same sequences for every micro-batch count."""
     rng = np.random.default_rng(seed)
     tables = {"item": TableSpec(vocab, 64, "sequence"), "action": TableSpec(256, 64, "sequence")}
 
@@ -59,7 +59,7 @@ def make_gr_shards(out: str, batch: int, seq_len: int, micro_batches: int, vocab
                 rec[f"{name}.{f}"] = arr
         rec["user"] = rng.integers(0, 1000, batch)
         rec["time"] = np.arange(len(item), dtype=np.int64) * 1000
-        return rec
+        return pack_tables(rec, "seq", ["item", "action"])  # as the ingest writes them
 
     sets_ = write_split_shards(out, (("train", [batches] * n_shards), ("eval", [1])), batch, record)
     save_manifest(out, Manifest(task="gr", batch_size=batch, micro_batches=micro_batches, tables=tables, sets=sets_,
@@ -71,8 +71,9 @@ def train_sets(seq_len: int, negatives: Tuple[int, int] = (32, 32)) -> Dict:
     return {"embedding": {"replicate_max_rows": 300, "dim": 64},
             "hstu": {"num_layers": 1, "num_heads": 2, "linear_dim": 32, "max_seq_len": seq_len,
                      "num_random_negatives": negatives[0], "num_popular_negatives": negatives[1]},
-            # the model's off routes every batch in its own step (measured.fit_hardware)
-            "pipe": {"gantt_steps": 0, "trace_steps": 1000, "route_ahead": False}}
+            # the model's off routes every batch in its own step over the shards' micro-batches (measured.fit_hardware
+            # fits per micro-batch; micro_batching auto would run off's batch as one)
+            "pipe": {"gantt_steps": 0, "trace_steps": 1000, "route_ahead": False, "micro_batching": "clustered"}}
 
 
 def _ns(*cmd):

@@ -65,8 +65,12 @@ class PipelineConfig:
         "batch (waited for at the next step), as a pipelined input distribution does; routing reads keys only, so "
         "nothing in the arithmetic changes")
     micro_batching: str = opt(
-        "clustered", help="clustered: the shard's key-centric partition; random: re-partition every batch uniformly "
-        "at random (same samples, same gradient sum up to summation order)", choices=("clustered", "random"))
+        "auto", help="how a batch is split into micro-batches (the same gradient sum, up to summation order): "
+        "clustered: the shard's key-centric partition; random: re-partition every batch uniformly at random; whole: "
+        "the batch as one micro-batch; auto: whole for off and dbp (no frozen window: micro-batches would only add "
+        "passes) where the model's loss does not depend on the partition (no in-batch negatives), else clustered. "
+        "Schedules train bitwise-identically at the same micro-batching",
+        choices=("auto", "clustered", "random", "whole"))
     trace_steps: int = opt(64, help="steps recorded in the timeline (RUN/trace.json)", minimum=0)
     gantt_steps: int = opt(3, help="steady-state steps drawn in RUN/timeline.png, after the warm-up steps (0: no chart)",
                            minimum=0)
@@ -84,7 +88,7 @@ class _TrainConfigBase:
                      choices=MODELS)
     pipeline: str = opt("auto", help="schedule: auto (chosen once at start from the cores per rank and a probe of "
                         "the link, see docs/pipeline.md) | off (the synchronous step) | dbp | fwp | nested; all give "
-                        "bitwise-identical results", choices=SCHEDULES)
+                        "bitwise-identical results at the same pipe.micro_batching", choices=SCHEDULES)
     steps: Optional[int] = opt(None, help="steps to train (null: epochs x batches per rank)", minimum=1)
     epochs: Optional[int] = opt(None, help="epochs to train when steps is null (null: 1)", minimum=1)
     seed: int = opt(0, help="seed of initialisation, negatives and random micro-batching", minimum=0)

@@ -54,24 +54,33 @@ def random_partition(b: int, n: int, seed: int, step: int, rank: int) -> np.ndar
     return mb
 
 
+MICRO_BATCHINGS = ("clustered", "random", "whole")
+
+
 def prepare_batch(record: Dict, manifest: Manifest, step: int, rank: int, seed: int,
                   num_negatives: Tuple[int, int] = (0, 0), where: str = "",
                   micro_batching: str = "clustered") -> PreparedBatch:
     """Host-side preparation of one batch record (see the module docstring).
 
-    ``micro_batching = "random"`` replaces the shard's clustered partition by :func:`random_partition` and
-    recomputes each micro-batch's unique keys (clustering off)."""
+    ``micro_batching``: ``clustered`` keeps the shard's key-centric partition; ``random`` replaces it by
+    :func:`random_partition` and recomputes each micro-batch's unique keys (clustering off); ``whole`` makes the
+    batch one micro-batch (every sample, every unique key: the schedules without a frozen window have nothing to
+    overlap, so splitting the batch would only add passes)."""
     meta = record.get("meta", {})
     mb = np.asarray(record["mb"]).astype(np.int64)
     b = len(mb)
     if b != manifest.batch_size:
         raise ShardError(f"{where}: record has {b} samples, manifest batch_size is {manifest.batch_size}")
-    n = int(meta.get("micro_batches", manifest.micro_batches))
-    if micro_batching not in ("clustered", "random"):
-        raise ValueError(f"micro_batching {micro_batching!r}: expected clustered or random")
+    n_shard = int(meta.get("micro_batches", manifest.micro_batches))
+    if micro_batching not in MICRO_BATCHINGS:
+        raise ValueError(f"micro_batching {micro_batching!r}: expected one of {', '.join(MICRO_BATCHINGS)}")
     repartition = micro_batching == "random"
+    whole = micro_batching == "whole"
+    n = 1 if whole else n_shard
     if repartition:
         mb = random_partition(b, n, seed, step, rank)
+    elif whole:
+        mb = np.zeros(b, dtype=np.int64)
     keys: Dict[str, np.ndarray] = {}
     offsets: Dict[str, np.ndarray] = {}
     for t in _sequence_tables(manifest):
@@ -81,8 +90,9 @@ def prepare_batch(record: Dict, manifest: Manifest, step: int, rank: int, seed: 
                 raise ShardError(f"{where}: record lacks field {t}.{f}")
         keys[t] = to_vocab(record[f"{t}.unique"], spec.vocab)
         offsets[t] = table_offsets(record, t)
-        if len(record[f"{t}.mb_offsets"]) != n + 1:
-            raise ShardError(f"{where}: {t}.mb_offsets has {len(record[f'{t}.mb_offsets'])} entries, expected {n + 1}")
+        if len(record[f"{t}.mb_offsets"]) != n_shard + 1:
+            raise ShardError(f"{where}: {t}.mb_offsets has {len(record[f'{t}.mb_offsets'])} entries, "
+                             f"expected {n_shard + 1}")
     per_sample_fields = {k: np.asarray(v) for k, v in record.items()
                          if k in ("dense", "labels", "user")}
     per_value_fields = {k: np.asarray(v) for k, v in record.items() if k in ("play", "duration", "time")}
@@ -94,7 +104,9 @@ def prepare_batch(record: Dict, manifest: Manifest, step: int, rank: int, seed: 
         lengths, vkey, vsample, mkeys, vpos, vindex = {}, {}, {}, {}, {}, {}
         for t in keys:
             inverse = np.asarray(record[f"{t}.inverse"])
-            if repartition:
+            if whole:
+                mk = np.arange(len(keys[t]), dtype=np.int64)
+            elif repartition:
                 off = offsets[t]
                 mk = np.unique(inverse[kernels.concat_ranges(off[samples], off[samples + 1] - off[samples])])
                 mk = mk.astype(np.int64)

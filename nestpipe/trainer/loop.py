@@ -34,6 +34,7 @@ from nestpipe.trainer.distributed import sparse_groups
 from nestpipe.trainer.distributed.device import Device
 from nestpipe.trainer.embedding import replica_sync
 from nestpipe.trainer.metrics import ScalarLog
+from nestpipe.trainer.models import model_spec
 from nestpipe.trainer.pipeline import auto
 from nestpipe.trainer.pipeline import timeline as tlmod
 from nestpipe.trainer.pipeline.scheduler import PipelineRunner
@@ -148,7 +149,9 @@ def set_up(cfg: TrainConfig, device: Device, rank: int, world: int) -> RankRun:
     steps = total_steps(cfg, stream.batches_per_rank)
     groups = sparse_groups.create_stage_groups(sparse_groups.resolve(cfg.sparse_groups, world, rank))
     state = build_state(cfg, stream.manifest, rank, world, device.torch, groups=groups)
-    schedule = auto.choose(cfg.pipeline, device.torch, world)
+    schedule = auto.choose(cfg.pipeline, device.torch, world, micro_batching=cfg.pipe.micro_batching,
+                           partition_invariant=model_spec(cfg.model).partition_invariant(cfg))
+    state.micro_batching = schedule.micro_batching
     return RankRun(cfg, device, rank, world, hooks, flush_denormal, stream, steps, state, schedule)
 
 
@@ -167,7 +170,7 @@ def announce(run: RankRun, start: int, log: ScalarLog) -> None:
     cfg, emb = run.cfg, run.state.emb
     ch = run.schedule
     if cfg.progress or not ch.overlap_can_pay:
-        print(f"pipeline: {ch.schedule} ({ch.reason})", flush=True)
+        print(f"pipeline: {ch.schedule} ({ch.reason}); micro-batching: {_micro_batching_line(run)}", flush=True)
     if emb.plan is not None:
         save_plan(emb.plan, os.path.join(cfg.out, "plan.json"))
         if cfg.progress:
@@ -177,6 +180,17 @@ def announce(run: RankRun, start: int, log: ScalarLog) -> None:
         pipeline_choice=run.schedule.to_dict(),
         dropped_batches=run.stream.dropped, kinds=emb.kinds, kernel_rule=kernel_paths(run.device.torch),
         store_huge_pages=_huge_pages(cfg), flush_denormal=run.flush_denormal, testing_hooks=run.hooks.changed())
+
+
+def _micro_batching_line(run: RankRun) -> str:
+    ch, n = run.schedule, run.stream.manifest.micro_batches
+    if ch.micro_batching == "whole":
+        how = f"the batch as one micro-batch (the shards have {n}; {ch.schedule} has no frozen window to overlap)"
+    else:
+        how = f"{n} {ch.micro_batching} micro-batches per batch"
+        if run.cfg.pipe.micro_batching == "auto" and ch.schedule in ("off", "dbp"):
+            how += " (the model's loss depends on the partition: in-batch negatives)"
+    return how + (" [pipe.micro_batching=auto]" if run.cfg.pipe.micro_batching == "auto" else "")
 
 
 def train_segments(run: RankRun, runner: PipelineRunner, start: int, progress: Progress) -> None:
@@ -235,6 +249,8 @@ def report(run: RankRun, runner: PipelineRunner, start: int, progress: Progress,
         total_sps = sum(g["samples_per_s"] for g in gathered)
         metrics = {"model": cfg.model, "pipeline": run.schedule.schedule, "pipeline_choice": run.schedule.to_dict(),
                    "world": world, "batch_size_per_rank": B,
+                   "micro_batching": run.schedule.micro_batching,
+                   "micro_batches": 1 if run.schedule.micro_batching == "whole" else run.stream.manifest.micro_batches,
                    "steps_run": done, "resumed_from_step": start, "final_loss": loss,
                    "samples_per_s": total_sps, "samples_per_s_per_rank": [g["samples_per_s"] for g in gathered],
                    "per_rank": gathered, "exchange_kinds": state.emb.kinds,

@@ -62,6 +62,9 @@ class StepState:
     # metrics.json's token_imbalance across ranks
     batch_costs: Dict[int, Tuple[int, float]] = dataclasses.field(default_factory=dict)
     routed_ahead: Optional["RoutedAhead"] = None  # the next batch, its routing in flight (pipe.route_ahead)
+    # pipe.micro_batching as resolved for the run's schedule (pipeline.auto.micro_batching_for; set by the trainer
+    # once the schedule is chosen): clustered, random or whole
+    micro_batching: str = "clustered"
 
 
 def sequence_cost(manifest: Manifest) -> SequenceCost:
@@ -85,7 +88,7 @@ def model_feats(cfg: TrainConfig, manifest: Manifest, batch: PreparedBatch, i: i
 def stage_prefetch(state: StepState, step: int, record: Dict, where: str) -> PreparedBatch:
     with state.timer.span("prefetch"):
         batch = prepare_batch(record, state.manifest, step, state.rank, state.cfg.seed,
-                              num_negatives(state.cfg), where=where, micro_batching=state.cfg.pipe.micro_batching)
+                              num_negatives(state.cfg), where=where, micro_batching=state.micro_batching)
         if state.manifest.task == "gr":
             lens = np.concatenate([m.lengths["item"] for m in batch.micro]) if batch.micro else np.zeros(0)
             state.batch_costs[step] = (int(lens.sum()), float(sequence_cost(state.manifest)(lens).sum()))
@@ -361,7 +364,10 @@ def build_state(cfg: TrainConfig, manifest: Manifest, rank: int, world: int, dev
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                   weight_decay=o.weight_decay, foreach=False)
     emb.timeline = timeline
-    return StepState(cfg, manifest, rank, world, device, emb, model, optimizer, timer, group, groups, timeline)
+    # a state built outside a run (no schedule chosen) keeps the shards' partition where micro_batching is auto
+    mbat = "clustered" if cfg.pipe.micro_batching == "auto" else cfg.pipe.micro_batching
+    return StepState(cfg, manifest, rank, world, device, emb, model, optimizer, timer, group, groups, timeline,
+                     micro_batching=mbat)
 
 
 __all__ = ["NEG_SLOT", "StepState", "build_state", "train_step", "stage_prefetch", "stage_h2d", "stage_route",

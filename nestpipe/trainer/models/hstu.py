@@ -189,4 +189,5 @@ def negatives(cfg) -> Tuple[int, int]:
 
 SPEC = ModelSpec(name="hstu", task="gr", build=build, dense_inputs=dense_inputs, negatives=negatives,
                  shared_negatives=True, table_widths=lambda cfg: sequential_table_widths(cfg.hstu),
+                 partition_invariant=lambda cfg: cfg.hstu.in_batch_negatives == 0,
                  config=HSTUConfig, help="the HSTU model")

@@ -100,4 +100,5 @@ def negatives(cfg):
 
 SPEC = ModelSpec(name="sasrec", task="gr", build=build, dense_inputs=hstu.dense_inputs, negatives=negatives,
                  shared_negatives=True, table_widths=lambda cfg: sequential_table_widths(cfg.sasrec),
+                 partition_invariant=lambda cfg: cfg.sasrec.in_batch_negatives == 0,
                  config=SASRecConfig, help="the SASRec model (causal softmax attention)")

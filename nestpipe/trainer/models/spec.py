@@ -18,7 +18,10 @@ class ModelSpec:
     ``config``: the dataclass of its ``nestpipe train`` config section (named like the model); ``help``: that
     section's one-line description. ``table_widths(cfg)``: tables whose rows the model reads as several
     embedding-dim blocks, ``{table: blocks}`` (e.g. the item table holding an input and an output embedding);
-    every other table is one block wide. ``train_defaults``: this model's defaults for keys of the shared sections."""
+    every other table is one block wide. ``train_defaults``: this model's defaults for keys of the shared sections.
+    ``partition_invariant(cfg)``: whether the loss is a sum of per-sample terms whatever the micro-batch partition
+    (False where a micro-batch's samples serve one another, e.g. as in-batch negatives): only then may
+    ``pipe.micro_batching=auto`` train a batch as one micro-batch (the same gradient, summed in another order)."""
 
     name: str
     task: str
@@ -29,6 +32,7 @@ class ModelSpec:
     config: type
     help: str
     table_widths: Callable[..., Dict[str, int]] = lambda cfg: {}
+    partition_invariant: Callable[..., bool] = lambda cfg: True
     # keys of the shared sections this model trains best with, nested like the config (for example
     # ``{"optim": {"lr": 0.002}}``): the defaults when this model is chosen; the config file, flags and --set still
     # override them (:func:`nestpipe.trainer.config.default_config`)

@@ -3,7 +3,11 @@
 The pipelined schedules (dbp, fwp, nested) only pay where their stages really run at the same time: the
 prefetch, routing and communication threads need cores of their own beside the compute, or the time they hide
 must be waiting (a link slower than the compute) rather than CPU work. Every schedule is bitwise equal to
-``off``, so the choice never changes the trained parameters, only the time per step.
+``off`` at the same micro-batching, so with ``pipe.micro_batching`` set the choice never changes the trained
+parameters, only the time per step. Its default, ``auto``, follows the schedule (:func:`micro_batching_for`):
+the batch as one micro-batch for ``off`` and ``dbp``, whose steps have no frozen window to overlap (where the
+model's loss does not depend on the partition: the gradient is the same sum, in another order), the shard's
+clustered micro-batches for ``fwp`` and ``nested``.
 
 The rule (:func:`decide`, a pure function of the reduced measurements, so every rank computes the same answer;
 rank 0's answer is broadcast anyway):
@@ -50,9 +54,21 @@ class ScheduleChoice:
     cores_per_rank: Optional[int] = None
     link_gbps: Optional[float] = None
     overlap_can_pay: Optional[bool] = None
+    micro_batching: str = "clustered"  # pipe.micro_batching as resolved for the schedule (micro_batching_for)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def micro_batching_for(requested: str, schedule: str, partition_invariant: bool = True) -> str:
+    """``pipe.micro_batching`` resolved for ``schedule``: ``auto`` is ``whole`` where the schedule has no frozen
+    window (``off``, ``dbp``: micro-batches would only add passes) and the model's loss does not depend on the
+    partition (``partition_invariant``: the same gradient in another summation order), else ``clustered`` (``fwp``
+    and ``nested`` overlap the All2All of micro-batch i+1 with the compute of micro-batch i); any other value is
+    kept."""
+    if requested != "auto":
+        return requested
+    return "whole" if schedule in ("off", "dbp") and partition_invariant else "clustered"
 
 
 def decide(device_type: str, world: int, cores_per_rank: int, link_gbps: Optional[float]) -> Tuple[str, str, bool]:
@@ -98,9 +114,11 @@ def probe_link_gbps(world: int, device: torch.device, group=None, nbytes: int = 
     return sent / max(statistics.median(times), 1e-9) / 1e9
 
 
-def choose(requested: str, device: torch.device, world: int, group=None) -> ScheduleChoice:
+def choose(requested: str, device: torch.device, world: int, group=None, micro_batching: str = "clustered",
+           partition_invariant: bool = True) -> ScheduleChoice:
     """The run's schedule. ``requested`` = auto: measured and decided (collective: every rank must call this);
-    an explicit schedule is kept, with a note where overlap cannot pay."""
+    an explicit schedule is kept, with a note where overlap cannot pay. ``micro_batching`` (``pipe.micro_batching``)
+    is resolved for the schedule that runs."""
     if requested != "auto" and requested not in PIPELINE_MODES:
         raise ValueError(f"--pipeline {requested!r}: expected auto or one of {', '.join(PIPELINE_MODES)}")
     cores = local_cores_per_rank()
@@ -121,4 +139,5 @@ def choose(requested: str, device: torch.device, world: int, group=None) -> Sche
     if requested != "auto":
         reason = f"--pipeline {requested} (explicit); auto would choose {schedule}: {reason}"
         schedule = requested
-    return ScheduleChoice(requested, schedule, reason, cores, gbps, pays)
+    return ScheduleChoice(requested, schedule, reason, cores, gbps, pays,
+                          micro_batching_for(micro_batching, schedule, partition_invariant))

@@ -241,7 +241,7 @@ def update_dense(state: StepState, red: DenseReduce) -> float:
     flat = red.flat
     off = 0
     for p, g in zip(red.params, red.grads):
-        p.grad = flat[off:off + g.numel()].view_as(g).clone()
+        p.grad = flat[off:off + g.numel()].view_as(g)  # a view: the buffer lives until zero_grad below
         off += g.numel()
     rep_red = []
     for g in red.rep:
@@ -361,8 +361,11 @@ def build_state(cfg: TrainConfig, manifest: Manifest, rank: int, world: int, dev
     replica_sync.attach(emb, layout, cfg.embedding.optimizer, cfg.embedding.momentum_scale_groups, groups)
     model = build_model(cfg, manifest, emb.dims).to(device=device, dtype=DTYPES[cfg.dtype])
     o = cfg.optim
+    # one fused kernel over all parameters where torch has it (CPU, CUDA): a fixed rule by device, the same on every
+    # rank and for every schedule; the per-parameter loop elsewhere
+    fused = device.type in ("cpu", "cuda")
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                  weight_decay=o.weight_decay, foreach=False)
+                                  weight_decay=o.weight_decay, **({"fused": True} if fused else {"foreach": False}))
     emb.timeline = timeline
     # a state built outside a run (no schedule chosen) keeps the shards' partition where micro_batching is auto
     mbat = "clustered" if cfg.pipe.micro_batching == "auto" else cfg.pipe.micro_batching

@@ -5,12 +5,14 @@ A path without ``://`` is a local path and goes through ``os`` and ``open`` as a
 package, such as s3fs for ``s3://``, must be installed), so ``file://`` URLs run the same code as object storage.
 
 Object stores have no atomic rename: where the ingest writes to a URL, every file is written whole (one upload per
-file) and the manifest is uploaded last, as the commit point (``nestpipe/ingest/stages.py``).
+file) and the manifest is uploaded last, as the commit point (``nestpipe/ingest/stages.py``); its working directory
+on a URL commits each unit of work by a marker uploaded after the unit's files (``nestpipe/ingest/workdir.py``).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from typing import IO, List
 
 
@@ -30,6 +32,18 @@ def filesystem(url: str):
         return fsspec.core.url_to_fs(url)
     except (ValueError, ImportError) as e:  # "Protocol not known" / the protocol's package is not installed
         raise StorageError(f"{url}: no usable filesystem for this URL ({e})") from e
+
+
+def probe(url: str) -> None:
+    """Fail now, naming ``url``, if its filesystem is unusable (unknown protocol, package missing) or cannot be
+    reached: any error but "not found" when asking for its entry (credentials, network, permissions)."""
+    fs, p = filesystem(url)
+    try:
+        fs.info(p)
+    except FileNotFoundError:
+        pass  # reached; not created yet
+    except Exception as e:  # fsspec implementations raise their own types (botocore, aiohttp, ...)
+        raise StorageError(f"{url}: cannot be reached ({type(e).__name__}: {e})") from e
 
 
 def join(base: str, *names: str) -> str:
@@ -99,7 +113,14 @@ def relative(path: str, root: str) -> str:
 def put_file(local: str, url: str) -> None:
     """Upload local file ``local`` to ``url`` whole (one write: readers of an object store never see a part)."""
     fs, p = filesystem(url)
+    fs.makedirs(fs._parent(p), exist_ok=True)  # a local filesystem needs the directory; object stores: nothing
     fs.put_file(local, p)
+
+
+def get_file(url: str, local: str) -> None:
+    """Download ``url`` to local file ``local`` (whole)."""
+    fs, p = filesystem(url)
+    fs.get_file(p, local)
 
 
 def read_bytes(path: str) -> bytes:
@@ -107,12 +128,35 @@ def read_bytes(path: str) -> bytes:
         return f.read()
 
 
+def read_range(url: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of ``url`` in one ranged read (fewer at the end of the object)."""
+    fs, p = filesystem(url)
+    return fs.cat_file(p, start=start, end=end)
+
+
+def glob(url: str, pattern: str) -> List[str]:
+    """The names (not paths) of the entries of directory ``url`` that match ``pattern`` (``*`` wildcards), sorted."""
+    fs, p = filesystem(url)
+    return sorted(os.path.basename(e.rstrip("/")) for e in fs.glob(p.rstrip("/") + "/" + pattern))
+
+
 def makedirs(url: str) -> None:
     fs, p = filesystem(url)
     fs.makedirs(p, exist_ok=True)
 
 
-def remove_tree(url: str) -> None:
+def remove(url: str) -> None:
+    """Delete object ``url`` if it exists."""
     fs, p = filesystem(url)
+    if fs.exists(p):
+        fs.rm_file(p)
+
+
+def remove_tree(path: str) -> None:
+    """Delete directory ``path`` (a path or a URL) and everything under it, if it exists."""
+    if not is_url(path):
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    fs, p = filesystem(path)
     if fs.exists(p):
         fs.rm(p, recursive=True)

@@ -14,6 +14,7 @@ from nestpipe.datasets import shards
 from nestpipe.ingest.balance import balance_micro_batches
 from nestpipe.ingest.executor import Executor
 from nestpipe.ingest.parse import ColumnSpec
+from nestpipe.ingest.workdir import WorkDir
 
 WORK = "_work"
 
@@ -42,11 +43,11 @@ class IngestTask:
         """Whether the parse stage spills file kind ``kind`` by user id (else by video id, for the join)."""
         raise NotImplementedError
 
-    def join(self, ex: Executor, cfg, work: str, maxima: Dict[str, int], num_parts: int) -> List[Dict[str, Any]]:
+    def join(self, ex: Executor, cfg, work: WorkDir, maxima: Dict[str, int], num_parts: int) -> List[Dict[str, Any]]:
         """Stage 2 on ``ex``: bring the video tables to the logs; one stats dict per unit."""
         raise NotImplementedError
 
-    def samples(self, work: str, q: int, opts: Dict[str, Any]) -> Tuple[Dict[str, np.ndarray], Dict[str, Any]]:
+    def samples(self, work: WorkDir, q: int, opts: Dict[str, Any]) -> Tuple[Dict[str, np.ndarray], Dict[str, Any]]:
         """Stage 3 of user partition ``q``: its sample arrays (saved as .npy) and stats (``train_samples``,
         ``eval_samples``, ...)."""
         raise NotImplementedError
@@ -90,25 +91,43 @@ def crash_point(stage: str, unit: int, where: str = "start") -> None:
 
 
 class PartitionCache:
-    """Memory-maps per-partition sample arrays on demand, keeping the most recent few open (bounded memory: only
-    the pages of gathered rows are touched)."""
+    """The sample arrays of stage-3 partitions, each memory-mapped when first used (from the working directory in
+    place, or from the local copy a URL working directory fetches, ``nestpipe.ingest.workdir``); the most recent
+    few partitions are kept open (bounded memory: only the pages of gathered rows are touched)."""
 
-    def __init__(self, work: str, keep: int = 3):
+    def __init__(self, work: WorkDir, keep: int = 3):
         self.work = work
         self.keep = keep
-        self.items: Dict[int, Dict[str, np.ndarray]] = {}
+        self.items: Dict[int, "PartitionArrays"] = {}
 
-    def get(self, q: int) -> Dict[str, np.ndarray]:
+    def get(self, q: int) -> "PartitionArrays":
         if q not in self.items:
             if len(self.items) >= self.keep:
                 self.items.pop(next(iter(self.items)))
-            d = os.path.join(self.work, "s3", f"samples-{q:05d}")
-            self.items[q] = {f[:-4]: np.load(os.path.join(d, f), mmap_mode="r", allow_pickle=False)
-                             for f in sorted(os.listdir(d)) if f.endswith(".npy")}
+            self.items[q] = PartitionArrays(self.work, samples_dir(q))
         return self.items[q]
 
 
-def runs(cache: "PartitionCache", bp: np.ndarray, bx: np.ndarray) -> List[Tuple[Dict[str, np.ndarray], np.ndarray]]:
+def samples_dir(q: int) -> str:
+    """The stage-3 unit of user partition ``q``: its arrays (``NAME.npy``) and its marker (``stats.json``)."""
+    return f"s3/samples-{q:05d}"
+
+
+class PartitionArrays:
+    """The arrays of one stage-3 partition by name (``arrays["item"]``), each memory-mapped on first use."""
+
+    def __init__(self, work: WorkDir, sub: str):
+        self.work, self.sub = work, sub
+        self.arrays: Dict[str, np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.arrays:
+            path = self.work.fetch(f"{self.sub}/{name}.npy")
+            self.arrays[name] = np.load(path, mmap_mode="r", allow_pickle=False)
+        return self.arrays[name]
+
+
+def runs(cache: "PartitionCache", bp: np.ndarray, bx: np.ndarray) -> List[Tuple["PartitionArrays", np.ndarray]]:
     """(partition arrays, indices) per consecutive run of one partition, in sample order."""
     cut = np.flatnonzero(np.diff(bp)) + 1
     starts = np.concatenate([[0], cut]).astype(np.int64)

@@ -50,7 +50,7 @@ class IngestConfig:
     keep_work: bool = False
     engine: str = "local"  # local: this host's process pool; dask: Dask distributed (nestpipe.ingest.dask_engine)
     scheduler: Optional[str] = None  # dask: tcp://HOST:8786 of a running scheduler (default: a LocalCluster)
-    work_dir: Optional[str] = None  # a URL --out's staging directory (spills, shards before upload): a local path
+    work_dir: Optional[str] = None  # a URL --out's working directory (spills, samples): a path or a URL
 
     def validate(self) -> None:
         if self.task not in TASKS:
@@ -78,12 +78,8 @@ class IngestConfig:
         if self.task != "gr" and self.balance in ("tokens", "batches"):
             raise ValueError(f"--balance {self.balance} is for gr samples (sequences of different lengths); ctr samples all "
                              "cost the same: leave --balance out")
-        if self.work_dir is not None:
-            if "://" not in self.out:
-                raise ValueError(f"--work-dir is for a URL --out (a local --out keeps its work in {self.out}/_work)")
-            if "://" in self.work_dir:
-                raise ValueError(f"--work-dir {self.work_dir}: must be a local (or mounted shared) path: the spills "
-                                 "are memory-mapped")
+        if self.work_dir is not None and "://" not in self.out:
+            raise ValueError(f"--work-dir is for a URL --out (a local --out keeps its work in {self.out}/_work)")
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.scheduler and self.engine != "dask":

@@ -19,8 +19,6 @@ interaction counts as a 30-day gap), which separates a session's first item from
 from __future__ import annotations
 
 import datetime
-import glob
-import os
 from typing import Any, Dict, List, Tuple
 
 import numpy as np
@@ -31,7 +29,7 @@ from nestpipe.ingest.common import IngestTask, PartitionCache, batch_seed, crash
 from nestpipe.ingest.gr import sort_interactions
 from nestpipe.ingest.parse import ColumnSpec
 from nestpipe.ingest.spill import read_partition, write_partitioned
-from nestpipe.utils.jsonio import read_json, write_json_atomic
+from nestpipe.ingest.workdir import WorkDir
 
 USER_SPEC = ColumnSpec(kuairand.USER_COLUMNS, kuairand.USER_DTYPES, ["user_id"], quoted_any=True)
 VIDEO_BASIC_FEATURES = ["author_id", "video_type", "upload_type", "video_duration", "music_id", "tag"]
@@ -213,14 +211,15 @@ def gather(pieces: List[Tuple[Dict[str, np.ndarray], np.ndarray]], split: str,
 
 
 # -- stage 2: logs x video tables, per video partition ----------------------------------------------------------
-def unit_join(args: Tuple[str, int, int]) -> Dict[str, Any]:
+def unit_join(args: Tuple[WorkDir, int, int]) -> Dict[str, Any]:
     work, p, num_parts = args
-    out = os.path.join(work, "s2", f"joined-{p:05d}.arrow")
-    if os.path.exists(out):
-        return read_json(out + ".stats.json", "stage-2 unit stats")
-    s1 = os.path.join(work, "s1")
-    logs = read_partition(sorted(glob.glob(os.path.join(s1, "log_*.arrow"))), p)
-    videos = read_partition(sorted(glob.glob(os.path.join(s1, "video_features_basic-*.arrow"))), p)
+    rel = f"s2/joined-{p:05d}.arrow"
+    marker = rel + ".stats.json"
+    done = work.done(marker)
+    if done is not None:
+        return done
+    logs = read_partition(work, work.glob("s1", "log_*.arrow"), p)
+    videos = read_partition(work, work.glob("s1", "video_features_basic-*.arrow"), p)
     dup = 0
     if len(videos):
         n0 = len(videos)
@@ -231,7 +230,7 @@ def unit_join(args: Tuple[str, int, int]) -> Dict[str, Any]:
         videos = pl.DataFrame(schema={c: kuairand.VIDEO_BASIC_DTYPES[c] for c in vcols})
     joined = logs.join(videos.select(vcols), on="video_id", how="left", maintain_order="left")
     missing = int(joined["author_id"].null_count()) if len(joined) else 0
-    stats_df = read_partition(sorted(glob.glob(os.path.join(s1, "video_features_statistic-*.arrow"))), p)
+    stats_df = read_partition(work, work.glob("s1", "video_features_statistic-*.arrow"), p)
     if len(stats_df):
         stats_df = stats_df.sort(["video_id", "src", "line"]).unique(
             subset="video_id", keep="first", maintain_order=True
@@ -242,10 +241,10 @@ def unit_join(args: Tuple[str, int, int]) -> Dict[str, Any]:
         stats_df.select(["video_id", *STAT_FEATURES]), on="video_id", how="left", maintain_order="left"
     )
     joined = joined.with_columns((pl.col("user_id") % num_parts).alias("_part"))
-    write_partitioned(out, joined, "_part", num_parts)
     stats = {"rows": len(joined), "missing_video_features": missing, "duplicate_video_rows": dup}
-    write_json_atomic(out + ".stats.json", stats)
-    return stats
+    with work.output(marker) as out:
+        write_partitioned(out.path(rel), joined, "_part", num_parts)
+        return out.commit(stats)
 
 
 # -- stage 4 ------------------------------------------------------------------------------------------------------
@@ -340,12 +339,12 @@ class CTRTask(IngestTask):
     def partition_by_user(self, kind: str) -> bool:
         return kind == "user_features"
 
-    def join(self, ex, cfg, work: str, maxima: Dict[str, int], num_parts: int) -> List[Dict[str, Any]]:
+    def join(self, ex, cfg, work: WorkDir, maxima: Dict[str, int], num_parts: int) -> List[Dict[str, Any]]:
         return ex.run(unit_join, [(work, p, num_parts) for p in range(num_parts)], cfg, "2/4 join")
 
-    def samples(self, work: str, q: int, opts: Dict[str, Any]):
-        rows = read_partition(sorted(glob.glob(os.path.join(work, "s2", "joined-*.arrow"))), q)
-        users = read_partition(sorted(glob.glob(os.path.join(work, "s1", "user_features-*.arrow"))), q)
+    def samples(self, work: WorkDir, q: int, opts: Dict[str, Any]):
+        rows = read_partition(work, work.glob("s2", "joined-*.arrow"), q)
+        users = read_partition(work, work.glob("s1", "user_features-*.arrow"), q)
         return build_partition(rows, users, opts)
 
     def shard_records(self, cache, parts, idxs, split, k, first_batch, n_batches, opts):

@@ -68,6 +68,11 @@ class DaskExecutor:
         if self.cluster is not None:
             self.cluster.close()
 
+    def on_workers(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` once in every worker process of the cluster (``client.run``): workers of a cluster outlive the
+        run, so what the run left in them (a URL working directory's local cache) is removed this way."""
+        self.client.run(fn)
+
     def run(self, fn: Callable, units: List[Any], cfg, desc: str,
             rows_of: Callable[[Dict[str, Any]], int] = lambda s: s.get("rows", 0),
             cost: Optional[Callable[[Any], float]] = None) -> List[Dict[str, Any]]:

@@ -102,6 +102,10 @@ class Executor:
         if self.pool is not None:
             self.pool.shutdown(cancel_futures=True)
 
+    def on_workers(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` in every worker process that outlives the run. Nothing to do here: the pool's workers belong
+        to this executor and exit with it (and without a pool, units run in the calling process)."""
+
     def run(self, fn: Callable, units: List[Any], cfg, desc: str,
             rows_of: Callable[[Dict[str, Any]], int] = lambda s: s.get("rows", 0),
             cost: Optional[Callable[[Any], float]] = None) -> List[Dict[str, Any]]:

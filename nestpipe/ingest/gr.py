@@ -15,7 +15,6 @@ give only an eval window; users with 1 give nothing.
 
 from __future__ import annotations
 
-import glob
 import os
 from typing import Any, Dict, List, Tuple
 
@@ -27,7 +26,7 @@ from nestpipe.datasets.kuairand import ACTION_FLAGS
 from nestpipe.datasets.sequence_cost import SequenceCost
 from nestpipe.ingest.common import IngestTask, PartitionCache, batch_seed, cluster_fields, crash_point, runs
 from nestpipe.ingest.spill import read_partition
-from nestpipe.utils.jsonio import read_json, write_json_atomic
+from nestpipe.ingest.workdir import WorkDir
 
 TOKEN_FIELDS = ("item", "author", "action", "time", "play", "duration")
 TABLES = ("item", "author", "action")
@@ -166,52 +165,95 @@ def assemble(parts: List[Tuple[Dict[str, np.ndarray], np.ndarray, np.ndarray]]) 
 
 
 # -- stage 2: the author of every video, into a dense table (GR needs no join) ----------------------------------
-AUTHORS = "authors.npy"
+AUTHORS = "s2/authors.npy"
 
 
-def authors_table(work: str, n_videos: int, max_author: int) -> str:
-    """Create (once) the dense video -> author table the GR authors units fill: ``author_id + 1`` per video id, 0
-    where the video has no features row. A sparse file of zeros: untouched pages cost no disk and no memory."""
-    path = os.path.join(work, "s2", AUTHORS)
+def _authors_marker(p: int) -> str:
+    return f"s2/authors-{p:05d}.stats.json"
+
+
+def _authors_part(p: int) -> str:
+    return f"s2/authors-{p:05d}.npy"
+
+
+def _table_shape(maxima: Dict[str, int]) -> Tuple[int, Any]:
+    """Length and dtype of the dense author table, from the parse stage's maxima."""
+    max_author = maxima.get("author_id", 0)
+    return max(maxima.get("video_id", -1) + 1, 1), np.int32 if max_author + 1 < np.iinfo(np.int32).max else np.int64
+
+
+def authors_table(work: WorkDir, maxima: Dict[str, int]) -> str:
+    """Create (once) the dense video -> author table the GR authors units fill in place: ``author_id + 1`` per video
+    id, 0 where the video has no features row. A sparse file of zeros: untouched pages cost no disk and no memory.
+    Only for a working directory units may write in place (``work.writes_in_place``)."""
+    path = work.path(AUTHORS)
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        dtype = np.int32 if max_author + 1 < np.iinfo(np.int32).max else np.int64
+        n, dtype = _table_shape(maxima)
         tmp = path + ".tmp.npy"
-        np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(max(n_videos, 1),)).flush()
+        np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(n,)).flush()
         os.replace(tmp, path)
     return path
 
 
-def unit_authors(args: Tuple[str, int]) -> Dict[str, Any]:
-    """GR: the authors of the videos of partition ``p`` into the dense table. Units write disjoint entries
-    (video_id % P == p) and rewriting one gives the same values, so an interrupted unit is simply redone."""
+def unit_authors(args: Tuple[WorkDir, int]) -> Dict[str, Any]:
+    """GR: the authors of the videos of partition ``p`` (video_id % P == p). In place, into the dense table: units
+    write disjoint entries and rewriting one gives the same values, so an interrupted unit is simply redone. On
+    object storage (no shared writes), into the unit's own part ``s2/authors-P.npy``: its (video id, author + 1)
+    pairs, from which every reader assembles the same dense table (:func:`author_table`). Either way the unit's
+    marker is written last."""
     work, p = args
-    done = os.path.join(work, "s2", f"authors-{p:05d}.stats.json")
-    if os.path.exists(done):
-        return read_json(done, "stage-2 unit stats")
-    videos = read_partition(sorted(glob.glob(os.path.join(work, "s1", "video_features_basic-*.arrow"))), p)
+    marker = _authors_marker(p)
+    done = work.done(marker)
+    if done is not None:
+        return done
+    videos = read_partition(work, work.glob("s1", "video_features_basic-*.arrow"), p)
     dup = 0
     if len(videos):
         n0 = len(videos)
         # the first row of a video (file order) wins, as in the CTR join
         videos = videos.sort(["video_id", "src", "line"]).unique(subset="video_id", keep="first", maintain_order=True)
         dup = n0 - len(videos)
-        table = np.load(os.path.join(work, "s2", AUTHORS), mmap_mode="r+")
-        vid = videos["video_id"].to_numpy()
-        author = videos["author_id"].fill_null(-1).to_numpy()
-        table[vid] = (author + 1).astype(table.dtype)
-        table.flush()
-        del table
+    vid = videos["video_id"].to_numpy().astype(np.int64) if len(videos) else np.zeros(0, np.int64)
+    author = videos["author_id"].fill_null(-1).to_numpy().astype(np.int64) if len(videos) else np.zeros(0, np.int64)
     stats = {"rows": len(videos), "duplicate_video_rows": dup, "missing_video_features": 0}
-    write_json_atomic(done, stats)
-    return stats
+    with work.output(marker) as out:
+        if work.writes_in_place:
+            if len(vid):
+                table = np.load(out.path(AUTHORS), mmap_mode="r+")
+                table[vid] = (author + 1).astype(table.dtype)
+                table.flush()
+                del table
+        else:
+            np.save(out.path(_authors_part(p)), np.stack([vid, author + 1], axis=1), allow_pickle=False)
+        return out.commit(stats)
 
 
-def rows_with_authors(work: str, q: int) -> Tuple[pl.DataFrame, int]:
+def _assemble_authors(work: WorkDir, maxima: Dict[str, int], path: str) -> None:
+    """The dense video -> author + 1 table from every authors unit's part, written to local file ``path``: the
+    table the units fill in place (same length, dtype and entries), made from the parts in partition order."""
+    n, dtype = _table_shape(maxima)
+    table = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=(n,))
+    for rel in work.glob("s2", "authors-*.npy"):
+        pairs = work.load_array(rel)
+        table[pairs[:, 0]] = pairs[:, 1].astype(dtype)
+    table.flush()
+    del table
+
+
+def author_table(work: WorkDir, maxima: Dict[str, int]) -> np.ndarray:
+    """The dense video -> author + 1 table, memory-mapped: in place, or assembled from the parts once per process
+    and run into the local cache of a URL working directory."""
+    if work.writes_in_place:
+        return np.load(work.fetch(AUTHORS), mmap_mode="r")
+    return np.load(work.cached(AUTHORS, lambda path: _assemble_authors(work, maxima, path)), mmap_mode="r")
+
+
+def rows_with_authors(work: WorkDir, q: int, maxima: Dict[str, int]) -> Tuple[pl.DataFrame, int]:
     """The log rows of user partition ``q`` with ``author_id`` from the dense table (-1 where the video has no
-    features row), and how many rows had none."""
-    rows = read_partition(sorted(glob.glob(os.path.join(work, "s1", "log_*.arrow"))), q)
-    table = np.load(os.path.join(work, "s2", AUTHORS), mmap_mode="r")
+    features row), and how many rows had none. ``maxima``: the parse stage's."""
+    rows = read_partition(work, work.glob("s1", "log_*.arrow"), q)
+    table = author_table(work, maxima)
     vid = rows["video_id"].to_numpy() if len(rows) else np.zeros(0, np.int64)
     ok = (vid >= 0) & (vid < len(table))
     author = np.full(len(vid), -1, np.int64)
@@ -264,12 +306,13 @@ class GRTask(IngestTask):
         # dense table at the samples stage, so they need no join by video
         return kind.startswith("log_")
 
-    def join(self, ex, cfg, work: str, maxima: Dict[str, int], num_parts: int) -> List[Dict[str, Any]]:
-        authors_table(work, maxima.get("video_id", -1) + 1, maxima.get("author_id", 0))
+    def join(self, ex, cfg, work: WorkDir, maxima: Dict[str, int], num_parts: int) -> List[Dict[str, Any]]:
+        if work.writes_in_place:  # else every unit writes a part of its own (unit_authors)
+            authors_table(work, maxima)
         return ex.run(unit_authors, [(work, p) for p in range(num_parts)], cfg, "2/4 authors")
 
-    def samples(self, work: str, q: int, opts: Dict[str, Any]):
-        rows, missing = rows_with_authors(work, q)
+    def samples(self, work: WorkDir, q: int, opts: Dict[str, Any]):
+        rows, missing = rows_with_authors(work, q, opts["maxima"])
         arrays, stats = build_partition(rows, opts["max_seq_len"], bool(opts.get("validation")))
         stats["missing_video_features"] = missing
         return arrays, stats

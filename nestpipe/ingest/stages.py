@@ -23,6 +23,7 @@ import contextlib
 import csv
 import dataclasses
 import hashlib
+import io
 import json
 import math
 import os
@@ -30,6 +31,7 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -38,7 +40,7 @@ import polars as pl
 from nestpipe.datasets import kuairand, shards
 from nestpipe.datasets.synth import TRUTH_FILE
 from nestpipe.ingest.balance import balanced_order
-from nestpipe.ingest.common import WORK, IngestTask, PartitionCache, crash_point, runs
+from nestpipe.ingest.common import WORK, IngestTask, PartitionCache, crash_point, runs, samples_dir
 from nestpipe.ingest.config import IngestConfig
 from nestpipe.ingest.ctr import CTRTask
 from nestpipe.ingest.engines import make_executor
@@ -47,13 +49,14 @@ from nestpipe.ingest.gr import GRTask
 from nestpipe.ingest.parse import (Chunk, ColumnSpec, parse_chunk, parse_parquet_chunk, plan_chunks,
                                    plan_parquet_chunks, read_chunk_bytes)
 from nestpipe.ingest.spill import write_partitioned
+from nestpipe.ingest.workdir import WorkDir, open_work, release_cache
 from nestpipe.utils import storage
 from nestpipe.utils.jsonio import read_json, write_json_atomic
 
 LINE_KEY_BITS = 40  # at most 2**40 lines per chunk
 STATE = "state.json"
 REJECTS = "rejects.csv"
-UPLOADED = ".uploaded.json"  # beside a staged shard of a URL --out: its digest and size once uploaded whole
+UPLOADED = ".uploaded.json"  # s4/NAME.uploaded.json: a URL --out's shard NAME, uploaded whole (its digest and size)
 
 
 class IngestError(RuntimeError):
@@ -108,14 +111,16 @@ def _fingerprint_file(path: str) -> Dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------------------
 # unit functions (top level: they run in worker processes)
 
-def _unit_parse(args: Tuple[str, str, str, int, str, int, int, int, int, int]) -> Dict[str, Any]:
+def _unit_parse(args: Tuple[WorkDir, str, str, int, str, int, int, int, int]) -> Dict[str, Any]:
     work, task, kind, file_idx, path, chunk_idx, start, end, num_parts = args
     # Rows are numbered by a chunk-relative key (chunk index in the high bits, line within the chunk below), so
     # chunks parse independently; keys sort like file lines, and rejects get absolute line numbers at the end.
     first_line = (chunk_idx << LINE_KEY_BITS) + 1
-    out = os.path.join(work, "s1", f"{kind}-{file_idx:03d}-{chunk_idx:05d}.arrow")
-    if os.path.exists(out):
-        return read_json(out + ".stats.json", "stage-1 unit stats")
+    rel = _spill_name(kind, file_idx, chunk_idx)
+    marker = rel + ".stats.json"
+    done = work.done(marker)
+    if done is not None:
+        return done
     crash_point("parse", file_idx)  # parse:F dies when a chunk of input file F starts
     if kuairand.is_parquet(path):  # start/end: row groups
         df, rejects = parse_parquet_chunk(Chunk(path, chunk_idx, start, end, first_line), _spec_for(kind, task),
@@ -137,35 +142,39 @@ def _unit_parse(args: Tuple[str, str, str, int, str, int, int, int, int, int]) -
     if kind == "video_features_basic" and "tag" in df.columns and len(df):
         tags = df["tag"].str.split(",").explode().str.to_integer(strict=False).max()
         stats["max"]["tag"] = int(tags) if tags is not None else -1
-    with open(out + ".rejects.jsonl.tmp", "w") as f:
-        for r in rejects:
-            f.write(json.dumps(dataclasses.asdict(r)) + "\n")
-    os.replace(out + ".rejects.jsonl.tmp", out + ".rejects.jsonl")
-    write_json_atomic(out + ".stats.json", stats)
     if TASKS[task].partition_by_user(kind):
         df = df.with_columns((pl.col("user_id") % num_parts).alias("_part"))
     else:
         df = df.with_columns((pl.col("video_id") % num_parts).alias("_part"))
-    write_partitioned(out, df, "_part", num_parts)
-    return stats
+    with work.output(marker) as out:
+        spill = out.path(rel)
+        with open(spill + ".rejects.jsonl.tmp", "w") as f:
+            for r in rejects:
+                f.write(json.dumps(dataclasses.asdict(r)) + "\n")
+        os.replace(spill + ".rejects.jsonl.tmp", spill + ".rejects.jsonl")
+        write_partitioned(spill, df, "_part", num_parts)
+        return out.commit(stats)
 
 
-def _unit_samples(args: Tuple[str, str, int, Dict[str, Any]]) -> Dict[str, Any]:
+def _spill_name(kind: str, file_idx: int, chunk_idx: int) -> str:
+    """The stage-1 spill of one parse unit (beside it: its index ``.json``, ``.rejects.jsonl`` and marker
+    ``.stats.json``)."""
+    return f"s1/{kind}-{file_idx:03d}-{chunk_idx:05d}.arrow"
+
+
+def _unit_samples(args: Tuple[WorkDir, str, int, Dict[str, Any]]) -> Dict[str, Any]:
     work, task, q, opts = args
-    # One directory of .npy files per partition (renamed into place when whole), so the shard stage memory-maps
-    # the arrays and reads only the rows it gathers instead of loading the whole partition for every shard.
-    out = os.path.join(work, "s3", f"samples-{q:05d}")
-    if os.path.exists(out):
-        return read_json(os.path.join(out, "stats.json"), "stage-3 unit stats")
+    # One directory of .npy files per partition, so the shard stage memory-maps the arrays and reads only the rows
+    # it gathers instead of loading the whole partition for every shard; the marker stats.json is written last.
+    sub = samples_dir(q)
+    done = work.done(f"{sub}/stats.json")
+    if done is not None:
+        return done
     arrays, stats = TASKS[task].samples(work, q, opts)
-    tmp = out + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    for name, arr in arrays.items():
-        np.save(os.path.join(tmp, f"{name}.npy"), arr, allow_pickle=False)
-    write_json_atomic(os.path.join(tmp, "stats.json"), stats)
-    os.replace(tmp, out)
-    return stats
+    with work.output(f"{sub}/stats.json") as out:
+        for name, arr in arrays.items():
+            np.save(out.path(f"{sub}/{name}.npy"), arr, allow_pickle=False)
+        return out.commit(stats)
 
 
 def _batch_order(counts: Sequence[int], seed: int, split: str) -> Tuple[np.ndarray, np.ndarray]:
@@ -182,7 +191,7 @@ def _batch_order(counts: Sequence[int], seed: int, split: str) -> Tuple[np.ndarr
     return np.concatenate(parts), np.concatenate(idxs).astype(np.int64)
 
 
-def _sample_lengths(work: str, split: str, parts: np.ndarray, idxs: np.ndarray) -> np.ndarray:
+def _sample_lengths(work: WorkDir, split: str, parts: np.ndarray, idxs: np.ndarray) -> np.ndarray:
     """The token count of every sample of a split's order (gr windows: end - start), read partition by partition
     from the memory-mapped stage-3 arrays."""
     cache = PartitionCache(work, keep=1)
@@ -194,37 +203,44 @@ def _sample_lengths(work: str, split: str, parts: np.ndarray, idxs: np.ndarray) 
     return out
 
 
-def _unit_shard(args: Tuple[str, str, str, int, int, int, Dict[str, Any]]) -> Dict[str, Any]:
+def _unit_shard(args: Tuple[WorkDir, Optional[str], str, int, int, int, Dict[str, Any]]) -> Dict[str, Any]:
+    """One shard, written whole into ``out_dir`` (the output, or the staging directory of a URL ``--out``; None: a
+    scratch directory of this unit, for a working directory on object storage). For a URL ``--out`` it is then
+    uploaded whole and its marker ``s4/NAME.uploaded.json`` (sha256, bytes) written in the working directory; a
+    marked shard whose object has that size is not rebuilt."""
     work, out_dir, split, k, first_batch, n_batches, opts = args
     name = f"{split}-{k:06d}.tar"
-    path = os.path.join(out_dir, name)
     B = opts["batch_size"]
     entry = {"path": name, "batches": n_batches, "samples": n_batches * B}
-    upload = opts.get("upload_to")  # a URL --out: the shard is staged here, uploaded whole, then removed
-    record = path + UPLOADED
-    if upload and not os.path.exists(path) and os.path.exists(record):
-        done = read_json(record, "uploaded shard record")
-        url = storage.join(upload, name)
-        if storage.exists(url) and storage.size(url) == done["bytes"]:
-            return {**entry, "sha256": done["sha256"], "bytes": done["bytes"], "resumed": True}
-    if os.path.exists(path):  # written whole by an earlier run (write_shard renames into place)
-        digest, size = shards.sha256_file(path)
-        resumed = True
-    else:
-        start = opts.get("first_sample", first_batch * B)  # a tail unit's batch is smaller than the split's B
-        rng = slice(start, start + n_batches * B)
-        # memory-mapped: a shard reads only its own slice of the split's sample order
-        parts = np.array(np.load(os.path.join(work, f"order-{split}-parts.npy"), mmap_mode="r")[rng])
-        idxs = np.array(np.load(os.path.join(work, f"order-{split}-idxs.npy"), mmap_mode="r")[rng])
-        cache = PartitionCache(work)
-        crash_point("shard", k)
-        records = TASKS[opts["task"]].shard_records(cache, parts, idxs, split, k, first_batch, n_batches, opts)
-        digest, size = shards.write_shard(path, records)
-        resumed = False
+    upload = opts.get("upload_to")  # a URL --out: the shard is staged, uploaded whole, then removed
+    marker = f"s4/{name}{UPLOADED}"
     if upload:
-        storage.put_file(path, storage.join(upload, name))
-        write_json_atomic(record, {"sha256": digest, "bytes": size})
-        os.remove(path)
+        done = work.done(marker)
+        url = storage.join(upload, name)
+        if done is not None and storage.exists(url) and storage.size(url) == done["bytes"]:
+            return {**entry, "sha256": done["sha256"], "bytes": done["bytes"], "resumed": True}
+    with contextlib.ExitStack() as stack:
+        if out_dir is None:
+            out_dir = stack.enter_context(work.scratch())
+        path = os.path.join(out_dir, name)
+        if os.path.exists(path):  # written whole by an earlier run (write_shard renames into place)
+            digest, size = shards.sha256_file(path)
+            resumed = True
+        else:
+            start = opts.get("first_sample", first_batch * B)  # a tail unit's batch is smaller than the split's B
+            # a shard reads only its own slice of the split's sample order
+            parts = work.array_slice(f"order-{split}-parts.npy", start, start + n_batches * B)
+            idxs = work.array_slice(f"order-{split}-idxs.npy", start, start + n_batches * B)
+            cache = PartitionCache(work)
+            crash_point("shard", k)
+            records = TASKS[opts["task"]].shard_records(cache, parts, idxs, split, k, first_batch, n_batches, opts)
+            digest, size = shards.write_shard(path, records)
+            resumed = False
+        if upload:
+            with work.output(marker) as out:
+                storage.put_file(path, url)
+                out.commit({"sha256": digest, "bytes": size})
+            os.remove(path)
     return {**entry, "sha256": digest, "bytes": size, "resumed": resumed}
 
 
@@ -279,7 +295,7 @@ def _auto_partitions(total_bytes: int, task: IngestTask) -> int:
     return int(min(4096, max(4, math.ceil(total_bytes / task.partition_bytes))))
 
 
-def _write_rejects(cfg: IngestConfig, work: str, parse_units, s1: List[Dict[str, Any]]) -> Tuple[int, str]:
+def _write_rejects(cfg: IngestConfig, work: WorkDir, parse_units, s1: List[Dict[str, Any]]) -> Tuple[int, str]:
     """Gather every chunk's rejects into OUT/rejects.csv in input order, with absolute file line numbers."""
     path = os.path.join(cfg.out, REJECTS)
     tmp = path + ".tmp"
@@ -294,8 +310,7 @@ def _write_rejects(cfg: IngestConfig, work: str, parse_units, s1: List[Dict[str,
             # chunks of a file come in order; a CSV header is line 1, a Parquet file's rows are numbered from 1
             first = next_line.get(fidx, 1 if kuairand.is_parquet(fpath) else 2)
             next_line[fidx] = first + stats["lines"]
-            rp = os.path.join(work, "s1", f"{kind}-{fidx:03d}-{cidx:05d}.arrow.rejects.jsonl")
-            with open(rp) as rf:
+            with io.TextIOWrapper(work.open(_spill_name(kind, fidx, cidx) + ".rejects.jsonl"), "utf-8") as rf:
                 for line in rf:
                     r = json.loads(line)
                     within = r["line"] - (cidx << LINE_KEY_BITS) - 1
@@ -308,8 +323,18 @@ def _write_rejects(cfg: IngestConfig, work: str, parse_units, s1: List[Dict[str,
 
 def ingest(cfg: IngestConfig, executor: Optional[Executor] = None) -> shards.Manifest:
     """Run (or resume) the ingest; returns the manifest written beside the shards. ``executor``: a started
-    :class:`~nestpipe.ingest.executor.Executor` of ``cfg.workers`` workers (default: one is started here)."""
+    :class:`~nestpipe.ingest.executor.Executor` of ``cfg.workers`` workers (default: one is started here).
+
+    Where things are written: a local ``--out`` holds the shards and its working directory ``OUT/_work``. A URL
+    ``--out`` gets the shards, uploaded whole as they complete, then ``rejects.csv`` and the manifest, uploaded last
+    (the commit point); its working directory is ``WORK_DIR/_work`` (:func:`staging_dir`), a path or a URL
+    (``nestpipe.ingest.workdir``: on a URL every unit's files are uploaded before its marker, and shards are staged
+    in the scratch directory of their unit). The driver's own files (``rejects.csv``, the manifest) are written in
+    the staging directory, or in a scratch directory of its own when that is a URL."""
     cfg.validate()
+    for url in (cfg.out, cfg.work_dir):
+        if url and storage.is_url(url):
+            storage.probe(url)  # an unusable or unreachable URL fails now, before any work, naming it
     t_start = time.time()
     found = kuairand.discover(cfg.raw, cfg.release)
     inputs = _input_units(found, cfg)
@@ -320,29 +345,62 @@ def ingest(cfg: IngestConfig, executor: Optional[Executor] = None) -> shards.Man
     semantic["partitions"] = num_parts
     fingerprint = {"inputs": fps, "options": semantic, "format_version": shards.FORMAT_VERSION,
                    "release": found.release}
+    run = uuid.uuid4().hex  # names this run's caches of a URL working directory in every process
     remote = cfg.out if storage.is_url(cfg.out) else None
+    staging = None
+    driver_dir = None
     if remote:
         done = _prepare_remote(cfg, fingerprint)
         if done is not None:
             print(f"{cfg.out}: already complete for these inputs and options; nothing to do", file=sys.stderr)
             return done
-        # everything is written to the staging directory as for a local --out, shards uploaded as they complete
-        cfg = dataclasses.replace(cfg, out=staging_dir(cfg))
-    status = _prepare_out(cfg, fingerprint)
-    if status == "complete":
-        print(f"{cfg.out}: already complete for these inputs and options; nothing to do", file=sys.stderr)
-        return shards.load_manifest(cfg.out)
-    work = os.path.join(cfg.out, WORK)
-    with contextlib.nullcontext(executor) if executor is not None else make_executor(cfg, (__name__,)) as ex:
-        return _ingest_stages(cfg, ex, found, inputs, fps, num_parts, semantic, fingerprint, work, t_start, remote)
+        staging = staging_dir(cfg)
+    if staging is not None and storage.is_url(staging):
+        _prepare_url_work(staging, fingerprint)
+        work = open_work(storage.join(staging, WORK), run)
+        # the driver's files before their upload; every shard is staged in its own unit's scratch directory
+        driver_dir = tempfile.mkdtemp(prefix="nestpipe-ingest-driver-")
+        cfg = dataclasses.replace(cfg, out=driver_dir)
+        shard_dir = None
+    else:
+        if staging is not None:
+            # everything is written to the staging directory as for a local --out, shards uploaded as they complete
+            cfg = dataclasses.replace(cfg, out=staging)
+        status = _prepare_out(cfg, fingerprint)
+        if status == "complete":
+            print(f"{cfg.out}: already complete for these inputs and options; nothing to do", file=sys.stderr)
+            return shards.load_manifest(cfg.out)
+        work = open_work(os.path.join(cfg.out, WORK), run)
+        shard_dir = cfg.out
+    try:
+        with contextlib.nullcontext(executor) if executor is not None else make_executor(cfg, (__name__,)) as ex:
+            try:
+                m = _ingest_stages(cfg, ex, found, inputs, fps, num_parts, semantic, fingerprint, work, shard_dir,
+                                   t_start, remote)
+            finally:
+                release_cache()  # units that ran in this process
+            ex.on_workers(release_cache)
+    finally:
+        if driver_dir is not None:
+            shutil.rmtree(driver_dir, ignore_errors=True)
+    if not cfg.keep_work:
+        storage.remove_tree(staging) if staging is not None else work.remove()
+    return m
 
 
 def staging_dir(cfg: IngestConfig) -> str:
-    """Where a URL ``--out`` is staged: ``--work-dir``, else a directory named after the URL in the system's
-    temporary directory (the same for every run with that ``--out``, so an interrupted run resumes)."""
+    """Where a URL ``--out`` is staged: ``--work-dir`` (a path or a URL), else a directory named after the URL in
+    the system's temporary directory (the same for every run with that ``--out``, so an interrupted run
+    resumes)."""
     if cfg.work_dir:
         return cfg.work_dir
     return os.path.join(tempfile.gettempdir(), "nestpipe-ingest-" + hashlib.sha256(cfg.out.encode()).hexdigest()[:16])
+
+
+def _staged_fingerprint(staging: str) -> Optional[Dict[str, Any]]:
+    """The fingerprint of the run staged in ``staging`` (a path or a URL), None if none is."""
+    work = open_work(storage.join(staging, WORK))
+    return work.read_json(STATE, "ingest state").get("fingerprint") if work.exists(STATE) else None
 
 
 def _prepare_remote(cfg: IngestConfig, fingerprint: Dict[str, Any]) -> Optional[shards.Manifest]:
@@ -350,10 +408,9 @@ def _prepare_remote(cfg: IngestConfig, fingerprint: Dict[str, Any]) -> Optional[
     destination may be written. Only the manifest commits: shards it does not list (a run killed between uploads)
     are rewritten or ignored, never read."""
     names = storage.listdir(cfg.out)
-    staged_state = os.path.join(staging_dir(cfg), WORK, STATE)
     if cfg.force:
         storage.remove_tree(cfg.out)
-        shutil.rmtree(staging_dir(cfg), ignore_errors=True)
+        storage.remove_tree(staging_dir(cfg))
     elif shards.MANIFEST_NAME in names:
         man_url = storage.join(cfg.out, shards.MANIFEST_NAME)
         m = shards.Manifest.from_json(json.loads(storage.read_bytes(man_url)), where=man_url)
@@ -361,16 +418,35 @@ def _prepare_remote(cfg: IngestConfig, fingerprint: Dict[str, Any]) -> Optional[
             return m
         raise FileExistsError(f"{cfg.out}: holds the output of an ingest with other inputs or options; choose "
                               "another --out or pass --force to replace its contents")
-    elif names and not (os.path.exists(staged_state) and
-                        read_json(staged_state, "ingest state").get("fingerprint") == fingerprint):
+    elif names and _staged_fingerprint(staging_dir(cfg)) != fingerprint:
         raise FileExistsError(f"{cfg.out}: holds files of something else (or of an unfinished ingest staged "
                               f"elsewhere: pass its --work-dir); choose another --out or pass --force")
     storage.makedirs(cfg.out)
     return None
 
 
+def _prepare_url_work(staging: str, fingerprint: Dict[str, Any]) -> str:
+    """A working directory at a URL (``--work-dir``): resume the run of this fingerprint staged there, start a fresh
+    one where there is nothing, refuse anything else (``--force`` has removed it already). Returns "fresh" or
+    "resume"."""
+    if storage.listdir(staging):
+        staged = _staged_fingerprint(staging)
+        if staged == fingerprint:
+            return "resume"
+        held = "an unfinished ingest of other inputs or options" if staged is not None else "files of something else"
+        raise FileExistsError(f"{staging}: working directory holds {held}; choose another --work-dir or pass "
+                              "--force to replace its contents")
+    work = open_work(storage.join(staging, WORK))
+    try:
+        work.write_json(STATE, {"fingerprint": fingerprint})
+    except Exception as e:  # the first write there: a missing bucket or a read-only credential shows here
+        raise storage.StorageError(f"{work.path(STATE)}: cannot be written ({type(e).__name__}: {e})") from e
+    return "fresh"
+
+
 def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_parts: int, semantic, fingerprint,
-                   work: str, t_start: float, remote: Optional[str] = None) -> shards.Manifest:
+                   work: WorkDir, shard_dir: Optional[str], t_start: float,
+                   remote: Optional[str] = None) -> shards.Manifest:
     # 1. parse
     parse_units = []
     chunk_bytes = max(1, int(cfg.chunk_mb * (1 << 20)))
@@ -385,9 +461,13 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
     n_rejects, rejects_file = _write_rejects(cfg, work, parse_units, s1)
     assert n_rejects == rejected
     if rows and rejected / rows > cfg.max_reject_fraction:
+        where = os.path.join(cfg.out, rejects_file)
+        if remote:  # beside the output, where the driver's own directory may be gone after the run
+            storage.put_file(where, storage.join(remote, rejects_file))
+            where = storage.join(remote, rejects_file)
         raise IngestError(
             f"{rejected} of {rows} input rows ({rejected / rows:.3%}) were rejected, more than "
-            f"--max-reject-fraction {cfg.max_reject_fraction:g}; see {os.path.join(cfg.out, rejects_file)} "
+            f"--max-reject-fraction {cfg.max_reject_fraction:g}; see {where} "
             "(file, line, reason, raw text of each)"
         )
     maxima: Dict[str, int] = {}
@@ -401,7 +481,7 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
     # 3. samples
     opts = {"max_seq_len": cfg.max_seq_len, "history_len": cfg.history_len, "ctr_eval_days": cfg.ctr_eval_days,
             "validation": cfg.validation,
-            "max_date": maxima.get("date", 0)}
+            "max_date": maxima.get("date", 0), "maxima": maxima}
     s3 = ex.run(_unit_samples, [(work, cfg.task, q, opts) for q in range(num_parts)], cfg, "3/4 samples",
                 rows_of=lambda s: s.get("tokens", s.get("rows", 0)))
 
@@ -418,9 +498,7 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
             perm = balanced_order(_sample_lengths(work, split, parts, idxs), B, cfg.cost())
             parts, idxs = parts[perm], idxs[perm]
         for name, arr in (("parts", parts), ("idxs", idxs)):
-            np.save(os.path.join(work, f"order-{split}-{name}.tmp.npy"), arr, allow_pickle=False)
-            os.replace(os.path.join(work, f"order-{split}-{name}.tmp.npy"),
-                       os.path.join(work, f"order-{split}-{name}.npy"))
+            work.save_array(f"order-{split}-{name}.npy", arr)
         n_batches = len(parts) // B
         tail = int(len(parts) - n_batches * B)
         # training needs whole batches (every rank steps together); the splits that are only scored keep their
@@ -429,12 +507,12 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
         per_shard = cfg.batches_per_shard or _auto_batches_per_shard(cfg, s3)
         k = -1
         for k, first in enumerate(range(0, n_batches, per_shard)):
-            shard_units.append((work, cfg.out, split, k, first, min(per_shard, n_batches - first),
+            shard_units.append((work, shard_dir, split, k, first, min(per_shard, n_batches - first),
                                 _shard_opts(cfg, tables, remote)))
         if tail and split != "train":
             opts = {**_shard_opts(cfg, tables, remote), "batch_size": tail,
                     "micro_batches": min(cfg.micro_batches, tail), "first_sample": n_batches * B}
-            shard_units.append((work, cfg.out, split, k + 1, n_batches, 1, opts))
+            shard_units.append((work, shard_dir, split, k + 1, n_batches, 1, opts))
     s4 = ex.run(_unit_shard, shard_units, cfg, "4/4 shards", rows_of=lambda s: s["samples"],
                 cost=lambda u: u[5])  # batches
     for u, r in zip(shard_units, s4):
@@ -482,8 +560,6 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
         for name in (rejects_file, TRUTH_FILE, shards.MANIFEST_NAME):
             if os.path.exists(os.path.join(cfg.out, name)):
                 storage.put_file(os.path.join(cfg.out, name), storage.join(remote, name))
-    if not cfg.keep_work:
-        shutil.rmtree(cfg.out if remote else work, ignore_errors=True)
     return manifest
 
 

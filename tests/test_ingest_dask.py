@@ -1,5 +1,6 @@
-"""``nestpipe ingest --engine dask``: the same shards, byte for byte, as the local engine; a scheduler that cannot be
-reached fails within the connect timeout naming its address."""
+"""``nestpipe ingest --engine dask``: the same shards, byte for byte, as the local engine (also with the working
+directory on a URL, as a cluster without a shared filesystem needs); a scheduler that cannot be reached fails within
+the connect timeout naming its address."""
 
 from __future__ import annotations
 
@@ -41,6 +42,29 @@ def test_dask_engine_writes_the_local_engines_bytes(raw, tmp_path, task):
         assert os.path.exists(a) == os.path.exists(b)
         if os.path.exists(a):
             assert open(a, "rb").read() == open(b, "rb").read()
+
+
+def test_dask_engine_with_a_url_work_dir_writes_the_local_engines_bytes(raw, tmp_path, monkeypatch):
+    """Workers that share nothing but the ``file://`` URLs (object-storage semantics: no rename, no writes in place):
+    each uploads its units' files and reads what it needs into its own cache, which the run removes on every
+    worker of the cluster before it returns (a cluster's workers outlive the run)."""
+    import tempfile
+
+    from nestpipe.ingest.dask_engine import DaskExecutor
+
+    scratch = tmp_path / "sys-tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))  # the LocalCluster's workers inherit it
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    opts = dict(raw=raw, task="gr", batch_size=64, micro_batches=4, batches_per_shard=3, progress=False)
+    ingest(IngestConfig(out=str(tmp_path / "local"), workers=1, **opts))
+    url = "file://" + str(tmp_path / "dask")
+    with DaskExecutor(2) as ex:
+        ingest(IngestConfig(out=url, work_dir="file://" + str(tmp_path / "work"), workers=2, engine="dask", **opts),
+               executor=ex)
+        assert [n for n in os.listdir(scratch) if n.startswith("nestpipe-ingest-")] == []
+    assert _digests(str(tmp_path / "local")) == _digests(str(tmp_path / "dask"))
+    assert not os.path.exists(tmp_path / "work")
 
 
 def test_unreachable_scheduler_fails_within_the_timeout_naming_it(raw, tmp_path):

@@ -1,13 +1,17 @@
-"""``--raw`` and ``--out`` as fsspec URLs (``file://`` here: the same code as object storage): the shards of a local
-run, byte for byte; the manifest, uploaded last, is the commit point (a run killed between uploads resumes, and a
-shard it does not list is never read); clear errors for URLs that cannot be used."""
+"""``--raw``, ``--out`` and ``--work-dir`` as fsspec URLs (``file://`` here: the same code as object storage, which
+has no rename): the shards of a local run, byte for byte; the manifest, uploaded last, is the commit point (a run
+killed between uploads resumes, and a shard it does not list is never read); in a URL working directory a unit's
+marker, uploaded after its files, is its commit point (a run killed between units resumes; a unit whose marker
+lists a missing or cut-short file is redone); clear errors for URLs that cannot be used."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -31,6 +35,10 @@ def _url(path) -> str:
 
 def _files(out) -> dict:
     return {n: open(os.path.join(out, n), "rb").read() for n in sorted(os.listdir(out))}
+
+
+def _no_scratch_left(tmp) -> list:
+    return [n for n in os.listdir(tmp) if n.startswith("nestpipe-ingest-")]
 
 
 def _cli(raw, out, crash_at=None, work_dir=None):
@@ -107,3 +115,114 @@ def test_a_url_out_holding_something_else_is_refused_without_force(raw, tmp_path
     with pytest.raises(FileExistsError, match="holds files of something else"):
         ingest(IngestConfig(raw=raw, out=_url(out), work_dir=str(tmp_path / "w"), progress=False))
     assert (out / "notes.txt").read_text() == "someone's files"
+
+
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch):
+    """The system temporary directory of this test and of the processes it starts (worker scratch goes there)."""
+    d = tmp_path / "sys-tmp"
+    d.mkdir()
+    monkeypatch.setenv("TMPDIR", str(d))
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    return d
+
+
+@pytest.mark.parametrize("task", ["gr", "ctr"])
+def test_a_url_work_dir_writes_the_bytes_of_a_local_run(raw, tmp_path, private_tmp, task):
+    """Spills, author parts and sample arrays in a ``file://`` working directory, written by two pool workers that
+    each upload their files whole and read them back from their own caches; no scratch is left anywhere."""
+    opts = dict(task=task, batch_size=64, micro_batches=4, batches_per_shard=4, progress=False)
+    ingest(IngestConfig(raw=raw, out=str(tmp_path / "local"), workers=1, **opts))
+    work = tmp_path / "work"
+    ingest(IngestConfig(raw=raw, out=_url(tmp_path / "url"), work_dir=_url(work), workers=2, **opts))
+    local, url = _files(tmp_path / "local"), _files(tmp_path / "url")
+    man = [json.loads(f.pop("manifest.json")) for f in (local, url)]
+    assert local == url and sum(n.endswith(".tar") for n in url) >= 3
+    assert man[0]["sets"] == man[1]["sets"]
+    assert not os.path.exists(work), "the URL working directory outlived the run"
+    assert _no_scratch_left(private_tmp) == []
+
+
+def test_a_url_work_dir_keeps_a_marker_per_unit_listing_its_files(raw, tmp_path, private_tmp):
+    """--keep-work: every unit's files are in the URL working directory with its marker listing them; GR stage 2
+    wrote one part per partition and no shared table."""
+    work = tmp_path / "work"
+    ingest(IngestConfig(raw=raw, out=_url(tmp_path / "url"), work_dir=_url(work), task="gr", batch_size=64,
+                        micro_batches=4, partitions=4, workers=1, progress=False, keep_work=True))
+    w = work / "_work"
+    assert sorted(os.listdir(w / "s2")) == sorted([f"authors-{p:05d}.npy" for p in range(4)] +
+                                                  [f"authors-{p:05d}.stats.json" for p in range(4)])
+    markers = glob.glob(str(w / "s1" / "*.stats.json")) + glob.glob(str(w / "s3" / "*" / "stats.json"))
+    assert len(markers) >= 4 + 3
+    for m in markers:
+        files = json.load(open(m))["unit_files"]
+        assert files and all(os.path.getsize(w / rel) == n for rel, n in files.items()), m
+    assert _no_scratch_left(private_tmp) == []
+
+
+def test_a_run_killed_between_units_resumes_from_a_url_work_dir_to_the_same_bytes(raw, tmp_path):
+    ref = tmp_path / "ref"
+    assert _cli(raw, str(ref)).returncode == 0
+    out, work = tmp_path / "out", tmp_path / "work"
+    r = _cli(_url(raw), _url(out), crash_at="parse:1", work_dir=_url(work))  # killed as input file 1 starts
+    assert r.returncode == -9, r.stderr
+    done = glob.glob(str(work / "_work" / "s1" / "*-000-*.stats.json"))
+    assert done and not glob.glob(str(work / "_work" / "s1" / "*-001-*"))
+    # a unit killed half-way through its uploads: its spill is there, cut short, but not its marker
+    spill = done[0][:-len(".stats.json")]
+    os.remove(done[0])
+    open(spill, "r+b").truncate(100)
+    r = _cli(_url(raw), _url(out), crash_at="shard:1:mid", work_dir=_url(work))  # killed writing shard 1
+    assert r.returncode == -9, r.stderr
+    assert os.path.exists(out / "train-000000.tar") and not os.path.exists(out / "manifest.json")
+    r = _cli(_url(raw), _url(out), work_dir=_url(work))
+    assert r.returncode == 0, r.stderr
+    m = shards.load_manifest(str(out))
+    assert m.stats["resumed_shards"] >= 1
+    listed = {e.path for es in m.sets.values() for e in es}
+    assert {n: b for n, b in _files(out).items() if n in listed} == \
+        {n: b for n, b in _files(ref).items() if n in listed}
+    assert json.load(open(out / "manifest.json"))["sets"] == json.load(open(ref / "manifest.json"))["sets"]
+    assert not os.path.exists(work)
+
+
+def test_a_marker_whose_files_are_missing_or_cut_short_is_not_trusted(raw, tmp_path):
+    """Negative control: units whose markers exist but whose objects do not match them (a sample array cut short, a
+    spill deleted, as a store's lifecycle rule or a partial copy would leave them) are detected, named and redone;
+    trusting them would fail or change the shards."""
+    ref = tmp_path / "ref"
+    assert _cli(raw, str(ref)).returncode == 0
+    out, work = tmp_path / "out", tmp_path / "work"
+    r = _cli(_url(raw), _url(out), crash_at="shard:0", work_dir=_url(work))  # every unit of stages 1-3 done
+    assert r.returncode == -9, r.stderr
+    w = work / "_work"
+    cut = w / "s3" / "samples-00001" / "item.npy"
+    open(cut, "r+b").truncate(os.path.getsize(cut) // 2)
+    gone = sorted(glob.glob(str(w / "s1" / "log_*.arrow")))[0]
+    os.remove(gone)
+    r = _cli(_url(raw), _url(out), work_dir=_url(work))
+    assert r.returncode == 0, r.stderr
+    assert f"{_url(cut)}: " in r.stderr and "bytes where the marker records" in r.stderr
+    assert f"{_url(gone)}: missing" in r.stderr and "redoing its unit" in r.stderr
+    m = shards.load_manifest(str(out))
+    listed = {e.path for es in m.sets.values() for e in es}
+    assert {n: b for n, b in _files(out).items() if n in listed} == \
+        {n: b for n, b in _files(ref).items() if n in listed}
+
+
+def test_a_work_dir_url_that_cannot_be_used_fails_before_any_work_naming_it(raw, tmp_path):
+    import fsspec
+
+    class Unreachable(fsspec.AbstractFileSystem):  # a store that cannot be reached (network, credentials)
+        protocol = "unreachable"
+
+        def info(self, path, **kwargs):
+            raise ConnectionError("connection refused")
+
+    fsspec.register_implementation("unreachable", Unreachable, clobber=True)
+    out = tmp_path / "o"
+    with pytest.raises(storage.StorageError, match="nope://bucket/work: no usable filesystem"):
+        ingest(IngestConfig(raw=raw, out=_url(out), work_dir="nope://bucket/work", progress=False))
+    with pytest.raises(storage.StorageError, match="unreachable://bucket/work: cannot be reached .*refused"):
+        ingest(IngestConfig(raw=raw, out=_url(out), work_dir="unreachable://bucket/work", progress=False))
+    assert not os.path.exists(out)

@@ -36,8 +36,11 @@ def add_parser(sub) -> None:
                    help="output directory for shards, manifest.json and rejects.csv: a path, or an fsspec URL (each "
                         "file uploaded whole, manifest.json last: readers and --resume take only the shards it lists)")
     p.add_argument("--work-dir", default=None,
-                   help="with a URL --out: the local (or shared) directory where spills and shards are staged before "
-                        "upload (default: a directory named after --out in the system's temporary directory)")
+                   help="with a URL --out: the working directory (spills, sample arrays, each unit's marker): a path "
+                        "every worker sees (shards are staged there before upload) or an fsspec URL such as "
+                        "s3://bucket/scratch (no shared filesystem needed: each unit uploads its files, then its "
+                        "marker, and readers download what they need); removed at the end unless --keep-work "
+                        "(default: a directory named after --out in the system's temporary directory)")
     p.add_argument("--task", choices=TASKS, default="gr",
                    help="gr: generative-recommendation windows; ctr: one sample per interaction")
     p.add_argument("--batch-size", type=int, default=512, help="samples per batch (per worker), B")
@@ -75,13 +78,14 @@ def add_parser(sub) -> None:
                    "reading eval (gr: every user's second-to-last interaction held out; ctr: the last date before "
                    "the eval dates); evaluate on it with `nestpipe eval --split valid`")
     p.add_argument("--release", choices=["27k", "1k", "pure"], default=None, help="default: detect from file names")
-    p.add_argument("--keep-work", action="store_true", help="keep the intermediate spill files in OUT/_work")
+    p.add_argument("--keep-work", action="store_true",
+                   help="keep the intermediate spill files in OUT/_work (with a URL --out: in --work-dir)")
     p.add_argument("--engine", choices=ENGINES, default="local",
                    help="local: a process pool on this host; dask: every unit a Dask task (a LocalCluster of "
                    "--workers processes, or the cluster of --scheduler); the shards are the same bytes either way")
     p.add_argument("--scheduler", default=None, metavar="tcp://HOST:8786",
-                   help="dask: a running scheduler to use instead of a LocalCluster (--raw, --out on a filesystem "
-                   "every worker sees)")
+                   help="dask: a running scheduler to use instead of a LocalCluster (--raw, --out and --work-dir on "
+                   "a filesystem every worker sees, or fsspec URLs)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run_ingest)
 

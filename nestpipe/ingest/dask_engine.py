@@ -4,10 +4,11 @@ Dask distributed runs a real multi-process cluster (a LocalCluster of ``--worker
 or an existing scheduler given by ``--scheduler tcp://HOST:8786``, deployed with dask-ssh, dask-jobqueue or
 dask-kubernetes). The driver plans the units and assembles the manifest exactly as with the local engine; every
 unit is one task (``client.submit`` of the same top-level unit function), so what crosses the scheduler is a unit's
-arguments and its small stats dict, never the data: units read and write the work directory and the output, which
-must be a filesystem every worker sees. The stages' outputs do not depend on which worker ran a unit, so the shards
-are byte-identical to the local engine's. A worker that dies has its tasks rerun by Dask (units are idempotent:
-each writes its file under a temporary name and renames it).
+arguments and its small stats dict, never the data: units read and write the working directory and the output,
+which are either a filesystem every worker sees or fsspec URLs (object storage: ``nestpipe.ingest.workdir``). The
+stages' outputs do not depend on which worker ran a unit, so the shards are byte-identical to the local engine's. A
+worker that dies has its tasks rerun by Dask (units are idempotent: each commits its files with a marker written
+after them, and a unit without its marker is redone whole).
 """
 
 from __future__ import annotations

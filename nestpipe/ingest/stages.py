@@ -1,6 +1,7 @@
 """The ingest: raw KuaiRand-format logs -> clustered WebDataset batch shards + manifest, with bounded memory.
 
-Stages (each unit of work writes one file atomically; an interrupted run redoes only missing units):
+Stages (each unit of work commits its files with a marker written after them, in the working directory, a path or
+an fsspec URL: ``nestpipe.ingest.workdir``; an interrupted run redoes only the units without their marker):
 
 1. parse    every input file in fixed-size byte chunks (Polars native CSV, validating fallback); bad rows go to
             the rejects; good rows are spilled to Arrow IPC files hash-partitioned by video id (one row group each).

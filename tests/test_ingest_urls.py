@@ -226,3 +226,39 @@ def test_a_work_dir_url_that_cannot_be_used_fails_before_any_work_naming_it(raw,
     with pytest.raises(storage.StorageError, match="unreachable://bucket/work: cannot be reached .*refused"):
         ingest(IngestConfig(raw=raw, out=_url(out), work_dir="unreachable://bucket/work", progress=False))
     assert not os.path.exists(out)
+
+
+def test_a_process_cache_holds_at_most_its_limit_and_one_run(tmp_path, private_tmp):
+    """The local copies of a URL working directory: least recently used out beyond the limit, all of them gone when
+    a unit of another run comes (or on release); slices of an order array read by range equal the in-place ones."""
+    import numpy as np
+
+    from nestpipe.ingest import workdir
+
+    cache = workdir._ProcessCache(limit=250)
+    made = []
+
+    def make(n):
+        def write(path):
+            made.append(path)
+            open(path, "wb").write(b"x" * n)
+        return write
+
+    a = cache.get(("u", "run1"), "s3/a.npy", make(100))
+    cache.get(("u", "run1"), "s3/b.npy", make(100))
+    assert cache.get(("u", "run1"), "s3/a.npy", make(100)) == a and len(made) == 2  # a hit, and now the newest
+    cache.get(("u", "run1"), "s3/c.npy", make(100))  # 300 bytes: b, the least recently used, goes
+    assert os.path.exists(a) and not os.path.exists(os.path.join(os.path.dirname(a), "b.npy"))
+    run1 = cache.dir
+    cache.get(("u", "run2"), "s3/a.npy", make(100))
+    assert not os.path.exists(run1) and len(made) == 4
+    cache.release()
+    assert os.listdir(private_tmp) == []
+
+    arr = np.arange(1000, dtype=np.int64) * 7
+    local = workdir.open_work(str(tmp_path / "w"))
+    os.makedirs(local.root)
+    local.save_array("order.npy", arr)
+    remote = workdir.open_work(_url(tmp_path / "w"))
+    for start, stop in ((0, 10), (990, 1010), (500, 400), (3, 997)):
+        assert np.array_equal(remote.array_slice("order.npy", start, stop), local.array_slice("order.npy", start, stop))

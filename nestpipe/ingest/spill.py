@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Tuple
 import polars as pl
 import pyarrow as pa
 
+from nestpipe.ingest.workdir import WorkDir
 from nestpipe.utils.jsonio import write_json_atomic
 
 SUFFIX = ".arrow"
@@ -58,12 +59,15 @@ def write_partitioned(path: str, df: pl.DataFrame, part_col: str, num_parts: int
     return ranges
 
 
-def read_partition(work, rels: List[str], part: int, schema: Optional[pa.Schema] = None) -> pl.DataFrame:
-    """Concatenate partition ``part`` of every spill file ``rels`` of working directory ``work``
-    (``nestpipe.ingest.workdir``), in the order of ``rels``."""
+def read_partition(work: WorkDir, rels: List[str], part: int, schema: Optional[pa.Schema] = None) -> pl.DataFrame:
+    """Concatenate partition ``part`` of every spill file ``rels`` of working directory ``work``, in the order of
+    ``rels``."""
     tables = []
     for rel in rels:
         index = work.read_json(rel + ".json", "spill index")
+        if "ranges" not in index:
+            raise ValueError(f"{work.path(rel)}.json: spill index of an earlier layout (no byte ranges); rerun with "
+                             "--force to redo the ingest from the start")
         file_schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(index["schema"])))
         if schema is None:
             schema = file_schema

@@ -55,8 +55,8 @@ from nestpipe.utils.jsonio import JSONFileError, read_json, write_json_atomic
 
 # The marker key listing a unit's files with their sizes (RemoteWork): never a stats key.
 UNIT_FILES = "unit_files"
-# Local disk a process's cache of a URL work directory may hold (least recently used files removed first).
-CACHE_BYTES = 4 << 30
+# Local disk the cache of one process may hold (least recently used files removed first).
+CACHE_BYTES = 2 << 30
 # The head of an .npy file read to find where its data starts (the headers np.save writes are 128 bytes).
 NPY_HEAD_BYTES = 4096
 

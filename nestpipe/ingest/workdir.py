@@ -18,9 +18,9 @@ Invariants, for both kinds of working directory:
   only on the inputs and the options, so a redone unit writes the same bytes.
 - Readers read only the files of done units: a stage starts once every unit of the stages before it is done.
 
-:class:`LocalWork` (a path): units write in place (each writer renames a temporary file over the final name, so a
-file that exists is whole) and readers memory-map the files in place; units may write into one shared file in
-place (``writes_in_place``: GR's dense author table).
+:class:`LocalWork` (a path): units write their files at their final names and readers memory-map them in place (a
+file whose unit has no marker yet may be partial: it is never read, and its unit is redone); units may also write
+into one file shared with other units, in place (``writes_in_place``: GR's dense author table).
 
 :class:`RemoteWork` (a URL): object stores have no rename and no writes in place. A unit writes its files into a
 scratch directory of its own on the worker's local disk, exactly as it would in place, uploads each whole (one
@@ -228,8 +228,7 @@ class LocalWork(WorkDir):
 
 
 class _InPlaceOutput(UnitOutput):
-    """LocalWork: files are written at their final names (each writer renames its temporary file into place), the
-    marker last."""
+    """LocalWork: files are written at their final names, the marker last."""
 
     def __init__(self, work: LocalWork, marker: str):
         self.work, self.marker = work, marker

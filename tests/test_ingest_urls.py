@@ -160,7 +160,8 @@ def test_a_url_work_dir_keeps_a_marker_per_unit_listing_its_files(raw, tmp_path,
     assert _no_scratch_left(private_tmp) == []
 
 
-def test_a_run_killed_between_units_resumes_from_a_url_work_dir_to_the_same_bytes(raw, tmp_path):
+def test_a_run_killed_between_units_resumes_from_a_url_work_dir_to_the_same_bytes(raw, tmp_path, private_tmp):
+    # (a killed process leaves its scratch in its temporary directory: private_tmp keeps it out of the system's)
     ref = tmp_path / "ref"
     assert _cli(raw, str(ref)).returncode == 0
     out, work = tmp_path / "out", tmp_path / "work"
@@ -186,7 +187,7 @@ def test_a_run_killed_between_units_resumes_from_a_url_work_dir_to_the_same_byte
     assert not os.path.exists(work)
 
 
-def test_a_marker_whose_files_are_missing_or_cut_short_is_not_trusted(raw, tmp_path):
+def test_a_marker_whose_files_are_missing_or_cut_short_is_not_trusted(raw, tmp_path, private_tmp):
     """Negative control: units whose markers exist but whose objects do not match them (a sample array cut short, a
     spill deleted, as a store's lifecycle rule or a partial copy would leave them) are detected, named and redone;
     trusting them would fail or change the shards."""

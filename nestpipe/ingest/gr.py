@@ -26,7 +26,7 @@ from nestpipe.datasets.kuairand import ACTION_FLAGS
 from nestpipe.datasets.sequence_cost import SequenceCost
 from nestpipe.ingest.common import IngestTask, PartitionCache, batch_seed, cluster_fields, crash_point, runs
 from nestpipe.ingest.spill import read_partition
-from nestpipe.ingest.workdir import WorkDir
+from nestpipe.ingest.workdir import WorkDir, save_array
 
 TOKEN_FIELDS = ("item", "author", "action", "time", "play", "duration")
 TABLES = ("item", "author", "action")
@@ -225,7 +225,7 @@ def unit_authors(args: Tuple[WorkDir, int]) -> Dict[str, Any]:
                 table.flush()
                 del table
         else:
-            np.save(out.path(_authors_part(p)), np.stack([vid, author + 1], axis=1), allow_pickle=False)
+            save_array(out.path(_authors_part(p)), np.stack([vid, author + 1], axis=1))
         return out.commit(stats)
 
 

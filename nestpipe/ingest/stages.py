@@ -50,7 +50,7 @@ from nestpipe.ingest.gr import GRTask
 from nestpipe.ingest.parse import (Chunk, ColumnSpec, parse_chunk, parse_parquet_chunk, plan_chunks,
                                    plan_parquet_chunks, read_chunk_bytes)
 from nestpipe.ingest.spill import write_partitioned
-from nestpipe.ingest.workdir import WorkDir, open_work, release_cache
+from nestpipe.ingest.workdir import WorkDir, open_work, release_cache, save_array
 from nestpipe.utils import storage
 from nestpipe.utils.jsonio import read_json, write_json_atomic
 
@@ -174,7 +174,7 @@ def _unit_samples(args: Tuple[WorkDir, str, int, Dict[str, Any]]) -> Dict[str, A
     arrays, stats = TASKS[task].samples(work, q, opts)
     with work.output(f"{sub}/stats.json") as out:
         for name, arr in arrays.items():
-            np.save(out.path(f"{sub}/{name}.npy"), arr, allow_pickle=False)
+            save_array(out.path(f"{sub}/{name}.npy"), arr)
         return out.commit(stats)
 
 

@@ -18,9 +18,10 @@ Invariants, for both kinds of working directory:
   only on the inputs and the options, so a redone unit writes the same bytes.
 - Readers read only the files of done units: a stage starts once every unit of the stages before it is done.
 
-:class:`LocalWork` (a path): units write their files at their final names and readers memory-map them in place (a
-file whose unit has no marker yet may be partial: it is never read, and its unit is redone); units may also write
-into one file shared with other units, in place (``writes_in_place``: GR's dense author table).
+:class:`LocalWork` (a path): units write their files in place, each under a temporary name renamed over its final
+name (:func:`save_array`), so a file that exists is whole, even while a duplicate of its unit (a task Dask reran
+while the first still ran) writes it again; readers memory-map them in place. Units may also write into one file
+shared with other units, in place (``writes_in_place``: GR's dense author table).
 
 :class:`RemoteWork` (a URL): object stores have no rename and no writes in place. A unit writes its files into a
 scratch directory of its own on the worker's local disk, exactly as it would in place, uploads each whole (one
@@ -218,17 +219,14 @@ class LocalWork(WorkDir):
         write_json_atomic(self.path(rel), obj)
 
     def save_array(self, rel: str, arr: np.ndarray) -> None:
-        path = self.path(rel)
-        tmp = path[:-len(".npy")] + ".tmp.npy"
-        np.save(tmp, arr, allow_pickle=False)
-        os.replace(tmp, path)
+        save_array(self.path(rel), arr)
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
 class _InPlaceOutput(UnitOutput):
-    """LocalWork: files are written at their final names, the marker last."""
+    """LocalWork: files are written in place (each renamed over its final name), the marker last."""
 
     def __init__(self, work: LocalWork, marker: str):
         self.work, self.marker = work, marker
@@ -343,8 +341,7 @@ class RemoteWork(WorkDir):
 
     def save_array(self, rel: str, arr: np.ndarray) -> None:
         with self.scratch() as d:
-            np.save(os.path.join(d, "a.npy"), arr, allow_pickle=False)
-            storage.put_file(os.path.join(d, "a.npy"), self.path(rel))
+            storage.put_file(save_array(os.path.join(d, "a.npy"), arr), self.path(rel))
 
     def remove(self) -> None:
         storage.remove_tree(self.root)
@@ -374,6 +371,19 @@ class _UploadOutput(UnitOutput):
         marker = write_json_atomic(self.path(self.marker), {**stats, UNIT_FILES: files})
         storage.put_file(marker, self.work.path(self.marker))  # last: the commit point
         return stats
+
+
+def save_array(path: str, arr: np.ndarray) -> str:
+    """Write ``arr`` to local file ``path`` (``.npy``, never pickled) under a temporary name renamed over ``path``:
+    a reader, or a memory map open on an earlier copy, never sees a part. Returns ``path``."""
+    tmp = f"{path[:-len('.npy')] if path.endswith('.npy') else path}.tmp-{os.getpid()}-{threading.get_ident()}.npy"
+    try:
+        np.save(tmp, arr, allow_pickle=False)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
 
 
 def _redo(why: str) -> None:

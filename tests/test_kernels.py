@@ -838,3 +838,42 @@ def test_adagrad_bags_rejects_bad_input():
     empty_w = torch.zeros(0, weight.shape[1])
     kernels.adagrad_bags(empty_w, torch.zeros(0), indices[:0], torch.zeros(4, dtype=torch.int64),
                          torch.zeros(3, weight.shape[1]), 0.1)  # no row touched: nothing to do
+
+
+@pytest.mark.parametrize("case", ["valid", "int32", "empty_blocks", "counts_short", "negative_count", "entry_out"])
+def test_pooled_owner_plan_equals_numpy(case):
+    """The owner's one-pass plan of a pooled store gives the NumPy formulation's arrays and status: valid blocks
+    (counts then entries, several requesters and micro-batches, some blocks empty) and each corruption of the
+    received payload with its own status, which the owner turns into its error message."""
+    from nestpipe.kernels import cpu
+
+    rng = np.random.default_rng(11)
+    n_rows, dim = 50, 8
+    rows_all = rng.integers(0, 1000, n_rows).astype(np.int64)
+    parts, at, size, b, b0, out_at, grad_off = [], [], [], [], [], [], []
+    cursor = 0
+    for k in range(6):  # (micro-batch, requester) blocks
+        nb = 0 if (case == "empty_blocks" and k % 2) else int(rng.integers(1, 6))
+        counts = rng.integers(0, 4, nb)
+        entries = rng.integers(0, 20, int(counts.sum()))
+        parts += [counts, entries]
+        at.append(cursor), size.append(nb + len(entries)), b.append(nb)
+        b0.append(20 * (k % 2)), out_at.append(dim * 7 * k), grad_off.append(1000 * (k // 2))
+        cursor += nb + len(entries)
+    got = np.concatenate(parts).astype(np.int32 if case == "int32" else np.int64)
+    if case == "counts_short":
+        got[at[0]] += 1  # one more pair claimed than sent
+    if case == "negative_count":
+        got[at[1]] = -1
+    if case == "entry_out":
+        got[at[2] + b[2]] = n_rows  # an entry past the rows requested
+    args = (got, np.array(at), np.array(size), np.array(b), np.array(b0), np.array(out_at), np.array(grad_off), dim,
+            rows_all)
+    ref = reference.pooled_owner_plan(*args)
+    fast = cpu.pooled_owner_plan(*args)
+    assert ref[-1] == fast[-1] == {"valid": 0, "int32": 0, "empty_blocks": 0, "counts_short": 1,
+                                   "negative_count": 1, "entry_out": 2}[case]
+    for a, c in zip(ref[:4], fast[:4]):
+        assert a.dtype == c.dtype == np.int64 and np.array_equal(a, c)
+    if ref[-1] == 0:
+        assert np.array_equal(ref[4], fast[4]) and np.array_equal(fast[4], rows_all[fast[1]])

@@ -46,7 +46,7 @@ __all__ = [
     "MAX_VOCAB", "OPS", "RoutedKeys", "place_keys", "adagrad_bags", "adagrad_update", "affine_params", "block_size", "dual_buffer_sync",
     "dual_buffer_sync_rows", "gather_rows", "gather_to_device", "kernel_paths", "map_into_vocab", "owner_num_rows", "placement",
     "placement_hash", "pool_segments", "pooled_lookup", "route_keys", "select_path", "sequence_lookup", "splitmix64",
-    "dedup_rows", "csr_by_segment", "micro_batch_values", "taken_paths", "reset_taken", "forced",
+    "dedup_rows", "csr_by_segment", "micro_batch_values", "pooled_owner_plan", "taken_paths", "reset_taken", "forced",
     "hstu_attention", "concat_ranges", "row_runs",
 ]
 
@@ -326,6 +326,24 @@ def micro_batch_values(offsets: np.ndarray, samples: np.ndarray, inverse: np.nda
     if note("micro_batch_values", select_path("micro_batch_values", "cpu")) == "numba":
         return backend("numba").micro_batch_values(offsets, samples, inverse, keys, num_keys)
     return reference.micro_batch_values(offsets, samples, inverse, keys, num_keys)
+
+
+def pooled_owner_plan(got: np.ndarray, at: np.ndarray, size: np.ndarray, b: np.ndarray, b0: np.ndarray,
+                      out_at: np.ndarray, grad_off: np.ndarray, dim: int, rows_all: np.ndarray):
+    """The owner's plan of one pooled (reduction-based) store from the received routing payload ``got``.
+
+    Block ``k`` (one (micro-batch, requester) pair) is ``got[at[k]:at[k] + size[k]]``: ``b[k]`` per-sample counts,
+    then the entries of those samples, sample after sample (``ReductionBased.plan``), each relative to the
+    requester's first entry ``b0[k]``; its segments go to element offsets ``out_at[k] + dim * j`` of the
+    micro-batch's payload, which starts at ``grad_off[k]`` in the batch's gradient payload. Returns ``(offsets,
+    entries, out, grad, rows, status)``: the CSR of every segment over the entries (all blocks in order), every
+    pair's entry, every segment's payload and gradient offsets, every pair's store row ``rows_all[entry]``, and
+    ``status`` 0 valid, 1 counts that are negative or do not add up to the entries, 2 an entry outside
+    ``rows_all`` (``rows`` is meaningless then). Numba's single pass when Numba imports, else NumPy; the same
+    arrays either way (tested)."""
+    if note("pooled_owner_plan", select_path("pooled_owner_plan", "cpu")) == "numba":
+        return backend("numba").pooled_owner_plan(got, at, size, b, b0, out_at, grad_off, dim, rows_all)
+    return reference.pooled_owner_plan(got, at, size, b, b0, out_at, grad_off, dim, rows_all)
 
 
 def dedup_rows(rows: np.ndarray, num_rows: int):

@@ -315,6 +315,55 @@ def micro_batch_values(offsets, samples, inverse, keys, num_keys: int):
                                np.ascontiguousarray(keys, dtype=np.int64), np.int64(num_keys))
 
 
+def pooled_owner_plan(got, at, size, b, b0, out_at, grad_off, dim: int, rows_all):
+    """One pass over a pooled store's blocks of the received routing payload (see
+    :func:`nestpipe.kernels.pooled_owner_plan`)."""
+    i64 = [np.ascontiguousarray(x, dtype=np.int64) for x in (at, size, b, b0, out_at, grad_off)]
+    return _pooled_owner_plan(np.ascontiguousarray(got), *i64, np.int64(dim),
+                              np.ascontiguousarray(rows_all, dtype=np.int64))
+
+
+@numba.jit(**_JIT)
+def _pooled_owner_plan(got, at, size, b, b0, out_at, grad_off, dim, rows_all):
+    n_seg = 0
+    n_pair = 0
+    for k in range(at.shape[0]):
+        n_seg += b[k]
+        n_pair += size[k] - b[k]
+    offsets = np.empty(n_seg + 1, dtype=np.int64)
+    out = np.empty(n_seg, dtype=np.int64)
+    grad = np.empty(n_seg, dtype=np.int64)
+    entries = np.empty(n_pair, dtype=np.int64)
+    rows = np.zeros(n_pair, dtype=np.int64)
+    offsets[0] = 0
+    s = 0
+    p = 0
+    bad_count = False
+    bad_entry = False
+    n_rows = rows_all.shape[0]
+    for k in range(at.shape[0]):
+        a = at[k]
+        for j in range(b[k]):  # the block's per-sample counts
+            c = np.int64(got[a + j])
+            bad_count |= c < 0
+            offsets[s + 1] = offsets[s] + c
+            out[s] = out_at[k] + dim * j
+            grad[s] = out[s] + grad_off[k]
+            s += 1
+        for j in range(size[k] - b[k]):  # then its entries, sample after sample
+            e = np.int64(got[a + b[k] + j]) + b0[k]
+            entries[p] = e
+            if e < 0 or e >= n_rows:
+                bad_entry = True
+            else:
+                rows[p] = rows_all[e]
+            p += 1
+    if bad_entry:
+        return offsets, entries, out, grad, np.zeros(n_pair, dtype=np.int64), 2
+    status = 1 if bad_count or offsets[n_seg] != n_pair else 0
+    return offsets, entries, out, grad, rows, status
+
+
 @numba.jit(**_JIT)
 def _bag_rows_sorted(indices, offsets, num_rows):
     """The occurrences of ``indices`` grouped by row, stably (a row's occurrences in ascending position): ``uniq``

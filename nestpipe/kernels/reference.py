@@ -115,6 +115,22 @@ def micro_batch_values(offsets, samples, inverse, keys, num_keys):
     return lengths, value_key, value_sample, value_pos, value_index, status
 
 
+def pooled_owner_plan(got, at, size, b, b0, out_at, grad_off, dim, rows_all):
+    """The owner's plan of one pooled store (see :func:`nestpipe.kernels.pooled_owner_plan`), in NumPy."""
+    got = np.asarray(got)
+    at, size, b = (np.asarray(x, dtype=np.int64) for x in (at, size, b))
+    counts = got[concat_ranges(at, b)].astype(np.int64)
+    entries = got[concat_ranges(at + b, size - b)].astype(np.int64) + np.repeat(np.asarray(b0, np.int64), size - b)
+    out = np.repeat(np.asarray(out_at, np.int64), b) + dim * concat_ranges(np.zeros_like(b), b)
+    offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    grad = out + np.repeat(np.asarray(grad_off, np.int64), b)
+    if len(entries) and (entries.min() < 0 or entries.max() >= len(rows_all)):
+        return offsets, entries, out, grad, np.zeros(len(entries), np.int64), 2
+    status = 1 if (len(counts) and counts.min() < 0) or offsets[-1] != len(entries) else 0
+    return offsets, entries, out, grad, np.asarray(rows_all, np.int64)[entries], status
+
+
 def dedup_rows(rows):
     """Stable dedup of int64 numpy ``rows`` by one stable argsort: ``(order, uniq, starts, inv_sorted, inv)`` with
     ``rows[order]`` sorted (equal rows in ascending position), ``uniq`` the distinct rows, ``starts`` their first

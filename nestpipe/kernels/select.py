@@ -10,8 +10,8 @@ run's metadata.
 | npu    | ``npu`` (torch_npu required)                   | torch                                     | ``npu``                                 |
 | other  | ``reference``                                  | ``reference``                             | ``reference``                           |
 
-The host ops (``place_keys``, ``dedup_rows``, ``csr_by_segment``, ``micro_batch_values``: the step's keys and rows
-as NumPy arrays on the host, whatever the device) take ``numba`` if numba imports, else the NumPy/torch reference.
+The host ops (``place_keys``, ``dedup_rows``, ``csr_by_segment``, ``micro_batch_values``, ``pooled_owner_plan``: the
+step's keys and rows as NumPy arrays on the host, whatever the device) take ``numba`` if numba imports, else the NumPy/torch reference.
 ``hstu_attention`` (the dense model's jagged attention, :mod:`nestpipe.kernels.attention`) takes ``numba`` on CPU (its exact loops for
 micro-batches of sequences up to 64 tokens, the ``blocked`` torch tiles for longer ones; ``blocked`` for all without
 numba), ``triton`` on CUDA when triton imports, and the padded torch reference otherwise (on npu too).
@@ -40,11 +40,12 @@ from typing import Dict, Iterator, Union
 
 import torch
 
-OPS = ("route_keys", "place_keys", "dedup_rows", "csr_by_segment", "micro_batch_values", "gather_rows", "lookup",
+OPS = ("route_keys", "place_keys", "dedup_rows", "csr_by_segment", "micro_batch_values", "pooled_owner_plan",
+       "gather_rows", "lookup",
        "adagrad_update", "adagrad_bags", "dual_buffer_sync", "hstu_attention")
 PATHS = ("reference", "fbgemm", "numba", "triton", "npu", "blocked")
 # ops on the host's NumPy arrays of keys and rows (routing, grouping): their path does not depend on the device
-HOST_OPS = ("place_keys", "dedup_rows", "csr_by_segment", "micro_batch_values")
+HOST_OPS = ("place_keys", "dedup_rows", "csr_by_segment", "micro_batch_values", "pooled_owner_plan")
 FORCE_ENV = "NESTPIPE_KERNELS"
 
 

@@ -574,11 +574,14 @@ class ShardedEmbeddingCollection:
             b = np.array([own_b[i][r] if mine else 0 for i in range(N) for r in range(W)], dtype=np.int64)
             b0 = np.array([base[(r, slot)] for _ in range(N) for r in range(W)], dtype=np.int64)
             out_at = np.array([block_off[i][(r, slot)] for i in range(N) for r in range(W)], dtype=np.int64)
-            counts = got[kernels.concat_ranges(at, b)].astype(np.int64)
-            e_all = got[kernels.concat_ranges(at + b, size - b)].astype(np.int64) + np.repeat(b0, size - b)
-            out_all = np.repeat(out_at, b) + dim * kernels.concat_ranges(np.zeros_like(b), b)
-            cs = np.zeros(len(counts) + 1, dtype=np.int64)
-            np.cumsum(counts, out=cs[1:])
+            grad_at = np.repeat(np.asarray(grad_mb_off, dtype=np.int64), W)
+            cs, e_all, out_all, bag_grad, pair_rows, status = kernels.pooled_owner_plan(
+                got, at, size, b, b0, out_at, grad_at, dim, rows_all)
+            if status:
+                raise RuntimeError(f"table {st}: rank {self.rank} received a routing payload whose " + (
+                    "per-sample counts do not add up to its entries" if status == 1 else
+                    "entries point outside the rows requested"))
+            counts = np.diff(cs)
             seg_end = np.cumsum(b.reshape(N, W).sum(1))  # per micro-batch: its segments end here, its pairs at cs[]
             seg_start = np.concatenate([[0], seg_end[:-1]]).astype(np.int64)
             for i in range(N):
@@ -608,15 +611,15 @@ class ShardedEmbeddingCollection:
                       upd_src=upd_src, num_store_rows=self.stores[st].num_rows)
         if bags:
             o.bags = True
-            if pooled:  # the micro-batches' CSRs and segment offsets, concatenated
-                pe, bag_offsets = e_all, cs
-                bag_grad = out_all + np.repeat(np.asarray(grad_mb_off, dtype=np.int64), seg_end - seg_start)
+            if pooled:  # the micro-batches' CSRs and segment offsets, concatenated (the plan's own arrays)
+                bag_offsets = cs
             else:  # a bag of one row per pair
                 pe = np.concatenate(pair_entry) if pair_entry else np.zeros(0, np.int64)
+                pair_rows = rows_all[pe]
                 bag_offsets = np.arange(len(pe) + 1, dtype=np.int64)
                 bag_grad = (np.concatenate([grad_mb_off[i] + f.numpy() for i, f in enumerate(fwd_out)]) if N
                             else np.zeros(0, np.int64))
-            o.bag_rows, o.bag_offsets, o.bag_grad = (torch.from_numpy(rows_all[pe]), torch.from_numpy(bag_offsets),
+            o.bag_rows, o.bag_offsets, o.bag_grad = (torch.from_numpy(pair_rows), torch.from_numpy(bag_offsets),
                                                      torch.from_numpy(bag_grad))
             o.bag_grad_runs = [(int(bag_grad[a]), b - a) for a, b in kernels.row_runs(bag_grad, dim)]
         return o

@@ -525,7 +525,8 @@ def test_runs_use_their_saved_sharding_plan(runs):
 
 # the kernel ops the trainer runs (nestpipe.kernels' public ops: routing, grouping, gathers, pooling, updates, sync)
 TRAINER_KERNEL_OPS = {"place_keys", "gather_rows", "adagrad_update", "adagrad_bags", "pool_segments",
-                      "dual_buffer_sync_rows", "dedup_rows", "csr_by_segment", "micro_batch_values", "lookup",
+                      "dual_buffer_sync_rows", "dedup_rows", "csr_by_segment", "micro_batch_values", "pooled_owner_plan",
+                      "lookup",
                       "hstu_attention"}
 
 
@@ -551,6 +552,8 @@ def test_kernel_paths_record_what_ran(runs, model, name):
     # the data stage, the routing, the owner update and the exchange all went through the dispatch
     assert set(m["kernel_paths"]) >= {"place_keys", "adagrad_bags", "pool_segments", "micro_batch_values"}, \
         m["kernel_paths"]
+    if model == "dlrm":  # its pooled tables' owner plans too
+        assert "pooled_owner_plan" in m["kernel_paths"], m["kernel_paths"]
     if model == "hstu":  # the dense model's jagged attention went through the dispatch too
         assert set(m["kernel_paths"].get("hstu_attention", [])) & {"numba", "blocked"}, m["kernel_paths"]
     # negative control: the rule's table (what metrics.json held before) lists paths this run never took

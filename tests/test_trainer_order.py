@@ -77,7 +77,8 @@ def test_reduction_plan_keeps_value_order_per_owner():
 
 def test_reduction_plan_single_owner_shortcut_equals_general():
     """A table-wise table (one owner): the shortcut's lists equal the general stable-sort plan's, element for element
-    and dtype for dtype, on the owner and on every other rank (empty)."""
+    and dtype for dtype, on the owner and on every other rank (empty); so do the lists built from the samples'
+    lengths."""
     rng = np.random.default_rng(6)
     keys, world = 200, 3
     lens = rng.integers(0, 30, 64)
@@ -86,11 +87,15 @@ def test_reduction_plan_single_owner_shortcut_equals_general():
     pos = np.arange(keys, dtype=np.int64)
     for owner in range(world):
         dest = np.full(keys, owner, dtype=np.int64)
-        general = ReductionBased.plan(dest, pos, value_key, value_sample, world, owners=(owner,))
-        short = ReductionBased.plan(dest, pos, value_key, value_sample, world, owner)
+        general = ReductionBased.plan(dest, pos, value_key, value_sample, world, owners=(owner,), num_samples=64)
+        short = ReductionBased.plan(dest, pos, value_key, value_sample, world, owner, num_samples=64)
+        # the data stage's per-sample lengths as the counts (no bincount, no order check)
+        given = ReductionBased.plan(dest, pos, value_key, value_sample, world, owner, num_samples=64, lengths=lens)
         assert len(short) == world
-        for a, b in zip(general, short):
-            assert a.dtype == b.dtype and np.array_equal(a, b)
+        for a, b, c in zip(general, short, given):
+            assert a.dtype == b.dtype == c.dtype and np.array_equal(a, b) and np.array_equal(a, c)
+        with pytest.raises(ValueError, match="lengths adding up to"):
+            ReductionBased.plan(dest, pos, value_key, value_sample, world, owner, num_samples=64, lengths=lens[1:])
         assert len(short[owner]) == 64 + len(value_key)
         # the ranks holding none of the table get nothing (no counts: no partial sums travel to or from them)
         assert all(len(short[r]) == 0 for r in range(world) if r != owner)

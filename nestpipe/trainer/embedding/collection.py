@@ -441,7 +441,8 @@ class ShardedEmbeddingCollection:
                 unperm.append(torch.from_numpy(up).to(self.device))
             else:
                 lists = ReductionBased.plan(dest, pos_in_dest, mbd.value_key[t], mbd.value_sample[t], W,
-                                            one, num_samples=len(mbd.samples), owners=pl.owner_ranks)
+                                            one, num_samples=len(mbd.samples), owners=pl.owner_ranks,
+                                            lengths=mbd.lengths[t])
                 unperm.append(None)
             mb_lists.append(lists)
         return _ReqSlot(dest, pos_in_dest, send_rows, mb_lists, unperm)

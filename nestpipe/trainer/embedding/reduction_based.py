@@ -34,7 +34,7 @@ class ReductionBased:
     @staticmethod
     def plan(dest: np.ndarray, pos_in_dest: np.ndarray, value_key: np.ndarray, value_sample: np.ndarray,
              world: int, owner: Optional[int] = None, num_samples: Optional[int] = None,
-             owners: Optional[Sequence[int]] = None) -> List[np.ndarray]:
+             owners: Optional[Sequence[int]] = None, lengths: Optional[np.ndarray] = None) -> List[np.ndarray]:
         """Per-rank flat int64 lists ``[counts..., entries...]`` for one micro-batch of ``num_samples`` samples
         (default: the largest sample index + 1): ``counts[s]`` is how many of sample s's values the owner holds,
         ``entries`` their rows in the owner's list, sample after sample in value order. The owner rebuilds each
@@ -44,7 +44,16 @@ class ReductionBased:
         ``owners``: the ranks holding rows of the table (default: all); every other rank gets an empty list (it
         serves none of the table, so no partial sum of it travels either way). ``owner``: the one rank every key
         of the table goes to (a table-wise layout, ``owners == (owner,)``), where the stable owner sort is the
-        identity."""
+        identity. ``lengths``: every sample's value count, where ``value_sample`` is ``repeat(arange(b), lengths)``
+        (the data stage's layout): with one owner its counts are these, so neither a count nor a check of the order is
+        computed."""
+        if owner is not None and lengths is not None:
+            if len(lengths) != num_samples or int(np.sum(lengths)) != len(value_key):
+                raise ValueError(f"reduction plan: {len(lengths)} lengths adding up to {int(np.sum(lengths))} for "
+                                 f"{num_samples} samples and {len(value_key)} values")
+            empty = np.zeros(0, np.int64)
+            return [np.concatenate([np.asarray(lengths, dtype=np.int64), value_key]) if r == owner else empty
+                    for r in range(world)]
         if len(value_sample) > 1 and not bool((value_sample[1:] >= value_sample[:-1]).all()):
             raise ValueError("reduction plan: values must come in sample order")
         b = int(num_samples) if num_samples is not None else (int(value_sample[-1]) + 1 if len(value_sample) else 0)

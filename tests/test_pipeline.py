@@ -274,7 +274,7 @@ def test_dbp_alone_and_fwp_alone_are_bitwise_equal_to_off(runs, model, world):
 def test_routing_ahead_is_bitwise_equal_to_routing_in_step(runs, model):
     """off's default (pipe.route_ahead): batch t+1 is prepared and its routing All2Alls issued during batch t; the
     trained parameters are those of routing every batch in its own step, and the trace shows each batch routed
-    during the one before it (only in the ahead run)."""
+    during the one before it, its preparation inside that batch's embedding All2All (only in the ahead run)."""
     ahead, inline = runs[(2, model, "off")], runs[(2, model, "off-noahead")]
     assert _bitwise_diff(_export(ahead), _export(inline)) == []
     for run, expect in ((ahead, True), (inline, False)):
@@ -282,6 +282,10 @@ def test_routing_ahead_is_bitwise_equal_to_routing_in_step(runs, model):
         for rank in range(2):
             early = {s["step"]: s["t0"] for s in spans if s["rank"] == rank and s["stage"] == "route.ahead"}
             upd = {s["step"]: s["t1"] for s in spans if s["rank"] == rank and s["stage"] == "update"}
+            a2a = {s["step"]: s for s in spans if s["rank"] == rank and s["stage"] == "embed.a2a"}
+            # the trainer's runner takes the step's own forward/backward: the preparation runs while the embedding
+            # All2All is in flight (not before the step's retrieval)
+            assert all(a2a[t - 1]["t0"] <= early[t] <= a2a[t - 1]["t1"] for t in early), rank
             if not expect:
                 assert early == {}
                 continue

@@ -166,8 +166,10 @@ class PipelineRunner:
             if s != step:
                 raise RuntimeError(f"data stream at step {s}, expected {step}")
             nxt = next(records) if ahead and step + 1 < stop else None
+            # off: train_step's own forward/backward, which runs the next batch's routing work while this batch's
+            # exchanges are in flight; fwp: the frozen window's, whose communication threads own the exchanges
             yield step, train_step(st, step, record, path,
-                                   forward_backward=lambda routing, feats: self._forward_backward(fw, routing, feats),
+                                   forward_backward=None if fw is None else fw.forward_backward,
                                    next_record=nxt[1:] if nxt is not None else None)
 
 

@@ -188,7 +188,7 @@ def _micro_batching_line(run: RankRun) -> str:
         how = f"the batch as one micro-batch (the shards have {n}; {ch.schedule} has no frozen window to overlap)"
     else:
         how = f"{n} {ch.micro_batching} micro-batches per batch"
-        if run.cfg.pipe.micro_batching == "auto" and ch.schedule in ("off", "dbp"):
+        if run.cfg.pipe.micro_batching == "auto" and auto.micro_batching_for("auto", ch.schedule) == "whole":
             how += " (the model's loss depends on the partition: in-batch negatives)"
     return how + (" [pipe.micro_batching=auto]" if run.cfg.pipe.micro_batching == "auto" else "")
 

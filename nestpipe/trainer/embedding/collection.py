@@ -582,7 +582,6 @@ class ShardedEmbeddingCollection:
                 raise RuntimeError(f"table {st}: rank {self.rank} received a routing payload whose " + (
                     "per-sample counts do not add up to its entries" if status == 1 else
                     "entries point outside the rows requested"))
-            counts = np.diff(cs)
             seg_end = np.cumsum(b.reshape(N, W).sum(1))  # per micro-batch: its segments end here, its pairs at cs[]
             seg_start = np.concatenate([[0], seg_end[:-1]]).astype(np.int64)
             for i in range(N):
@@ -592,7 +591,7 @@ class ShardedEmbeddingCollection:
                 fwd_out.append(torch.from_numpy(out_i))
                 pair_entry.append(e_all[cs[s0]:cs[s1]])
                 if not bags:  # every pair's gradient offset (the entry update only): its segment's
-                    upd_src.append(grad_mb_off[i] + np.repeat(out_i, counts[s0:s1]))
+                    upd_src.append(grad_mb_off[i] + np.repeat(out_i, np.diff(cs[s0:s1 + 1])))
         else:
             for i in range(N):
                 p_entry, seg_out = [], []

@@ -21,6 +21,23 @@ from nestpipe.ingest.executor import _progress, usable_cores
 
 CONNECT_TIMEOUT_S = 10
 
+# The LocalCluster's settings (a cluster given by --scheduler keeps its own). The units are CPU-bound Python and
+# NumPy on few cores, so what Dask runs beside them is overhead:
+# - MALLOC_TRIM_THRESHOLD_: Dask's nannies set 65536 in their workers by default, which makes glibc return freed
+#   memory to the system at once; the units allocate and free large arrays all the time, and the shard stage ran
+#   1.9x slower so (the local engine with that variable set: 1.6x). glibc's adaptive threshold is kept (None unsets).
+# - the worker's statistical profiler samples the task thread's stack every 10 ms on the event loop, taking the GIL
+#   from the unit each time: a unit of NumPy sorts and Python dicts ran 8% slower in a default worker than in a
+#   process pool, 1-2% with the profiler off and the periodic monitors below slowed from 20-500 ms to 1-5 s.
+#   (An idle 2-worker cluster used 6% of a core, 1% so.) Nobody reads the profile: the dashboard is off.
+LOCAL_CLUSTER_CONFIG = {
+    "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+    "distributed.worker.profile.enabled": False,
+    "distributed.admin.tick.interval": "1s",
+    "distributed.admin.system-monitor.interval": "5s",
+    "distributed.worker.memory.monitor-interval": "1s",
+}
+
 
 class DaskExecutor:
     """The :class:`~nestpipe.ingest.executor.Executor` interface (``run`` with results in unit order, a progress bar
@@ -47,11 +64,7 @@ class DaskExecutor:
                                    f"{CONNECT_TIMEOUT_S} s ({type(e).__name__}: {e})") from None
         else:
             threads = max(1, usable_cores() // self.workers)
-            # Dask's nannies set MALLOC_TRIM_THRESHOLD_=65536 in their workers by default, which makes glibc return
-            # freed memory to the system at once: the units allocate and free large arrays all the time, and the
-            # shard stage ran 1.9x slower so (the local engine with that variable set: 1.6x). glibc's own adaptive
-            # threshold is kept instead (None unsets the variable).
-            with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
+            with dask.config.set(LOCAL_CLUSTER_CONFIG):
                 self.cluster = self._local_cluster(threads)
             self.client = Client(self.cluster)
         return self

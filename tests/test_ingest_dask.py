@@ -44,6 +44,12 @@ def test_dask_engine_writes_the_local_engines_bytes(raw, tmp_path, task):
             assert open(a, "rb").read() == open(b, "rb").read()
 
 
+def _worker_overheads():
+    import dask
+
+    return dask.config.get("distributed.worker.profile.enabled"), os.environ.get("MALLOC_TRIM_THRESHOLD_")
+
+
 def test_dask_engine_with_a_url_work_dir_writes_the_local_engines_bytes(raw, tmp_path, monkeypatch):
     """Workers that share nothing but the ``file://`` URLs (object-storage semantics: no rename, no writes in place):
     each uploads its units' files and reads what it needs into its own cache, which the run removes on every
@@ -63,6 +69,8 @@ def test_dask_engine_with_a_url_work_dir_writes_the_local_engines_bytes(raw, tmp
         ingest(IngestConfig(out=url, work_dir="file://" + str(tmp_path / "work"), workers=2, engine="dask", **opts),
                executor=ex)
         assert [n for n in os.listdir(scratch) if n.startswith("nestpipe-ingest-")] == []
+        # the LocalCluster's workers run without what slows their units down (dask_engine.LOCAL_CLUSTER_CONFIG)
+        assert set(ex.client.run(_worker_overheads).values()) == {(False, None)}
     assert _digests(str(tmp_path / "local")) == _digests(str(tmp_path / "dask"))
     assert not os.path.exists(tmp_path / "work")
 

@@ -92,3 +92,66 @@ def test_corrupt_record_names_table_and_fault(path, corrupt, message):
     with kernels.forced({"micro_batch_values": path}), pytest.raises(ShardError) as err:
         prepare_batch(rec, man, step=0, rank=0, seed=0, where="shard-0.tar record 0")
     assert str(err.value) == "shard-0.tar record 0: " + message
+
+
+def _same_batches(a, b) -> bool:
+    if a.keys.keys() != b.keys.keys() or any(not np.array_equal(a.keys[t], b.keys[t]) for t in a.keys):
+        return False
+    for x, y in zip(a.micro, b.micro, strict=True):
+        for name in ("value_key", "value_sample", "mb_keys", "value_pos", "lengths"):
+            fx, fy = getattr(x, name), getattr(y, name)
+            if any(not np.array_equal(fx[t], fy[t]) for t in fx):
+                return False
+        if not np.array_equal(x.samples, y.samples):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_packed_record_without_values_prepares_the_same_batch(path):
+    """The trainer reads packed tables without ``{t}.values`` (``unpack_tables(values=False)``): the prepared batch
+    is the one of the full record, and an inverse index outside the keys still fails, now in prepare_batch."""
+    import copy
+
+    from nestpipe.datasets.shards import pack_tables, unpack_tables
+
+    rec, man, _ = _batch()
+    packed = pack_tables(copy.deepcopy(rec), "bags", ["a", "b"])
+    lean = unpack_tables(copy.deepcopy(packed), values=False)
+    assert "a.values" not in lean and "a.inverse" in lean
+    assert "a.values" in unpack_tables(copy.deepcopy(packed))
+    with kernels.forced({"micro_batch_values": path}):
+        full = prepare_batch(rec, man, step=0, rank=0, seed=0)
+        assert _same_batches(prepare_batch(lean, man, step=0, rank=0, seed=0), full)
+        other = prepare_batch(_batch(seed=1)[0], man, step=0, rank=0, seed=0)
+        assert not _same_batches(other, full)  # the comparison can fail
+        packed["bags.inverse"] = packed["bags.inverse"].copy()
+        packed["bags.inverse"][0] = packed["bags.unique_counts"][0]  # table a's first value: one past its keys
+        with pytest.raises(ShardError, match="a.inverse points outside the table's unique keys"):
+            prepare_batch(unpack_tables(packed, values=False), man, step=0, rank=0, seed=0, where="r")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_whole_batch_equals_the_compiled_pass_over_every_sample_and_key(path):
+    """The whole-batch shortcut (no position map) gives the arrays of ``kernels.micro_batch_values`` over every
+    sample and every key, and fails on an inverse index outside the keys or lengths that miss values."""
+    rec, man, _ = _batch()
+    whole = prepare_batch(rec, man, step=0, rank=0, seed=0, micro_batching="whole")
+    (mbd,) = whole.micro
+    from nestpipe.datasets.shards import table_offsets
+
+    for t in ("a", "b"):
+        with kernels.forced({"micro_batch_values": path}):
+            lens, key, sample, pos, _, status = kernels.micro_batch_values(
+                table_offsets(rec, t), np.arange(man.batch_size), rec[f"{t}.inverse"],
+                np.arange(len(rec[f"{t}.unique"])), len(rec[f"{t}.unique"]))
+        assert status == 0
+        for got, want in ((mbd.lengths[t], lens), (mbd.value_key[t], key), (mbd.value_sample[t], sample),
+                          (mbd.value_pos[t], pos)):
+            assert got.dtype == want.dtype and np.array_equal(got, want)
+    bad = dict(rec, **{"a.inverse": np.full_like(rec["a.inverse"], len(rec["a.unique"]))})
+    with pytest.raises(ShardError, match="^r: table a: a.inverse points outside the table's unique keys$"):
+        prepare_batch(bad, man, step=0, rank=0, seed=0, where="r", micro_batching="whole")
+    short = dict(rec, **{"b.inverse": rec["b.inverse"][:-1]})
+    with pytest.raises(ShardError, match="table b: its lengths add up to"):
+        prepare_batch(short, man, step=0, rank=0, seed=0, where="r", micro_batching="whole")

@@ -257,18 +257,22 @@ def pack_tables(batch: Batch, group: str, tables: List[str]) -> Batch:
                       np.stack(cols["lengths"]))
 
 
-def unpack_tables(batch: Batch) -> Batch:
+def unpack_tables(batch: Batch, values: bool = True) -> Batch:
     """Inverse of :func:`pack_tables` for every group listed in ``meta["packed"]`` (in place): per-table fields
-    with the dtypes of the per-table layout (values and unique int64, lengths/inverse/mb_unique int32)."""
+    with the dtypes of the per-table layout (values and unique int64, lengths/inverse/mb_unique int32).
+
+    ``values=False`` leaves out ``{t}.values`` (``unique[inverse]``, a gather over every key occurrence) and its
+    bounds check, for a reader that works from ``unique`` and ``inverse`` and checks the inverse indices itself
+    (the trainer's ``prepare_batch``: its compiled pass over the values fails on an index outside the keys)."""
     packed = batch.get("meta", {}).get("packed") or {}
     b = len(batch["mb"]) if "mb" in batch else None
     for group, tables in packed.items():
         try:
-            unique = batch.pop(f"{group}.unique").astype(np.int64)
+            unique = batch.pop(f"{group}.unique").astype(np.int64, copy=False)
             counts = batch.pop(f"{group}.unique_counts")
-            inverse = batch.pop(f"{group}.inverse").astype(np.int32)
-            mb_unique = batch.pop(f"{group}.mb_unique").astype(np.int32)
-            mb_offsets = batch.pop(f"{group}.mb_offsets").astype(np.int64)
+            inverse = batch.pop(f"{group}.inverse").astype(np.int32, copy=False)
+            mb_unique = batch.pop(f"{group}.mb_unique").astype(np.int32, copy=False)
+            mb_offsets = batch.pop(f"{group}.mb_offsets").astype(np.int64, copy=False)
         except KeyError as e:
             raise ShardError(f"packed group {group!r} lacks member {e.args[0]!r}") from None
         lengths = batch.pop(f"{group}.lengths", None)
@@ -288,9 +292,11 @@ def unpack_tables(batch: Batch) -> Batch:
         for i, t in enumerate(tables):
             u = unique[u_off[i]:u_off[i + 1]]
             inv = inverse[v_off[i]:v_off[i + 1]]
-            if len(inv) and (inv.min() < 0 or inv.max() >= len(u)):
-                raise ShardError(f"packed group {group!r}: table {t!r} has inverse indices outside its unique keys")
-            batch[f"{t}.values"] = u[inv]
+            if values:
+                if len(inv) and (inv.min() < 0 or inv.max() >= len(u)):
+                    raise ShardError(f"packed group {group!r}: table {t!r} has inverse indices outside its unique "
+                                     "keys")
+                batch[f"{t}.values"] = u[inv]
             batch[f"{t}.lengths"] = lengths[i]
             batch[f"{t}.unique"] = u
             batch[f"{t}.inverse"] = inv
@@ -299,9 +305,9 @@ def unpack_tables(batch: Batch) -> Batch:
     return batch
 
 
-def decode_sample(sample: Dict[str, Any]) -> Batch:
+def decode_sample(sample: Dict[str, Any], values: bool = True) -> Batch:
     """Turn a decoded WebDataset sample (``.decode()`` output) into a batch dict keyed by field name, with
-    packed table groups unpacked into per-table fields."""
+    packed table groups unpacked into per-table fields (``values``: see :func:`unpack_tables`)."""
     out: Batch = {}
     for k, v in sample.items():
         if k.startswith("__"):
@@ -317,7 +323,7 @@ def decode_sample(sample: Dict[str, Any]) -> Batch:
     for f in GR_NARROW_FIELDS:
         if f in out:
             out[f] = np.asarray(out[f]).astype(np.int64, copy=False)
-    return unpack_tables(out)
+    return unpack_tables(out, values=values)
 
 
 def iter_shard(path: str) -> Iterator[Batch]:

@@ -85,7 +85,7 @@ def prepare_batch(record: Dict, manifest: Manifest, step: int, rank: int, seed: 
     offsets: Dict[str, np.ndarray] = {}
     for t in _sequence_tables(manifest):
         spec = manifest.tables[t]
-        for f in ("values", "lengths", "unique", "inverse", "mb_unique", "mb_offsets"):
+        for f in ("lengths", "unique", "inverse", "mb_unique", "mb_offsets"):
             if f"{t}.{f}" not in record:
                 raise ShardError(f"{where}: record lacks field {t}.{f}")
         keys[t] = to_vocab(record[f"{t}.unique"], spec.vocab)
@@ -105,8 +105,21 @@ def prepare_batch(record: Dict, manifest: Manifest, step: int, rank: int, seed: 
         for t in keys:
             inverse = np.asarray(record[f"{t}.inverse"])
             if whole:
-                mk = np.arange(len(keys[t]), dtype=np.int64)
-            elif repartition:
+                # every sample in order and every key: a value's key position is its inverse index and its position
+                # among the micro-batch's keys the same (the compiled pass's result, without its position map)
+                off = offsets[t]
+                if off[-1] != len(inverse):
+                    raise ShardError(f"{where}: table {t}: its lengths add up to {off[-1]} values, {t}.inverse "
+                                     f"holds {len(inverse)}")
+                inv = inverse.astype(np.int64)
+                if len(inv) and (inv.min() < 0 or inv.max() >= len(keys[t])):
+                    raise ShardError(f"{where}: table {t}: {t}.inverse points outside the table's unique keys")
+                lengths[t], vkey[t], mkeys[t], vpos[t] = np.diff(off), inv, np.arange(len(keys[t])), inv
+                vsample[t] = np.repeat(np.arange(b, dtype=np.int64), lengths[t])
+                if per_value_fields:
+                    vindex[t] = np.arange(len(inv), dtype=np.int64)
+                continue
+            if repartition:
                 off = offsets[t]
                 mk = np.unique(inverse[kernels.concat_ranges(off[samples], off[samples + 1] - off[samples])])
                 mk = mk.astype(np.int64)
@@ -145,9 +158,11 @@ def _identity(src):
     return src
 
 
-def iter_shard(path: str) -> Iterator[Dict]:
+def iter_shard(path: str, values: bool = True) -> Iterator[Dict]:
     """Read one shard with stock WebDataset. This module splits shards by rank itself, so WebDataset's node and
-    worker splitters are identities (its default refuses to run inside an initialised process group)."""
+    worker splitters are identities (its default refuses to run inside an initialised process group).
+    ``values=False``: packed tables without ``{t}.values`` (:func:`prepare_batch` reads ``unique`` and
+    ``inverse``)."""
     import webdataset as wds
 
     if not os.path.exists(path):
@@ -156,7 +171,7 @@ def iter_shard(path: str) -> Iterator[Dict]:
                         workersplitter=_identity).decode()
     try:
         for sample in ds:
-            yield decode_sample(sample)
+            yield decode_sample(sample, values=values)
     except (OSError, ValueError) as e:
         raise ShardError(f"{path}: cannot read shard: {e}") from e
 
@@ -179,8 +194,10 @@ def world_problem(manifest: Manifest, split: str, world: int, shards_dir: str) -
 class ShardStream:
     """The train (or eval) records of one rank, equalised across ranks (see the module docstring)."""
 
-    def __init__(self, shards_dir: str, split: str, rank: int, world: int, verify: bool = True):
+    def __init__(self, shards_dir: str, split: str, rank: int, world: int, verify: bool = True,
+                 values: bool = True):
         self.dir = shards_dir
+        self.values = values  # False: records for prepare_batch only (see iter_shard)
         self.manifest = load_manifest(shards_dir)
         if split not in self.manifest.sets or not self.manifest.sets[split]:
             raise ShardError(f"{shards_dir}: manifest has no {split!r} shards")
@@ -211,7 +228,7 @@ class ShardStream:
                     i += e.batches
                     continue
                 got = 0
-                for rec in iter_shard(path):
+                for rec in iter_shard(path, values=self.values):
                     got += 1
                     if i >= skip and i < self.batches_per_rank:
                         yield step, rec, path

@@ -145,7 +145,8 @@ def set_up(cfg: TrainConfig, device: Device, rank: int, world: int) -> RankRun:
     if rank == 0 and hooks.changed():
         print(f"testing hooks set (not a normal run): {hooks.changed()}", flush=True)
     flush_denormal = devmod.set_flush_denormal(cfg.flush_denormal)  # this thread; the pipeline's threads inherit it
-    stream = ShardStream(cfg.shards, "train", rank, world, verify=cfg.verify_shards)
+    # the records feed prepare_batch only, which needs no per-occurrence values of packed tables
+    stream = ShardStream(cfg.shards, "train", rank, world, verify=cfg.verify_shards, values=False)
     steps = total_steps(cfg, stream.batches_per_rank)
     groups = sparse_groups.create_stage_groups(sparse_groups.resolve(cfg.sparse_groups, world, rank))
     state = build_state(cfg, stream.manifest, rank, world, device.torch, groups=groups)

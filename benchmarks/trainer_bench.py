@@ -104,6 +104,7 @@ def nestpipe_worker(rank: int, world: int, a, port: int, q):
 
     from nestpipe.datasets.shards import Manifest, TableSpec
     from nestpipe.trainer.config import TrainConfig
+    from nestpipe.trainer.models import model_spec
     from nestpipe.trainer.pipeline import auto
     from nestpipe.trainer.step import build_state, train_step
 
@@ -121,6 +122,9 @@ def nestpipe_worker(rank: int, world: int, a, port: int, q):
     cfg.embedding.placement = a.placement
     cfg.dlrm.bottom_mlp, cfg.dlrm.top_mlp, cfg.dlrm.cross_layers = (128, a.dim), (256,), 0
     state = build_state(cfg, man, rank, world, torch.device("cpu"))
+    # the micro-batching `nestpipe train` resolves for off (pipe.micro_batching = auto: DLRM trains a batch whole)
+    state.micro_batching = auto.micro_batching_for(cfg.pipe.micro_batching, "off",
+                                                   model_spec(cfg.model).partition_invariant(cfg))
     recs = [_record(b, a.micro_batches, tables)
             for b in make_batches(rank, a.distinct_batches, a.batch, a.tables, a.rows, a.dense, a.min_len, a.max_len)]
     times = []
@@ -152,7 +156,8 @@ def nestpipe_worker(rank: int, world: int, a, port: int, q):
 
     layout = {t: list(table_owners(state.emb.plan, t)) or list(range(world)) for t in tables}
     q.put({"rank": rank, "elapsed": el, "cpu_s": cpu, "steps": a.steps, "loss": loss, "stage_s_per_step": stages,
-           "layout": layout, "default_schedule": schedule})
+           "layout": layout, "default_schedule": schedule, "micro_batching": state.micro_batching,
+           "micro_batches": 1 if state.micro_batching == "whole" else a.micro_batches})
     dist.destroy_process_group()
 
 
@@ -195,7 +200,9 @@ def bench_nestpipe(a):
             "cpu_ms_per_step_per_rank": [round(1000 * r["cpu_s"] / a.steps, 1) for r in res],
             "final_loss": res[0]["loss"], "placement": a.placement,
             # owners of every table's row shards: one rank = table-wise, all ranks = row-wise
-            "layout": res[0]["layout"], "default_schedule": res[0]["default_schedule"], "stages_ms_per_step_rank0": {k: round(1000 * v, 2) for k, v in
+            "layout": res[0]["layout"], "default_schedule": res[0]["default_schedule"],
+            "micro_batching": res[0]["micro_batching"], "micro_batches": res[0]["micro_batches"],
+            "stages_ms_per_step_rank0": {k: round(1000 * v, 2) for k, v in
                                                                       sorted(res[0]["stage_s_per_step"].items())},
             "versions": _versions(("torch", "fbgemm-gpu-cpu", "numba", "numpy")), "threads_per_rank": 1}
 
@@ -589,7 +596,9 @@ def main(argv=None):
     else:
         if not a.skip_nestpipe:
             out["nestpipe"] = bench_nestpipe(a)
-            print(f"NestPipe --pipeline off: {out['nestpipe']['samples_per_s_per_rank']:.0f} samples/s per rank "
+            print(f"NestPipe --pipeline off ({out['nestpipe']['micro_batches']} micro-batch(es) per batch, "
+                  f"pipe.micro_batching {out['nestpipe']['micro_batching']}): "
+                  f"{out['nestpipe']['samples_per_s_per_rank']:.0f} samples/s per rank "
                   f"({out['nestpipe']['ms_per_step']:.1f} ms/step; CPU ms/step per rank "
                   f"{out['nestpipe']['cpu_ms_per_step_per_rank']})", flush=True)
             print("  stages (ms/step, rank 0): " + json.dumps(out["nestpipe"]["stages_ms_per_step_rank0"]), flush=True)

@@ -155,3 +155,24 @@ def test_whole_batch_equals_the_compiled_pass_over_every_sample_and_key(path):
     short = dict(rec, **{"b.inverse": rec["b.inverse"][:-1]})
     with pytest.raises(ShardError, match="table b: its lengths add up to"):
         prepare_batch(short, man, step=0, rank=0, seed=0, where="r", micro_batching="whole")
+
+
+@pytest.mark.parametrize("micro_batching", ["clustered", "random", "whole"])
+def test_sample_outside_every_micro_batch_fails(micro_batching):
+    """A record whose ``mb`` puts a sample outside 0..N-1 would leave that sample untrained (and its values
+    unchecked): it fails, naming the record, in every micro-batching."""
+    rec, man, _ = _batch()
+    rec["mb"] = rec["mb"].copy()
+    rec["mb"][-1] = 7
+    with pytest.raises(ShardError, match=r"^r: mb assigns a sample to micro-batch 7, the record has 3 \(0..2\)$"):
+        prepare_batch(rec, man, step=0, rank=0, seed=0, where="r", micro_batching=micro_batching)
+    rec["mb"][-1] = -1
+    with pytest.raises(ShardError, match="micro-batch -1"):
+        prepare_batch(rec, man, step=0, rank=0, seed=0, where="r", micro_batching=micro_batching)
+
+
+def test_random_micro_batches_name_an_inverse_outside_the_keys():
+    rec, man, _ = _batch()
+    rec["a.inverse"] = np.full_like(rec["a.inverse"], len(rec["a.unique"]))
+    with pytest.raises(ShardError, match="^r: table a: a.inverse points outside the table's unique keys$"):
+        prepare_batch(rec, man, step=0, rank=0, seed=0, where="r", micro_batching="random")

@@ -72,6 +72,9 @@ def prepare_batch(record: Dict, manifest: Manifest, step: int, rank: int, seed: 
     if b != manifest.batch_size:
         raise ShardError(f"{where}: record has {b} samples, manifest batch_size is {manifest.batch_size}")
     n_shard = int(meta.get("micro_batches", manifest.micro_batches))
+    if b and (mb.min() < 0 or mb.max() >= n_shard):  # a sample outside every micro-batch would not be trained
+        raise ShardError(f"{where}: mb assigns a sample to micro-batch {int(mb.min() if mb.min() < 0 else mb.max())}, "
+                         f"the record has {n_shard} (0..{n_shard - 1})")
     if micro_batching not in MICRO_BATCHINGS:
         raise ValueError(f"micro_batching {micro_batching!r}: expected one of {', '.join(MICRO_BATCHINGS)}")
     repartition = micro_batching == "random"
@@ -114,13 +117,15 @@ def prepare_batch(record: Dict, manifest: Manifest, step: int, rank: int, seed: 
                 inv = inverse.astype(np.int64)
                 if len(inv) and (inv.min() < 0 or inv.max() >= len(keys[t])):
                     raise ShardError(f"{where}: table {t}: {t}.inverse points outside the table's unique keys")
-                lengths[t], vkey[t], mkeys[t], vpos[t] = np.diff(off), inv, np.arange(len(keys[t])), inv
+                lengths[t], vkey[t], mkeys[t], vpos[t] = np.diff(off), inv, np.arange(len(keys[t]), dtype=np.int64), inv
                 vsample[t] = np.repeat(np.arange(b, dtype=np.int64), lengths[t])
                 if per_value_fields:
                     vindex[t] = np.arange(len(inv), dtype=np.int64)
                 continue
             if repartition:
                 off = offsets[t]
+                if len(inverse) and (inverse.min() < 0 or inverse.max() >= len(keys[t])):  # before np.unique
+                    raise ShardError(f"{where}: table {t}: {t}.inverse points outside the table's unique keys")
                 mk = np.unique(inverse[kernels.concat_ranges(off[samples], off[samples + 1] - off[samples])])
                 mk = mk.astype(np.int64)
             else:

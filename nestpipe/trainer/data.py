@@ -93,6 +93,11 @@ def prepare_batch(record: Dict, manifest: Manifest, step: int, rank: int, seed: 
                 raise ShardError(f"{where}: record lacks field {t}.{f}")
         keys[t] = to_vocab(record[f"{t}.unique"], spec.vocab)
         offsets[t] = table_offsets(record, t)
+        # the compiled pass below checks the indices it reads; the whole batch skips it and the random partition
+        # reads them first (np.unique)
+        inverse = np.asarray(record[f"{t}.inverse"])
+        if (whole or repartition) and len(inverse) and (inverse.min() < 0 or inverse.max() >= len(keys[t])):
+            raise ShardError(f"{where}: table {t}: {t}.inverse points outside the table's unique keys")
         if len(record[f"{t}.mb_offsets"]) != n_shard + 1:
             raise ShardError(f"{where}: {t}.mb_offsets has {len(record[f'{t}.mb_offsets'])} entries, "
                              f"expected {n_shard + 1}")
@@ -115,8 +120,6 @@ def prepare_batch(record: Dict, manifest: Manifest, step: int, rank: int, seed: 
                     raise ShardError(f"{where}: table {t}: its lengths add up to {off[-1]} values, {t}.inverse "
                                      f"holds {len(inverse)}")
                 inv = inverse.astype(np.int64)
-                if len(inv) and (inv.min() < 0 or inv.max() >= len(keys[t])):
-                    raise ShardError(f"{where}: table {t}: {t}.inverse points outside the table's unique keys")
                 lengths[t], vkey[t], mkeys[t], vpos[t] = np.diff(off), inv, np.arange(len(keys[t]), dtype=np.int64), inv
                 vsample[t] = np.repeat(np.arange(b, dtype=np.int64), lengths[t])
                 if per_value_fields:
@@ -124,8 +127,6 @@ def prepare_batch(record: Dict, manifest: Manifest, step: int, rank: int, seed: 
                 continue
             if repartition:
                 off = offsets[t]
-                if len(inverse) and (inverse.min() < 0 or inverse.max() >= len(keys[t])):  # before np.unique
-                    raise ShardError(f"{where}: table {t}: {t}.inverse points outside the table's unique keys")
                 mk = np.unique(inverse[kernels.concat_ranges(off[samples], off[samples + 1] - off[samples])])
                 mk = mk.astype(np.int64)
             else:

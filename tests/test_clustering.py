@@ -423,3 +423,89 @@ def test_presence_map_scratch_is_clean_between_calls_and_threads():
     for t in threads:
         t.join()
     assert not errors
+
+
+# ---------------------------------------------------------------- refine (single exact-gain swaps)
+
+def test_refine_takes_a_random_partition_to_the_planted_one_and_never_costs_more():
+    from nestpipe.clustering import refine
+
+    values, offsets, truth = planted(4, 16, seed=3)
+    start = assign(values, offsets, 4, method="random", seed=1)
+    out = refine(values, offsets, start, 4)
+    check_partition(out, len(truth), 4)
+    assert np.array_equal(np.bincount(out, minlength=4), np.bincount(start, minlength=4))
+    assert redundancy(values, offsets, out) == 1.0 < redundancy(values, offsets, start)
+    assert len(set(zip(out.tolist(), truth.tolist()))) == 4
+    # a partition no single swap improves comes back unchanged
+    assert np.array_equal(refine(values, offsets, out, 4), out)
+    # more samples than a round's 64 movers: fewer rows, the same sizes
+    values, offsets, truth = planted(4, 40, seed=3)
+    start = assign(values, offsets, 4, method="random", seed=1)
+    out = refine(values, offsets, start, 4)
+    assert redundancy(values, offsets, out) < 0.7 * redundancy(values, offsets, start)
+    assert np.array_equal(np.bincount(out, minlength=4), np.bincount(start, minlength=4))
+    rng = np.random.default_rng(0)
+    for seed in range(5):  # random keys, random starts: never more rows
+        samples = [list(rng.integers(0, 60, rng.integers(1, 12))) for _ in range(90)]
+        v, o = jagged(samples)
+        a = assign(v, o, 5, method="random", seed=seed)
+        assert redundancy(v, o, refine(v, o, a, 5)) <= redundancy(v, o, a)
+
+
+def test_refine_with_costs_keeps_the_cost_spread_within_the_limit():
+    """Swaps that would put the micro-batches' summed costs further apart than ``limit`` are not made. Control:
+    the same start refined without the costs saves more rows and breaks the bound."""
+    from nestpipe.clustering import refine
+
+    values, offsets, truth = planted(4, 16, seed=5)
+    rng = np.random.default_rng(5)
+    costs = np.where(truth == 0, 50.0, 1.0) * rng.uniform(0.99, 1.01, len(truth))  # set 0's samples are costly
+    start = np.empty(len(truth), dtype=np.int64)
+    for g in range(4):  # each micro-batch takes 4 samples of every set: equal costs, every key 4 times over
+        start[truth == g] = np.repeat(np.arange(4), 4)
+    load = lambda a: np.bincount(a, costs, 4)  # noqa: E731
+    limit = 0.05 * costs.sum() / 4
+    assert np.ptp(load(start)) <= limit
+    bounded = refine(values, offsets, start, 4, costs=costs, limit=limit)
+    free = refine(values, offsets, start, 4)
+    assert np.ptp(load(bounded)) <= limit + 1e-9
+    assert redundancy(values, offsets, bounded) < redundancy(values, offsets, start)  # it still saves rows
+    assert np.ptp(load(free)) > limit and redundancy(values, offsets, free) < redundancy(values, offsets, bounded)
+    with pytest.raises(ValueError, match="together"):
+        refine(values, offsets, start, 4, costs=costs)
+    with pytest.raises(ValueError, match="one cost per sample"):
+        refine(values, offsets, start, 4, costs=costs[:-1], limit=limit)
+    with pytest.raises(ValueError, match="micro-batch in 0..3"):
+        refine(values, offsets, np.full(len(truth), 4), 4)
+
+
+def test_swap_saving_is_the_exact_cost_change():
+    """The refinement's exact check equals the full cost before minus after for random swaps (shared keys, keys
+    single in a micro-batch, weights). Control: counting only the moved sample's own keys gives other figures."""
+    from nestpipe.clustering.incidence import build_incidence
+    from nestpipe.clustering.refine import Problem, swap_saving
+
+    rng = np.random.default_rng(11)
+    wrong = 0
+    for trial in range(40):
+        samples = [list(rng.integers(0, 25, rng.integers(1, 9))) for _ in range(30)]
+        values, offsets = jagged(samples)
+        weights = rng.uniform(0.5, 2.0, 25)[values]
+        a = assign(values, offsets, 5, method="random", seed=trial).astype(np.int64)
+        p = Problem(build_incidence(values, offsets, weights), np.bincount(a, minlength=5))
+        counts = p.counts(a)
+        s, t = rng.choice(np.flatnonzero(a == 0)), rng.choice(np.flatnonzero(a == 1))
+        swapped = a.copy()
+        swapped[s], swapped[t] = a[t], a[s]
+        saving, keys, move = swap_saving(p, counts, a, s, t)
+        assert saving == pytest.approx(p.cost(a) - p.cost(swapped))
+        after = counts.copy()
+        after[a[s], keys] += move
+        after[a[t], keys] -= move
+        assert np.array_equal(after, p.counts(swapped))
+        only_s = p.pair_key[p.indptr[s]:p.indptr[s + 1]]  # the control: t's keys left out
+        one_sided = (((counts[a[s], only_s] == 1) * p.weight[only_s]).sum()
+                     - ((counts[a[t], only_s] == 0) * p.weight[only_s]).sum())
+        wrong += not np.isclose(one_sided, p.cost(a) - p.cost(swapped))
+    assert wrong > 20

@@ -15,9 +15,9 @@ from nestpipe.clustering.balance import capacities, chunk_order
 from nestpipe.clustering.incidence import build_incidence, check_batch
 from nestpipe.clustering.methods import DEFAULT_METHOD, METHODS
 from nestpipe.clustering.objective import redundancy, unique_keys, unique_keys_packed
-from nestpipe.clustering.refine import Problem
+from nestpipe.clustering.refine import Problem, greedy_swap_refine
 
-__all__ = ["assign", "redundancy", "unique_keys", "method_names", "table_fields", "tables_fields"]
+__all__ = ["assign", "refine", "redundancy", "unique_keys", "method_names", "table_fields", "tables_fields"]
 
 
 def method_names():
@@ -56,6 +56,28 @@ def assign(values, offsets, num_micro_batches: int, *, method: str = "default", 
         return chunk_order(np.random.default_rng(int(seed)).permutation(b), caps).astype(np.int32)
     problem = Problem(build_incidence(values, offsets, weights), caps)
     return METHODS[name](problem, int(seed)).astype(np.int32)
+
+
+def refine(values, offsets, mb, num_micro_batches: int, *, costs=None, limit: Optional[float] = None,
+           max_rounds: int = 32) -> np.ndarray:
+    """``mb`` (a partition of the batch's samples, e.g. from :func:`assign`) improved by single exact-gain swaps
+    (:func:`~nestpipe.clustering.refine.greedy_swap_refine`): never more rows, the same micro-batch sizes. With
+    ``costs`` (one per sample) and ``limit``: every swap keeps the micro-batches' cost spread (max - min of their
+    summed costs) within ``limit`` (or within the input's own spread, if larger). ``max_rounds``: rounds of swaps
+    (each scores every pair of samples once)."""
+    values, offsets = check_batch(values, offsets)
+    mb = np.asarray(mb, dtype=np.int64)
+    b, n = len(offsets) - 1, int(num_micro_batches)
+    if mb.shape != (b,) or (b and (mb.min() < 0 or mb.max() >= n)):
+        raise ValueError(f"mb must give each of the {b} samples a micro-batch in 0..{n - 1}")
+    if (costs is None) != (limit is None):
+        raise ValueError("costs and limit go together")
+    if costs is not None and np.shape(costs) != (b,):
+        raise ValueError(f"costs must give one cost per sample ({b}), got shape {np.shape(costs)}")
+    if n == 1 or b < 2:
+        return mb.astype(np.int32)
+    problem = Problem(build_incidence(values, offsets), np.bincount(mb, minlength=n))
+    return greedy_swap_refine(problem, mb, int(max_rounds), costs=costs, limit=limit).astype(np.int32)
 
 
 def tables_fields(tables: Mapping[str, Tuple[np.ndarray, np.ndarray]], mb,

@@ -147,3 +147,84 @@ def reassign_refine(problem: Problem, a: np.ndarray, max_passes: int) -> np.ndar
             break
         a, counts, cost = trial, trial_counts, trial_cost
     return a
+
+
+def swap_saving(problem: Problem, counts: np.ndarray, a: np.ndarray, s: int, t: int):
+    """``(saving, keys, move)``: the exact cost decrease of swapping samples ``s`` and ``t`` (in different
+    micro-batches) under ``counts`` (:meth:`Problem.counts` of ``a``), computed on the union of their keys (no other
+    key changes micro-batch), and the change ``move`` of ``counts[a[s], keys]`` (``-move`` for ``a[t]``)."""
+    ks = problem.pair_key[problem.indptr[s]:problem.indptr[s + 1]]
+    kt = problem.pair_key[problem.indptr[t]:problem.indptr[t + 1]]
+    keys = np.union1d(ks, kt)
+    move = np.isin(keys, kt).astype(np.int64) - np.isin(keys, ks).astype(np.int64)
+    c_s, c_t = counts[a[s], keys], counts[a[t], keys]
+    w = problem.weight[keys]
+    before = ((c_s > 0).astype(np.float64) + (c_t > 0)) @ w
+    after = ((c_s + move > 0).astype(np.float64) + (c_t - move > 0)) @ w
+    return before - after, keys, move
+
+
+def greedy_swap_refine(problem: Problem, a: np.ndarray, max_rounds: int, top_k: int = 256, movers: int = 64,
+                       costs: np.ndarray = None, limit: float = None) -> np.ndarray:
+    """Improve a balanced partition by single swaps checked exactly; never returns a costlier one, sizes never
+    change.
+
+    Each round scores the pairs of the ``movers`` samples with the largest single-move gain and every sample in
+    another micro-batch by the estimated gain ``gain(s -> a_t) + gain(t -> a_s)`` (:meth:`Problem.gains`) and walks the ``top_k`` best-scored pairs in order, making each swap
+    whose exact saving under the counts as they are by then (:func:`swap_saving`) is positive and whose samples
+    have not moved yet this round; rounds stop when one makes no swap. Where :func:`swap_refine` makes only
+    mutually-best swaps, this also finds the swaps of a sample whose best micro-batch is full.
+
+    ``costs`` and ``limit`` (a per-sample cost and a bound): a swap is made only if afterwards ``max load - min
+    load <= limit`` (the load of a micro-batch: the sum of its samples' costs), so a partition balanced within
+    ``limit`` stays balanced; ``limit`` is raised to the partition's own spread if that is larger."""
+    a = np.asarray(a, dtype=np.int64).copy()
+    n, b = problem.num_groups, problem.num_samples
+    if problem.num_keys == 0 or n == 1 or b < 2:
+        return a
+    counts = problem.counts(a)
+    load = None
+    if costs is not None:
+        costs = np.asarray(costs, dtype=np.float64)
+        load = np.bincount(a, weights=costs, minlength=n)
+        limit = max(float(limit), float(load.max() - load.min()))
+    m = min(b, movers)
+    for _ in range(max_rounds):
+        g = problem.gains(a, counts)  # g[s, h]: gain of moving s alone into micro-batch h
+        # the m samples that gain most by moving anywhere, against every partner: pair[i, t] = g[s_i, a_t] +
+        # g[t, a_s_i] (an m x B matrix instead of B x B: the round's cost grows with B, not B^2)
+        sel = np.sort(np.argpartition(-g.max(axis=1), m - 1)[:m]) if m < b else np.arange(b)
+        pair = g[sel][:, a] + g[:, a[sel]].T
+        pair[a[sel][:, None] == a[None, :]] = -np.inf
+        k = min(top_k, pair.size)
+        cand = np.argpartition(-pair, k - 1, axis=None)[:k]
+        cand = cand[np.argsort(-pair.reshape(-1)[cand], kind="stable")]
+        moved = np.zeros(b, dtype=bool)
+        made = 0
+        for c in cand:
+            i, t = divmod(int(c), b)
+            s = int(sel[i])
+            if not pair[i, t] > 0:
+                break
+            if moved[s] or moved[t]:
+                continue
+            gs, gt = a[s], a[t]
+            if load is not None:
+                shift = costs[s] - costs[t]
+                after = load.copy()
+                after[gs] -= shift
+                after[gt] += shift
+                if after.max() - after.min() > limit:
+                    continue
+            saved, keys, move = swap_saving(problem, counts, a, s, t)
+            if saved > 0:
+                counts[gs, keys] += move
+                counts[gt, keys] -= move
+                a[s], a[t] = gt, gs
+                moved[s] = moved[t] = True
+                if load is not None:
+                    load = after
+                made += 1
+        if not made:
+            break
+    return a

@@ -19,8 +19,9 @@ Micro-batches (``--balance tokens``; ``batches`` leaves them as the clustering m
 partition; then, while the costliest and the cheapest micro-batch differ by more than ``MICRO_TOLERANCE`` of the
 mean, one sample of each is swapped (counts stay equal): among the swaps that at least halve the gap, the one that
 adds the fewest distinct keys to the two micro-batches. The clustering groups users with similar (so often similarly
-long) histories, so its micro-batches can differ twofold in cost; evening them out costs exchanged rows
-(docs/benchmarks.md, cost-balanced batches).
+long) histories, so its micro-batches can differ twofold in cost; evening them out costs exchanged rows, part of
+which single exact-gain swaps that keep the tolerance win back afterwards (``nestpipe.clustering.refine``, called by
+``nestpipe.ingest.common.cluster_fields``; docs/benchmarks.md, cost-balanced batches).
 """
 
 from __future__ import annotations
@@ -89,10 +90,12 @@ def balance_micro_batches(mb: np.ndarray, costs: np.ndarray, n: int, tolerance: 
         values, offsets = keys
         _, codes = np.unique(np.asarray(values), return_inverse=True)
         sample_of = np.repeat(np.arange(len(mb)), np.diff(offsets))
-        pairs = np.unique(np.stack([sample_of, codes.reshape(-1)], 1), axis=0)  # (sample, key) once each
-        key_of = (pairs[:, 0], pairs[:, 1])
-        counts = np.zeros((n, int(codes.max()) + 1 if len(codes) else 0), dtype=np.int64)
-        np.add.at(counts, (mb[pairs[:, 0]], pairs[:, 1]), 1)  # samples of group g holding key k
+        k = int(codes.max()) + 1 if len(codes) else 0
+        # (sample, key) once each, in (sample, key) order: one sort of int64 codes (a row-wise unique sorts rows)
+        pair_sample, pair_key = np.divmod(np.unique(sample_of * k + codes.reshape(-1)), max(k, 1))
+        key_of = (pair_sample, pair_key)
+        counts = np.zeros((n, k), dtype=np.int64)
+        np.add.at(counts, (mb[pair_sample], pair_key), 1)  # samples of group g holding key k
     for _ in range(max_swaps):
         load = np.zeros(n, dtype=costs.dtype)
         np.add.at(load, mb, costs)

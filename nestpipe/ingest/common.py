@@ -12,6 +12,7 @@ import numpy as np
 
 from nestpipe.datasets import shards
 from nestpipe.ingest.balance import balance_micro_batches
+from nestpipe.ingest.config import MICRO_TOLERANCE
 from nestpipe.ingest.executor import Executor
 from nestpipe.ingest.parse import ColumnSpec
 from nestpipe.ingest.workdir import WorkDir
@@ -165,9 +166,16 @@ def cluster_fields(batch: Dict[str, Any], tables: Sequence[str], cluster_tables:
             values[dst] = v
             cursor += ln
     mb = clustering.assign(values, offsets, n, method=method, seed=seed).astype(np.int32)
-    if sample_costs is not None:
+    if sample_costs is not None and method != "random":
+        # cost-balanced micro-batches: the balancing swaps even the costs out, then exact-gain swaps that keep the
+        # costs within the tolerance win back part of the rows the balancing cost (docs/benchmarks.md,
+        # cost-balanced batches)
         mb, _ = balance_micro_batches(mb, sample_costs, n, keys=(values, offsets))
-        mb = mb.astype(np.int32)
+        costs = np.asarray(sample_costs, dtype=np.float64)
+        mb = clustering.refine(values, offsets, mb, n, costs=costs, limit=MICRO_TOLERANCE * costs.sum() / n)
+    elif sample_costs is not None:
+        mb, _ = balance_micro_batches(mb, sample_costs, n, keys=(values, offsets))
+    mb = mb.astype(np.int32)
     batch["mb"] = mb
     fields = clustering.tables_fields(
         {t: (batch[f"{t}.values"], np.diff(shards.table_offsets(batch, t))) for t in tables}, mb, num_micro_batches=n)

@@ -31,6 +31,12 @@ def test_ingest_does_not_import_torch():
             "print('TORCH', 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "TORCH False" in out
+    # nor does running it: the modules the driver and its workers load (a torch import costs every ingest process
+    # about a second and a half)
+    run = ("import sys\nimport nestpipe.ingest.stages, nestpipe.ingest.gr, nestpipe.ingest.ctr, nestpipe.ingest.engines\n"
+           "import nestpipe.clustering, nestpipe.datasets.synth\nprint('TORCH', 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, check=True).stdout
+    assert "TORCH False" in out
     # control: the full parser (top-level --help) does import torch through nestpipe.kernels
     code_all = code.replace("['ingest', '--help']", "['--help']")
     out = subprocess.run([sys.executable, "-c", code_all], capture_output=True, text=True, check=True).stdout

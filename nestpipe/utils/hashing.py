@@ -17,8 +17,12 @@ unsigned result's bit pattern; torch's int64 arithmetic wraps the same way) and 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # the torch form only: the ingest and the synthetic data use the NumPy form without loading torch
+    import torch
 
 GAMMA = 0x9E3779B97F4A7C15
 MIX1 = 0xBF58476D1CE4E5B9
@@ -75,6 +79,8 @@ def _logical_shift_right(x: torch.Tensor, shift: int) -> torch.Tensor:
 
 def splitmix64_torch(ids: torch.Tensor, k: int = 1) -> torch.Tensor:
     """``splitmix64`` of every element of an integer tensor: int64 in, the unsigned result's int64 pattern out."""
+    import torch
+
     z = ids.to(torch.int64) + signed64(k * GAMMA)
     z = (z ^ _logical_shift_right(z, 30)) * signed64(MIX1)
     z = (z ^ _logical_shift_right(z, 27)) * signed64(MIX2)

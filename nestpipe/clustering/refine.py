@@ -149,19 +149,30 @@ def reassign_refine(problem: Problem, a: np.ndarray, max_passes: int) -> np.ndar
     return a
 
 
-def swap_saving(problem: Problem, counts: np.ndarray, a: np.ndarray, s: int, t: int):
-    """``(saving, keys, move)``: the exact cost decrease of swapping samples ``s`` and ``t`` (in different
-    micro-batches) under ``counts`` (:meth:`Problem.counts` of ``a``), computed on the union of their keys (no other
-    key changes micro-batch), and the change ``move`` of ``counts[a[s], keys]`` (``-move`` for ``a[t]``)."""
+def swap_saving(problem: Problem, counts: np.ndarray, a: np.ndarray, s: int, t: int) -> float:
+    """The exact cost decrease of swapping samples ``s`` and ``t`` (in different micro-batches) under ``counts``
+    (:meth:`Problem.counts` of ``a``): each one's move gain from the counts as they are, less what the keys both
+    hold were counted for (such a key stays in both micro-batches)."""
+    gs, gt = a[s], a[t]
     ks = problem.pair_key[problem.indptr[s]:problem.indptr[s + 1]]
     kt = problem.pair_key[problem.indptr[t]:problem.indptr[t + 1]]
-    keys = np.union1d(ks, kt)
-    move = np.isin(keys, kt).astype(np.int64) - np.isin(keys, ks).astype(np.int64)
-    c_s, c_t = counts[a[s], keys], counts[a[t], keys]
-    w = problem.weight[keys]
-    before = ((c_s > 0).astype(np.float64) + (c_t > 0)) @ w
-    after = ((c_s + move > 0).astype(np.float64) + (c_t - move > 0)) @ w
-    return before - after, keys, move
+    w = problem.weight
+    gain_s = w[ks] @ ((counts[gs, ks] == 1).astype(np.float64) - (counts[gt, ks] == 0))
+    gain_t = w[kt] @ ((counts[gt, kt] == 1).astype(np.float64) - (counts[gs, kt] == 0))
+    both = np.intersect1d(ks, kt, assume_unique=True)
+    return float(gain_s + gain_t - w[both] @ ((counts[gs, both] == 1).astype(np.float64) + (counts[gt, both] == 1)))
+
+
+def _apply_swap(problem: Problem, counts: np.ndarray, a: np.ndarray, s: int, t: int) -> None:
+    """Swap samples ``s`` and ``t`` in ``a`` and update ``counts`` (a sample's keys are distinct)."""
+    gs, gt = a[s], a[t]
+    ks = problem.pair_key[problem.indptr[s]:problem.indptr[s + 1]]
+    kt = problem.pair_key[problem.indptr[t]:problem.indptr[t + 1]]
+    counts[gs, ks] -= 1
+    counts[gt, ks] += 1
+    counts[gt, kt] -= 1
+    counts[gs, kt] += 1
+    a[s], a[t] = gt, gs
 
 
 def greedy_swap_refine(problem: Problem, a: np.ndarray, max_rounds: int, top_k: int = 256, movers: int = 64,
@@ -216,11 +227,8 @@ def greedy_swap_refine(problem: Problem, a: np.ndarray, max_rounds: int, top_k: 
                 after[gt] += shift
                 if after.max() - after.min() > limit:
                     continue
-            saved, keys, move = swap_saving(problem, counts, a, s, t)
-            if saved > 0:
-                counts[gs, keys] += move
-                counts[gt, keys] -= move
-                a[s], a[t] = gt, gs
+            if swap_saving(problem, counts, a, s, t) > 0:
+                _apply_swap(problem, counts, a, s, t)
                 moved[s] = moved[t] = True
                 if load is not None:
                     load = after

@@ -93,7 +93,7 @@ def balance_micro_batches(mb: np.ndarray, costs: np.ndarray, n: int, tolerance: 
         k = int(codes.max()) + 1 if len(codes) else 0
         # (sample, key) once each, in (sample, key) order: one sort of int64 codes (a row-wise unique sorts rows)
         pair_sample, pair_key = np.divmod(np.unique(sample_of * k + codes.reshape(-1)), max(k, 1))
-        key_of = (pair_sample, pair_key)
+        key_of = (pair_sample, pair_key, np.searchsorted(pair_sample, np.arange(len(mb) + 1)))
         counts = np.zeros((n, k), dtype=np.int64)
         np.add.at(counts, (mb[pair_sample], pair_key), 1)  # samples of group g holding key k
     for _ in range(max_swaps):
@@ -114,14 +114,14 @@ def balance_micro_batches(mb: np.ndarray, costs: np.ndarray, n: int, tolerance: 
             good = after <= max(tolerance * mean, gap * HALVING)
             if not good.any():
                 good = after == after.min()
-            added = (_moved_keys(key_of, counts, i_hi, hi, lo)[:, None]
-                     + _moved_keys(key_of, counts, i_lo, lo, hi)[None, :])
+            added = (_moved_keys(key_of, counts, mb, i_hi, hi, lo)[:, None]
+                     + _moved_keys(key_of, counts, mb, i_lo, lo, hi)[None, :])
             k = int(np.argmin(np.where(good, added, np.iinfo(np.int64).max)))
         a, b = divmod(k, len(i_lo))
         i, j = i_hi[a], i_lo[b]
         if counts is not None:
             for s_, src, dst in ((i, hi, lo), (j, lo, hi)):
-                ks = key_of[1][key_of[0] == s_]
+                ks = key_of[1][key_of[2][s_]:key_of[2][s_ + 1]]
                 counts[src, ks] -= 1
                 counts[dst, ks] += 1
         mb[i], mb[j] = lo, hi
@@ -129,11 +129,11 @@ def balance_micro_batches(mb: np.ndarray, costs: np.ndarray, n: int, tolerance: 
     return mb, swaps
 
 
-def _moved_keys(key_of, counts: np.ndarray, samples: np.ndarray, src: int, dst: int) -> np.ndarray:
-    """Per sample of group ``src``: distinct rows added by moving it to ``dst``: its keys absent from ``dst`` minus
-    its keys no other sample of ``src`` holds (those leave ``src``)."""
-    sample, key = key_of
-    sel = np.isin(sample, samples)
+def _moved_keys(key_of, counts: np.ndarray, mb: np.ndarray, samples: np.ndarray, src: int, dst: int) -> np.ndarray:
+    """Per sample of group ``src`` (``samples``: all of them, ascending): distinct rows added by moving it to
+    ``dst``: its keys absent from ``dst`` minus its keys no other sample of ``src`` holds (those leave ``src``)."""
+    sample, key, _ = key_of
+    sel = mb[sample] == src
     s_, k_ = sample[sel], key[sel]
     gain = (counts[dst, k_] == 0).astype(np.int64) - (counts[src, k_] == 1).astype(np.int64)
     per = np.zeros(len(samples), dtype=np.int64)

@@ -276,7 +276,9 @@ def shard_records(cache: "PartitionCache", parts: np.ndarray, idxs: np.ndarray, 
         pieces = runs(cache, parts[sl], idxs[sl])
         batch = assemble([(a, a[key][ix], a[kend][ix]) for a, ix in pieces])
         costs = None
-        if opts.get("balance"):  # micro-batches of equal attention cost (nestpipe.ingest.balance)
+        # micro-batches of equal attention cost (nestpipe.ingest.balance), where they are trained: valid and eval
+        # batches are scored whole, so their micro-batches stay as the clustering made them
+        if opts.get("balance") and split == "train":
             costs = SequenceCost(**opts["balance"]).units(batch["item.lengths"])
         batch = cluster_fields(batch, tables, ["item"], opts["micro_batches"], opts["clustering"],
                                batch_seed(opts, split, bi), sample_costs=costs)

@@ -95,7 +95,7 @@ def padded_reference(q, k, v, offsets, scale: float, inv_norm: float, pos_bias=N
     if pos_bias is not None:
         rel = (ar[:, None] - ar[None, :]).clamp(0, pos_bias.shape[1] - 1)
         z = z + pos_bias[:, rel][None]
-    a = F.silu(z) * inv_norm * mask[:, None].to(z.dtype)
+    a = F.silu(z).mul_(inv_norm) * mask[:, None].to(z.dtype)
     out = (a @ vp).transpose(1, 2).reshape(s * n, h, d)
     return out.index_select(0, flat)
 
@@ -178,17 +178,19 @@ def blocked_attention(q, k, v, offsets, scale: float, inv_norm: float, pos_bias=
 
     qb, kb, vb = blocks(q), blocks(k), blocks(v)
     tq_t, tk_t = torch.from_numpy(tq).to(dev), torch.from_numpy(tk).to(dev)
-    z = qb.index_select(0, tq_t) @ kb.index_select(0, tk_t).transpose(-1, -2) * scale
+    # in place where autograd keeps no operand (the matmul saves its inputs, SiLU its input, a scalar product
+    # nothing): the same values, fewer tile-sized copies
+    z = (qb.index_select(0, tq_t) @ kb.index_select(0, tk_t).transpose(-1, -2)).mul_(scale)
     ar = torch.arange(block, device=dev)
     if pos_bias is not None:
         rel = (torch.from_numpy(shift).to(dev)[:, None, None] + (ar[:, None] - ar[None, :])[None])
         z = z + pos_bias[:, rel.clamp(0, pos_bias.shape[1] - 1)].transpose(0, 1)
-    a = F.silu(z) * inv_norm
+    a = F.silu(z).mul_(inv_norm)
     # diagonal tiles (the first ndiag): causal, and keys past the sequence's end (their v is zero, but not their
     # score's gradient to the bias) masked
     key_ok = torch.from_numpy(tokens >= 0).to(dev).index_select(0, tk_t[:ndiag])
     mask = (ar[:, None] + causal_shift >= ar[None, :])[None] & key_ok[:, None, :]
-    a = torch.cat([a[:ndiag] * mask[:, None].to(a.dtype), a[ndiag:]])
+    a[:ndiag].mul_(mask[:, None].to(a.dtype))
     tiles = a @ vb.index_select(0, tk_t)
     outb = torch.zeros_like(qb).index_add(0, tq_t, tiles)  # ascending tile order per query block
     flat = outb.transpose(1, 2).reshape(-1, h, d)

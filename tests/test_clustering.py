@@ -1,5 +1,6 @@
 """Key-centric clustering: partitions, redundancy, unique keys, combined keys, edge cases, planted optimum."""
 
+import os
 import warnings
 
 import numpy as np
@@ -431,14 +432,21 @@ def test_refine_takes_a_random_partition_to_the_planted_one_and_never_costs_more
     from nestpipe.clustering import refine
 
     values, offsets, truth = planted(4, 16, seed=3)
-    start = assign(values, offsets, 4, method="random", seed=1)
+    rng = np.random.default_rng(3)
+    start = truth.copy()
+    for _ in range(6):  # the planted partition with six samples swapped across sets
+        s, t = rng.choice(np.flatnonzero(start == 0)), rng.choice(np.flatnonzero(start != 0))
+        start[s], start[t] = start[t], start[s]
     out = refine(values, offsets, start, 4)
     check_partition(out, len(truth), 4)
     assert np.array_equal(np.bincount(out, minlength=4), np.bincount(start, minlength=4))
     assert redundancy(values, offsets, out) == 1.0 < redundancy(values, offsets, start)
-    assert len(set(zip(out.tolist(), truth.tolist()))) == 4
+    assert np.array_equal(out, truth)
     # a partition no single swap improves comes back unchanged
     assert np.array_equal(refine(values, offsets, out, 4), out)
+    start = assign(values, offsets, 4, method="random", seed=1)  # from a random one: fewer rows, the same sizes
+    out = refine(values, offsets, start, 4)
+    assert redundancy(values, offsets, out) < 0.7 * redundancy(values, offsets, start)
     # more samples than a round's 64 movers: fewer rows, the same sizes
     values, offsets, truth = planted(4, 40, seed=3)
     start = assign(values, offsets, 4, method="random", seed=1)
@@ -478,6 +486,10 @@ def test_refine_with_costs_keeps_the_cost_spread_within_the_limit():
         refine(values, offsets, start, 4, costs=costs[:-1], limit=limit)
     with pytest.raises(ValueError, match="micro-batch in 0..3"):
         refine(values, offsets, np.full(len(truth), 4), 4)
+    with pytest.raises(TypeError, match="integer"):
+        refine(values, offsets, start.astype(float) + 0.5, 4)
+    with pytest.raises(ValueError, match="finite"):
+        refine(values, offsets, start, 4, costs=costs, limit=float("nan"))
 
 
 def test_swap_saving_is_the_exact_cost_change():
@@ -507,3 +519,38 @@ def test_swap_saving_is_the_exact_cost_change():
                      - ((counts[a[t], only_s] == 0) * p.weight[only_s]).sum())
         wrong += not np.isclose(one_sided, p.cost(a) - p.cost(swapped))
     assert wrong > 20
+
+
+def test_refine_is_the_same_whatever_simd_path_numpy_dispatches_to():
+    """The shards must be the same bytes on any machine: ``refine`` (many equal scores on unit-weight keys) gives
+    the same partitions with NumPy's dispatched CPU features turned off as with them (a partial sort's choice among
+    equal values differs between those paths; control: selecting with ``np.argpartition`` fails this)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from numpy._core import _multiarray_umath as umath
+
+    dispatched = [f for f in umath.__cpu_dispatch__ if umath.__cpu_features__.get(f)]
+    if not dispatched:
+        pytest.skip("this CPU runs NumPy's baseline code only: there is no other SIMD path to compare with")
+    code = textwrap.dedent("""
+        import hashlib
+        import numpy as np
+        from nestpipe.clustering import refine
+        rng = np.random.default_rng(7)
+        out = []
+        for trial in range(6):
+            lens = rng.integers(1, 30, 200)
+            offsets = np.concatenate([[0], np.cumsum(lens)])
+            values = rng.integers(0, 400, offsets[-1])
+            mb = rng.permutation(np.repeat(np.arange(8), 25))
+            costs = (lens ** 2).astype(float)
+            out.append(refine(values, offsets, mb, 8))
+            out.append(refine(values, offsets, mb, 8, costs=costs, limit=0.2 * costs.sum() / 8))
+        print(hashlib.sha256(np.concatenate(out).tobytes()).hexdigest())
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "NPY_DISABLE_CPU_FEATURES"}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=e).stdout
+            for e in (env, dict(env, NPY_DISABLE_CPU_FEATURES=",".join(dispatched)))]
+    assert runs[0].strip() and runs[0] == runs[1], runs

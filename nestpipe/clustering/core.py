@@ -66,14 +66,19 @@ def refine(values, offsets, mb, num_micro_batches: int, *, costs=None, limit: Op
     summed costs) within ``limit`` (or within the input's own spread, if larger). ``max_rounds``: rounds of swaps
     (each scores every pair of samples once)."""
     values, offsets = check_batch(values, offsets)
-    mb = np.asarray(mb, dtype=np.int64)
+    mb = np.asarray(mb)
     b, n = len(offsets) - 1, int(num_micro_batches)
+    if mb.dtype.kind not in "iu":
+        raise TypeError(f"mb must hold integer micro-batch ids, got dtype {mb.dtype}")
+    mb = mb.astype(np.int64)
     if mb.shape != (b,) or (b and (mb.min() < 0 or mb.max() >= n)):
         raise ValueError(f"mb must give each of the {b} samples a micro-batch in 0..{n - 1}")
     if (costs is None) != (limit is None):
         raise ValueError("costs and limit go together")
     if costs is not None and np.shape(costs) != (b,):
         raise ValueError(f"costs must give one cost per sample ({b}), got shape {np.shape(costs)}")
+    if costs is not None and not (np.all(np.isfinite(costs)) and np.isfinite(limit) and limit >= 0):
+        raise ValueError(f"costs and limit must be finite and limit >= 0, got limit {limit!r}")
     if n == 1 or b < 2:
         return mb.astype(np.int32)
     problem = Problem(build_incidence(values, offsets), np.bincount(mb, minlength=n))

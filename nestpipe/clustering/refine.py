@@ -175,14 +175,25 @@ def _apply_swap(problem: Problem, counts: np.ndarray, a: np.ndarray, s: int, t: 
     a[s], a[t] = gt, gs
 
 
+def _top(values: np.ndarray, k: int) -> np.ndarray:
+    """The indices of the ``k`` largest ``values``, ascending; among equal values the lowest indices. A
+    function of the values alone: ``np.argpartition``'s choice among ties depends on the SIMD path NumPy dispatches
+    to, which would make the shards depend on the machine that writes them."""
+    if k >= len(values):
+        return np.arange(len(values))
+    kth = np.partition(values, len(values) - k)[len(values) - k]  # the k-th largest value (a value, not an index)
+    above = np.flatnonzero(values > kth)
+    return np.sort(np.concatenate([above, np.flatnonzero(values == kth)[:k - len(above)]]))
+
+
 def greedy_swap_refine(problem: Problem, a: np.ndarray, max_rounds: int, top_k: int = 256, movers: int = 64,
                        costs: np.ndarray = None, limit: float = None) -> np.ndarray:
     """Improve a balanced partition by single swaps checked exactly; never returns a costlier one, sizes never
     change.
 
     Each round scores the pairs of the ``movers`` samples with the largest single-move gain and every sample in
-    another micro-batch by the estimated gain ``gain(s -> a_t) + gain(t -> a_s)`` (:meth:`Problem.gains`) and walks the ``top_k`` best-scored pairs in order, making each swap
-    whose exact saving under the counts as they are by then (:func:`swap_saving`) is positive and whose samples
+    another micro-batch by the estimated gain ``gain(s -> a_t) + gain(t -> a_s)`` (:meth:`Problem.gains`) and
+    walks the ``top_k`` best-scored pairs in order (equal scores by index), making each swap whose exact saving under the counts as they are by then (:func:`swap_saving`) is positive and whose samples
     have not moved yet this round; rounds stop when one makes no swap. Where :func:`swap_refine` makes only
     mutually-best swaps, this also finds the swaps of a sample whose best micro-batch is full.
 
@@ -204,12 +215,12 @@ def greedy_swap_refine(problem: Problem, a: np.ndarray, max_rounds: int, top_k: 
         g = problem.gains(a, counts)  # g[s, h]: gain of moving s alone into micro-batch h
         # the m samples that gain most by moving anywhere, against every partner: pair[i, t] = g[s_i, a_t] +
         # g[t, a_s_i] (an m x B matrix instead of B x B: the round's cost grows with B, not B^2)
-        sel = np.sort(np.argpartition(-g.max(axis=1), m - 1)[:m]) if m < b else np.arange(b)
+        sel = _top(g.max(axis=1), m)
         pair = g[sel][:, a] + g[:, a[sel]].T
         pair[a[sel][:, None] == a[None, :]] = -np.inf
-        k = min(top_k, pair.size)
-        cand = np.argpartition(-pair, k - 1, axis=None)[:k]
-        cand = cand[np.argsort(-pair.reshape(-1)[cand], kind="stable")]
+        flat = pair.reshape(-1)
+        cand = _top(flat, min(top_k, flat.size))
+        cand = cand[np.argsort(-flat[cand], kind="stable")]  # best first, equal scores in index order
         moved = np.zeros(b, dtype=bool)
         made = 0
         for c in cand:

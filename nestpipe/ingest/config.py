@@ -115,6 +115,6 @@ class IngestConfig:
             if d["balance"]["method"] == "tokens":
                 d["balance"]["micro_tolerance"] = MICRO_TOLERANCE
                 d["balance"]["micro_splits"] = "train"  # valid and eval micro-batches as the clustering made them
-                if self.clustering != "random":  # exact-gain swaps before and after the balancing (ingest.common)
+                if self.clustering != "random":  # exact-gain swaps after the balancing (ingest.common)
                     d["balance"]["micro_refine"] = "exact_swaps"
         return d

@@ -3,7 +3,7 @@
 Unit level: the batch order is a permutation whose batches cost nearly the same within a window (control: the
 unbalanced order's batches do not); the micro-batch swaps keep counts and reach the tolerance. Ingest level: the
 written shards' training batches and micro-batches are balanced by the recorded cost model, and ``--balance off``
-shards of the same data are not. The cost model against measured per-sequence times is in ``test_sequence_cost``.
+shards of the same data are not; eval micro-batches stay as the clustering made them. The cost model against measured per-sequence times is in ``test_sequence_cost``.
 """
 
 from __future__ import annotations
@@ -150,6 +150,31 @@ def test_ingested_batches_and_micro_batches_are_balanced(gr_pair):
     # the same samples, only regrouped
     lens = {m: np.sort(np.concatenate([L for L, _ in _train_batches(o)])) for m, o in gr_pair.items()}
     assert np.array_equal(lens["tokens"], lens["off"])
+
+
+def test_only_training_micro_batches_are_balanced_and_refined(gr_pair):
+    """Valid and eval batches are scored whole: their micro-batches stay as the clustering made them (the stored
+    ``mb`` equals ``clustering.assign`` of the batch's items with the batch's seed); training batches' do not (the
+    control: the same comparison on train finds batches the balancing changed)."""
+    import webdataset as wds
+
+    from nestpipe import clustering
+    from nestpipe.ingest.common import batch_seed
+
+    out = gr_pair["tokens"]
+    m = S.load_manifest(out)
+    opts = m.options
+    same = {}
+    for split in ("train", "eval"):
+        same[split] = []
+        for sample in wds.WebDataset(S.shard_paths(out, m, split), shardshuffle=False).decode():
+            rec = S.decode_sample(sample)
+            values = np.asarray(rec["item.values"], np.int64)
+            clustered = clustering.assign(values, S.table_offsets(rec, "item"), 4, method=opts["clustering"],
+                                          seed=batch_seed(opts, split, int(rec["meta"]["index"])))
+            same[split].append(np.array_equal(np.asarray(rec["mb"], np.int64), clustered))
+    assert same["eval"] and all(same["eval"]), same
+    assert not all(same["train"]), same
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@
 Unit level: the batch order is a permutation whose batches cost nearly the same within a window (control: the
 unbalanced order's batches do not); the micro-batch swaps keep counts and reach the tolerance. Ingest level: the
 written shards' training batches and micro-batches are balanced by the recorded cost model, and ``--balance off``
-shards of the same data are not; eval micro-batches stay as the clustering made them. The cost model against measured per-sequence times is in ``test_sequence_cost``.
+shards of the same data are not; eval micro-batches stay as the clustering made them. The cost model against
+measured per-sequence times is in ``test_sequence_cost``.
 """
 
 from __future__ import annotations

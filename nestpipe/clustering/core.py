@@ -63,8 +63,8 @@ def refine(values, offsets, mb, num_micro_batches: int, *, costs=None, limit: Op
     """``mb`` (a partition of the batch's samples, e.g. from :func:`assign`) improved by single exact-gain swaps
     (:func:`~nestpipe.clustering.refine.greedy_swap_refine`): never more rows, the same micro-batch sizes. With
     ``costs`` (one per sample) and ``limit``: every swap keeps the micro-batches' cost spread (max - min of their
-    summed costs) within ``limit`` (or within the input's own spread, if larger). ``max_rounds``: rounds of swaps
-    (each scores every pair of samples once)."""
+    summed costs) within ``limit`` (or within the input's own spread, if larger). ``max_rounds``: at most this many
+    rounds of swaps (each scores the samples that gain most by moving against every partner once)."""
     values, offsets = check_batch(values, offsets)
     mb = np.asarray(mb)
     b, n = len(offsets) - 1, int(num_micro_batches)

@@ -193,8 +193,9 @@ def greedy_swap_refine(problem: Problem, a: np.ndarray, max_rounds: int, top_k: 
 
     Each round scores the pairs of the ``movers`` samples with the largest single-move gain and every sample in
     another micro-batch by the estimated gain ``gain(s -> a_t) + gain(t -> a_s)`` (:meth:`Problem.gains`) and
-    walks the ``top_k`` best-scored pairs in order (equal scores by index), making each swap whose exact saving under the counts as they are by then (:func:`swap_saving`) is positive and whose samples
-    have not moved yet this round; rounds stop when one makes no swap. Where :func:`swap_refine` makes only
+    walks the ``top_k`` best-scored pairs in order (equal scores by index), making each swap whose exact saving
+    under the counts as they are by then (:func:`swap_saving`) is positive and whose samples have not moved yet
+    this round; rounds stop when one makes no swap. Where :func:`swap_refine` makes only
     mutually-best swaps, this also finds the swaps of a sample whose best micro-batch is full.
 
     ``costs`` and ``limit`` (a per-sample cost and a bound): a swap is made only if afterwards ``max load - min

@@ -166,15 +166,13 @@ def cluster_fields(batch: Dict[str, Any], tables: Sequence[str], cluster_tables:
             values[dst] = v
             cursor += ln
     mb = clustering.assign(values, offsets, n, method=method, seed=seed).astype(np.int32)
-    if sample_costs is not None and method != "random":
-        # cost-balanced micro-batches: the balancing swaps even the costs out, then exact-gain swaps that keep the
-        # costs within the tolerance win back part of the rows the balancing cost (docs/benchmarks.md,
-        # cost-balanced batches)
+    if sample_costs is not None:
         mb, _ = balance_micro_batches(mb, sample_costs, n, keys=(values, offsets))
-        costs = np.asarray(sample_costs, dtype=np.float64)
-        mb = clustering.refine(values, offsets, mb, n, costs=costs, limit=MICRO_TOLERANCE * costs.sum() / n)
-    elif sample_costs is not None:
-        mb, _ = balance_micro_batches(mb, sample_costs, n, keys=(values, offsets))
+        if method != "random":
+            # exact-gain swaps that keep the costs within the tolerance win back part of the rows the balancing
+            # cost the clustering (docs/benchmarks.md, cost-balanced batches)
+            costs = np.asarray(sample_costs, dtype=np.float64)
+            mb = clustering.refine(values, offsets, mb, n, costs=costs, limit=MICRO_TOLERANCE * costs.sum() / n)
     mb = mb.astype(np.int32)
     batch["mb"] = mb
     fields = clustering.tables_fields(

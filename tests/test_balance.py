@@ -71,7 +71,7 @@ def test_micro_batch_swaps_keep_counts_and_reach_the_tolerance():
     load = np.bincount(out, costs, 8)
     assert np.array_equal(np.bincount(out, minlength=8), np.full(8, 16))
     assert swaps > 0 and before > 0.05
-    assert (load.max() - load.min()) <= balance.MICRO_TOLERANCE * costs.sum() / 8
+    assert balance.imbalance(load) <= balance.MICRO_TOLERANCE  # the costliest within 5% of the mean
     # a sample alone costlier than the others together: nothing to gain, no swap made, nothing breaks
     lone = np.array([1000.0] + [1.0] * 15)
     mb = np.repeat(np.arange(4), 4)

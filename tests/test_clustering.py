@@ -461,9 +461,9 @@ def test_refine_takes_a_random_partition_to_the_planted_one_and_never_costs_more
         assert redundancy(v, o, refine(v, o, a, 5)) <= redundancy(v, o, a)
 
 
-def test_refine_with_costs_keeps_the_cost_spread_within_the_limit():
-    """Swaps that would put the micro-batches' summed costs further apart than ``limit`` are not made. Control:
-    the same start refined without the costs saves more rows and breaks the bound."""
+def test_refine_with_costs_keeps_every_micro_batch_under_the_cap():
+    """Swaps that would take a micro-batch's summed cost above ``max_load`` are not made. Control: the same start
+    refined without the costs saves more rows and breaks the cap."""
     from nestpipe.clustering import refine
 
     values, offsets, truth = planted(4, 16, seed=5)
@@ -473,23 +473,26 @@ def test_refine_with_costs_keeps_the_cost_spread_within_the_limit():
     for g in range(4):  # each micro-batch takes 4 samples of every set: equal costs, every key 4 times over
         start[truth == g] = np.repeat(np.arange(4), 4)
     load = lambda a: np.bincount(a, costs, 4)  # noqa: E731
-    limit = 0.05 * costs.sum() / 4
-    assert np.ptp(load(start)) <= limit
-    bounded = refine(values, offsets, start, 4, costs=costs, limit=limit)
+    cap = 1.05 * costs.sum() / 4
+    assert load(start).max() <= cap
+    bounded = refine(values, offsets, start, 4, costs=costs, max_load=cap)
     free = refine(values, offsets, start, 4)
-    assert np.ptp(load(bounded)) <= limit + 1e-9
+    assert load(bounded).max() <= cap + 1e-9
     assert redundancy(values, offsets, bounded) < redundancy(values, offsets, start)  # it still saves rows
-    assert np.ptp(load(free)) > limit and redundancy(values, offsets, free) < redundancy(values, offsets, bounded)
+    assert load(free).max() > cap and redundancy(values, offsets, free) < redundancy(values, offsets, bounded)
+    # a start above the cap: the cap becomes its costliest micro-batch, which no swap makes costlier
+    over = refine(values, offsets, start, 4, costs=costs, max_load=0.5 * cap)
+    assert load(over).max() <= load(start).max() + 1e-9
     with pytest.raises(ValueError, match="together"):
         refine(values, offsets, start, 4, costs=costs)
     with pytest.raises(ValueError, match="one cost per sample"):
-        refine(values, offsets, start, 4, costs=costs[:-1], limit=limit)
+        refine(values, offsets, start, 4, costs=costs[:-1], max_load=cap)
     with pytest.raises(ValueError, match="micro-batch in 0..3"):
         refine(values, offsets, np.full(len(truth), 4), 4)
     with pytest.raises(TypeError, match="integer"):
         refine(values, offsets, start.astype(float) + 0.5, 4)
     with pytest.raises(ValueError, match="finite"):
-        refine(values, offsets, start, 4, costs=costs, limit=float("nan"))
+        refine(values, offsets, start, 4, costs=costs, max_load=float("nan"))
 
 
 def test_swap_saving_is_the_exact_cost_change():
@@ -547,7 +550,7 @@ def test_refine_is_the_same_whatever_simd_path_numpy_dispatches_to():
             mb = rng.permutation(np.repeat(np.arange(8), 25))
             costs = (lens ** 2).astype(float)
             out.append(refine(values, offsets, mb, 8))
-            out.append(refine(values, offsets, mb, 8, costs=costs, limit=0.2 * costs.sum() / 8))
+            out.append(refine(values, offsets, mb, 8, costs=costs, max_load=1.2 * costs.sum() / 8))
         print(hashlib.sha256(np.concatenate(out).tobytes()).hexdigest())
     """)
     env = {k: v for k, v in os.environ.items() if k != "NPY_DISABLE_CPU_FEATURES"}

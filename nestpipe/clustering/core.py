@@ -58,12 +58,12 @@ def assign(values, offsets, num_micro_batches: int, *, method: str = "default", 
     return METHODS[name](problem, int(seed)).astype(np.int32)
 
 
-def refine(values, offsets, mb, num_micro_batches: int, *, costs=None, limit: Optional[float] = None,
+def refine(values, offsets, mb, num_micro_batches: int, *, costs=None, max_load: Optional[float] = None,
            max_rounds: int = 32) -> np.ndarray:
     """``mb`` (a partition of the batch's samples, e.g. from :func:`assign`) improved by single exact-gain swaps
     (:func:`~nestpipe.clustering.refine.greedy_swap_refine`): never more rows, the same micro-batch sizes. With
-    ``costs`` (one per sample) and ``limit``: every swap keeps the micro-batches' cost spread (max - min of their
-    summed costs) within ``limit`` (or within the input's own spread, if larger). ``max_rounds``: at most this many
+    ``costs`` (one per sample) and ``max_load``: every swap keeps every micro-batch's summed cost at most ``max_load``
+    (or at most the input's own costliest micro-batch, if that is larger). ``max_rounds``: at most this many
     rounds of swaps (each scores the samples that gain most by moving against every partner once)."""
     values, offsets = check_batch(values, offsets)
     mb = np.asarray(mb)
@@ -73,16 +73,16 @@ def refine(values, offsets, mb, num_micro_batches: int, *, costs=None, limit: Op
     mb = mb.astype(np.int64)
     if mb.shape != (b,) or (b and (mb.min() < 0 or mb.max() >= n)):
         raise ValueError(f"mb must give each of the {b} samples a micro-batch in 0..{n - 1}")
-    if (costs is None) != (limit is None):
-        raise ValueError("costs and limit go together")
+    if (costs is None) != (max_load is None):
+        raise ValueError("costs and max_load go together")
     if costs is not None and np.shape(costs) != (b,):
         raise ValueError(f"costs must give one cost per sample ({b}), got shape {np.shape(costs)}")
-    if costs is not None and not (np.all(np.isfinite(costs)) and np.isfinite(limit) and limit >= 0):
-        raise ValueError(f"costs and limit must be finite and limit >= 0, got limit {limit!r}")
+    if costs is not None and not (np.all(np.isfinite(costs)) and np.isfinite(max_load) and max_load >= 0):
+        raise ValueError(f"costs and max_load must be finite and max_load >= 0, got max_load {max_load!r}")
     if n == 1 or b < 2:
         return mb.astype(np.int32)
     problem = Problem(build_incidence(values, offsets), np.bincount(mb, minlength=n))
-    return greedy_swap_refine(problem, mb, int(max_rounds), costs=costs, limit=limit).astype(np.int32)
+    return greedy_swap_refine(problem, mb, int(max_rounds), costs=costs, max_load=max_load).astype(np.int32)
 
 
 def tables_fields(tables: Mapping[str, Tuple[np.ndarray, np.ndarray]], mb,

@@ -187,7 +187,7 @@ def _top(values: np.ndarray, k: int) -> np.ndarray:
 
 
 def greedy_swap_refine(problem: Problem, a: np.ndarray, max_rounds: int, top_k: int = 256, movers: int = 64,
-                       costs: np.ndarray = None, limit: float = None) -> np.ndarray:
+                       costs: np.ndarray = None, max_load: float = None) -> np.ndarray:
     """Improve a balanced partition by single swaps checked exactly; never returns a costlier one, sizes never
     change.
 
@@ -198,9 +198,11 @@ def greedy_swap_refine(problem: Problem, a: np.ndarray, max_rounds: int, top_k: 
     this round; rounds stop when one makes no swap. Where :func:`swap_refine` makes only
     mutually-best swaps, this also finds the swaps of a sample whose best micro-batch is full.
 
-    ``costs`` and ``limit`` (a per-sample cost and a bound): a swap is made only if afterwards ``max load - min
-    load <= limit`` (the load of a micro-batch: the sum of its samples' costs), so a partition balanced within
-    ``limit`` stays balanced; ``limit`` is raised to the partition's own spread if that is larger."""
+    ``costs`` and ``max_load`` (a per-sample cost and a cap): a swap is made only if afterwards both micro-batches'
+    loads (a load: the sum of a micro-batch's samples' costs) are at most ``max_load``, so a partition whose
+    costliest micro-batch is within the cap stays so; ``max_load`` is raised to the partition's own costliest load
+    if that is larger. A cap, not a bound on max - min: a synchronous step waits for the costliest micro-batch, and
+    a cheap one costs nothing, so cheap micro-batches are left free to take the samples that share their keys."""
     a = np.asarray(a, dtype=np.int64).copy()
     n, b = problem.num_groups, problem.num_samples
     if problem.num_keys == 0 or n == 1 or b < 2:
@@ -210,7 +212,7 @@ def greedy_swap_refine(problem: Problem, a: np.ndarray, max_rounds: int, top_k: 
     if costs is not None:
         costs = np.asarray(costs, dtype=np.float64)
         load = np.bincount(a, weights=costs, minlength=n)
-        limit = max(float(limit), float(load.max() - load.min()))
+        max_load = max(float(max_load), float(load.max()))
     m = min(b, movers)
     for _ in range(max_rounds):
         g = problem.gains(a, counts)  # g[s, h]: gain of moving s alone into micro-batch h
@@ -237,7 +239,7 @@ def greedy_swap_refine(problem: Problem, a: np.ndarray, max_rounds: int, top_k: 
                 after = load.copy()
                 after[gs] -= shift
                 after[gt] += shift
-                if after.max() - after.min() > limit:
+                if after[gs] > max_load or after[gt] > max_load:
                     continue
             if swap_saving(problem, counts, a, s, t) > 0:
                 _apply_swap(problem, counts, a, s, t)

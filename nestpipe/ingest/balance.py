@@ -10,18 +10,24 @@ Batches: the split's sample order (partitions in order, each shuffled by its key
 ``window`` batches (``window x B`` consecutive samples, so that a batch still reads one or two partitions); inside a
 window the samples are dealt in decreasing cost, ``window`` at a time, the costliest of each round to the batch that
 is cheapest so far (longest-processing-time with equal counts), then swaps of one sample between the costliest and
-the cheapest batch (as for micro-batches, below) until they differ by at most ``BATCH_TOLERANCE`` of the mean:
+the cheapest batch (as for micro-batches, below) until the costliest is at most ``BATCH_TOLERANCE`` above the mean:
 the rounds alone leave the batches that drew the few longest sequences above the rest. Windows differ only by their
 mean sample cost (a mean over ``window x B`` samples).
 Each batch keeps its samples in their sample order, and the batches of a window keep the order of their first sample.
 
 Micro-batches (``--balance tokens``; ``batches`` leaves them as the clustering made them): the clustering chooses the
-partition; then, while the costliest and the cheapest micro-batch differ by more than ``MICRO_TOLERANCE`` of the
-mean, one sample of each is swapped (counts stay equal): among the swaps that at least halve the gap, the one that
+partition; then, while the costliest micro-batch is more than ``MICRO_TOLERANCE`` above the mean, one sample of it
+and one of the cheapest are swapped (counts stay equal): among the swaps that at least halve their gap, the one that
 adds the fewest distinct keys to the two micro-batches. The clustering groups users with similar (so often similarly
 long) histories, so its micro-batches can differ twofold in cost; evening them out costs exchanged rows, part of
-which single exact-gain swaps that keep the tolerance win back afterwards (``nestpipe.clustering.refine``, called by
-``nestpipe.ingest.common.cluster_fields``; docs/benchmarks.md, cost-balanced batches).
+which single exact-gain swaps that keep every micro-batch under the cap win back afterwards
+(``nestpipe.clustering.refine``, called by ``nestpipe.ingest.common.cluster_fields``; docs/benchmarks.md,
+cost-balanced batches).
+
+Both tolerances bound the costliest against the mean (``max / mean - 1``, :func:`imbalance`, the trainer's
+``token_imbalance``), not the spread max - min: a synchronous step, or a frozen-window exchange of micro-batch i,
+waits for the costliest of its parts, and a cheaper part costs nothing. Every micro-batch within ``1 +
+MICRO_TOLERANCE`` of its batch's mean bounds the frozen-window step of equal-cost batches at the same factor.
 """
 
 from __future__ import annotations
@@ -80,7 +86,9 @@ def balance_micro_batches(mb: np.ndarray, costs: np.ndarray, n: int, tolerance: 
     that brings their costs closest. With ``keys = (values, offsets)`` (every sample's keys, CSR), the swaps that at
     least halve the gap (or reach the tolerance) compete on the rows they add: the one that adds the fewest distinct
     keys to the two groups (each sample's keys it no longer shares in its old group against those it does not find
-    in its new one) is made, so the balancing undoes as little of the clustering as it can."""
+    in its new one) is made, so the balancing undoes as little of the clustering as it can. Stops when the costliest
+    group is at most ``tolerance`` of the mean above it (:func:`imbalance` <= ``tolerance``), after ``max_swaps``, or
+    when no swap narrows the gap."""
     mb = np.asarray(mb).copy()
     costs = np.asarray(costs)  # integer units (exact sums) or floats
     swaps = 0
@@ -101,7 +109,7 @@ def balance_micro_batches(mb: np.ndarray, costs: np.ndarray, n: int, tolerance: 
         np.add.at(load, mb, costs)
         hi, lo = int(np.argmax(load)), int(np.argmin(load))
         gap = load[hi] - load[lo]
-        if gap <= tolerance * mean:
+        if load[hi] - mean <= tolerance * mean:  # the costliest within the tolerance (imbalance <= tolerance)
             break
         i_hi, i_lo = np.flatnonzero(mb == hi), np.flatnonzero(mb == lo)
         d = costs[i_hi][:, None] - costs[i_lo][None, :]  # moving a cost-d difference changes the gap by 2 d

@@ -172,7 +172,8 @@ def cluster_fields(batch: Dict[str, Any], tables: Sequence[str], cluster_tables:
             # exact-gain swaps that keep the costs within the tolerance win back part of the rows the balancing
             # cost the clustering (docs/benchmarks.md, cost-balanced batches)
             costs = np.asarray(sample_costs, dtype=np.float64)
-            mb = clustering.refine(values, offsets, mb, n, costs=costs, limit=MICRO_TOLERANCE * costs.sum() / n)
+            mb = clustering.refine(values, offsets, mb, n, costs=costs,
+                                   max_load=(1.0 + MICRO_TOLERANCE) * costs.sum() / n)
     mb = mb.astype(np.int32)
     batch["mb"] = mb
     fields = clustering.tables_fields(

@@ -111,7 +111,8 @@ class IngestConfig:
         d.pop("balance"), d.pop("sequence_cost")
         if self.balanced():  # resolved: the method and the cost model the batches were balanced with
             d["balance"] = {"method": self.balance or "tokens", **self.cost().to_dict(),
-                            "window_batches": WINDOW_BATCHES, "batch_tolerance": BATCH_TOLERANCE}
+                            "window_batches": WINDOW_BATCHES, "batch_tolerance": BATCH_TOLERANCE,
+                            "tolerance_of": "max_over_mean"}  # both tolerances bound the costliest (ingest.balance)
             if d["balance"]["method"] == "tokens":
                 d["balance"]["micro_tolerance"] = MICRO_TOLERANCE
                 d["balance"]["micro_splits"] = "train"  # valid and eval micro-batches as the clustering made them

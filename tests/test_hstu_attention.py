@@ -130,15 +130,100 @@ def test_deterministic_across_thread_counts(cpu_path):
     assert torch.equal(one[2], two[2])
 
 
-@pytest.mark.parametrize("relative_bias", [False, True])
-def test_hstu_model_jagged_equals_padded(cpu_path, relative_bias):
+def _times(lengths, seed=0):
+    """Per-token int64 times, non-decreasing within each sequence: equal times (difference 0), one-unit steps and
+    gaps up to 2**40 (past the last bucket)."""
+    g = np.random.default_rng(seed)
+    out = []
+    for L in lengths:
+        steps = g.choice([0, 1, 2, 3, 100, 5000, 2 ** 20, 2 ** 40], size=L)
+        out.append(np.cumsum(steps) + g.integers(0, 10 ** 6))
+    return torch.from_numpy(np.concatenate(out).astype(np.int64) if out else np.zeros(0, np.int64))
+
+
+def _run_time(fn, q, k, v, dout, bias, tbias, times, offsets):
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, bias, tbias)]
+    out = fn(*leaves[:3], offsets, leaves[3], leaves[4], times)
+    out.backward(dout)
+    return out.detach(), [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves]
+
+
+def test_time_buckets_are_bit_lengths_the_same_on_every_path():
+    dt = torch.tensor([-5, 0, 1, 2, 3, 4, 7, 8, 2 ** 20 - 1, 2 ** 20, 2 ** 52 + 1], dtype=torch.int64)
+    want = [0, 0, 1, 2, 2, 3, 3, 4, 20, 21, 23]  # bit_length, the last clamped to M - 1 = 23
+    assert A.time_buckets(dt, 24).tolist() == want
+    assert [attention_cpu._bucket(int(x), 24) for x in dt] == want
+
+
+@pytest.mark.parametrize("mix", sorted(LENGTH_MIXES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_time_bias_jagged_equals_padded_outputs_and_gradients(cpu_path, mix, dtype):
+    """With the relative time bias (and the position bias): outputs and gradients of q, k, v and both bias tables."""
+    lengths = LENGTH_MIXES[mix]
+    q, k, v, dout, bias, offsets = _inputs(lengths, dtype=dtype)
+    tbias = torch.randn(q.shape[1], 24, generator=torch.Generator().manual_seed(5), dtype=dtype)
+    times = _times(lengths)
+    jag = _run_time(lambda *a: A.hstu_attention(*a[:4], 128, 0.35, 1 / 64, *a[4:]), q, k, v, dout, bias, tbias,
+                    times, offsets)
+    pad = _run_time(lambda *a: A.padded_reference(*a[:4], 0.35, 1 / 64, *a[4:]), q, k, v, dout, bias, tbias, times,
+                    offsets)
+    assert _close(jag[0], pad[0], TOL[dtype])
+    for name, a, b in zip(["q", "k", "v", "pos_bias", "time_bias"], jag[1], pad[1]):
+        assert _close(a, b, TOL[dtype]), name
+    if sum(lengths) > 3:
+        assert float(pad[1][4].abs().sum()) > 0  # the time bias is read
+
+
+def test_negative_control_a_time_bucket_off_by_one_is_caught(monkeypatch):
+    """The reference with every bucket one lower (``floor(log2)`` instead of the bit length) differs from the exact
+    loops: the comparison above would catch a bucket rule that differs between paths."""
+    lengths = LENGTH_MIXES["one long among short"]
+    q, k, v, dout, bias, offsets = _inputs(lengths)
+    tbias = torch.randn(q.shape[1], 24, generator=torch.Generator().manual_seed(5))
+    times = _times(lengths)
+    monkeypatch.setattr(A, "EXACT_MAX_LEN", 10 ** 9)
+    exact = A.hstu_attention(q, k, v, offsets, 128, 0.35, 1 / 64, bias, tbias, times)
+    right = A.padded_reference(q, k, v, offsets, 0.35, 1 / 64, bias, tbias, times)
+    assert _close(exact, right, 1e-5)
+    real = A.time_buckets
+    monkeypatch.setattr(A, "time_buckets", lambda dt, m: (real(dt, m) - 1).clamp(min=0))
+    wrong = A.padded_reference(q, k, v, offsets, 0.35, 1 / 64, bias, tbias, times)
+    assert not _close(exact, wrong, 1e-3)
+
+
+def test_a_prefix_is_unchanged_when_tokens_are_appended_with_the_time_bias(cpu_path):
+    q, k, v, _, bias, _ = _inputs([50])
+    tbias = torch.randn(q.shape[1], 24, generator=torch.Generator().manual_seed(5))
+    times = _times([50])
+    full = A.hstu_attention(q, k, v, torch.tensor([0, 50]), 128, 0.35, 1 / 64, bias, tbias, times)
+    prefix = A.hstu_attention(q[:30], k[:30], v[:30], torch.tensor([0, 30]), 128, 0.35, 1 / 64, bias, tbias,
+                              times[:30])
+    assert torch.equal(full[:30], prefix)
+    # the bias depends on time differences only: every time shifted by one constant changes nothing
+    shifted = A.hstu_attention(q, k, v, torch.tensor([0, 50]), 128, 0.35, 1 / 64, bias, tbias, times + 12345)
+    assert torch.equal(full, shifted)
+
+
+def test_time_bias_arguments_are_checked():
+    q, k, v, _, bias, offsets = _inputs([3, 2])
+    with pytest.raises(ValueError, match="together"):
+        A.hstu_attention(q, k, v, offsets, 8, 0.35, 1 / 64, bias, torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="int64"):
+        A.hstu_attention(q, k, v, offsets, 8, 0.35, 1 / 64, bias, torch.zeros(2, 4), torch.zeros(5))
+    with pytest.raises(ValueError, match=r"\[H=2, M >= 1\]"):
+        A.hstu_attention(q, k, v, offsets, 8, 0.35, 1 / 64, bias, torch.zeros(3, 4), torch.zeros(5, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("relative_bias,time_bias", [(False, False), (True, False), (True, True)])
+def test_hstu_model_jagged_equals_padded(cpu_path, relative_bias, time_bias):
     torch.manual_seed(0)
-    cfg = HSTUConfig(num_layers=2, relative_bias=relative_bias)
+    cfg = HSTUConfig(num_layers=2, relative_bias=relative_bias, time_bias=time_bias)
     model = HSTU(cfg, 16, ["action", "item"], 32, 1000)
     with torch.no_grad():
         for layer in model.layers:
-            if layer.pos_bias is not None:
-                layer.pos_bias.normal_()
+            for table in (layer.pos_bias, layer.time_bias):
+                if table is not None:
+                    table.normal_()
     lengths = torch.tensor([1, 5, 31, 0, 9])
     t = int(lengths.sum())
     g = torch.Generator().manual_seed(1)
@@ -146,6 +231,8 @@ def test_hstu_model_jagged_equals_padded(cpu_path, relative_bias):
            "item#neg": torch.randn(40, 32, generator=g)}
     feats = {"lengths": lengths, "item_ids": torch.randint(0, 1000, (t,), generator=g),
              "neg_ids": torch.randint(0, 1000, (40,), generator=g)}
+    if time_bias:
+        feats["times"] = _times(lengths.tolist(), seed=2) * 1000  # ms, as the shards hold them
     results = {}
     for attention in ("jagged", "padded"):
         m = copy.deepcopy(model)
@@ -158,6 +245,10 @@ def test_hstu_model_jagged_equals_padded(cpu_path, relative_bias):
     (lj, gj, ej), (lp, gp, ep) = results["jagged"], results["padded"]
     assert abs(float(lj - lp)) <= 1e-5 * abs(float(lp))
     assert set(gj) == set(gp) and (not relative_bias or any("pos_bias" in n for n in gj))
+    assert not time_bias or any("time_bias" in n for n in gj)
+    if time_bias:  # a model with the time bias refuses inputs without times
+        with pytest.raises(ValueError, match="per-token times"):
+            model({n: x.clone() for n, x in emb.items()}, {k: v for k, v in feats.items() if k != "times"})
     for name in gp:
         assert _close(gj[name], gp[name], 1e-5), name
     assert _close(ej, ep, 1e-5)
@@ -176,16 +267,23 @@ for name, lengths in mixes.items():
     q, k, v, dout = (torch.randn(t, 2, 8, generator=g) for _ in range(4))
     bias = torch.randn(2, 16, generator=g) * 0.5
     offsets = torch.tensor([0] + list(np.cumsum(lengths, dtype=np.int64)), dtype=torch.int64)
-    res = []
-    for fn in (lambda *a: AT.hstu_attention(*a[:4], 128, 0.35, 1 / 64, a[4]),
-               lambda *a: A.padded_reference(*a[:4], 0.35, 1 / 64, a[4])):
-        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, bias)]
-        out = fn(leaves[0], leaves[1], leaves[2], offsets, leaves[3])
-        out.backward(dout)
-        res.append([out.detach()] + [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves])
-    errs = [float((a - b).abs().max()) / max(float(b.abs().max()), 1e-30) if b.numel() else 0.0
-            for a, b in zip(res[0], res[1])]
-    worst[name] = max(errs)
+    # the relative time bias too: times non-decreasing per sequence, gaps from 0 to 2**40 (past the last bucket)
+    gr = np.random.default_rng(1)
+    times = torch.from_numpy(np.concatenate([np.cumsum(gr.choice([0, 1, 3, 5000, 2 ** 40], size=L)) for L in lengths]
+                                            ).astype(np.int64) if t else np.zeros(0, np.int64))
+    tbias = torch.randn(2, 24, generator=g)
+    for timed in (False, True):
+        res = []
+        extra = (tbias, times) if timed else ()
+        for fn in (lambda *a: AT.hstu_attention(*a[:4], 128, 0.35, 1 / 64, a[4], *a[5:]),
+                   lambda *a: A.padded_reference(*a[:4], 0.35, 1 / 64, a[4], *a[5:])):
+            leaves = [x.clone().requires_grad_(True) for x in (q, k, v, bias) + extra[:1]]
+            out = fn(leaves[0], leaves[1], leaves[2], offsets, *leaves[3:], *extra[1:])
+            out.backward(dout)
+            res.append([out.detach()] + [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves])
+        errs = [float((a - b).abs().max()) / max(float(b.abs().max()), 1e-30) if b.numel() else 0.0
+                for a, b in zip(res[0], res[1])]
+        worst[name + (" time bias" if timed else "")] = max(errs)
     # the negative control: a reference with an off-by-one causal bound (keys j <= i + 1 of the same sequence)
     outs = []
     for s_, L in enumerate(lengths):
@@ -217,6 +315,6 @@ def test_triton_kernels_in_interpreter_mode_equal_the_padded_reference():
     assert proc.returncode == 0, proc.stderr[-3000:]
     worst = json.loads(proc.stdout.strip().splitlines()[-1])
     for name in mixes:
-        assert worst[name] <= 1e-5, (name, worst)
+        assert worst[name] <= 1e-5 and worst[name + " time bias"] <= 1e-5, (name, worst)
     # negative control: an off-by-one causal bound (one key past the diagonal) is far outside the tolerance
     assert worst["one long among short control"] > 1e-3, worst

@@ -40,7 +40,8 @@ def run(tmp_path_factory):
                 seq_len=MAX_LEN, seed=5)
     out = str(base / "run")
     write_run(out, shards, "hstu", "off", 4, {"hstu": {"num_layers": 2, "num_random_negatives": 16,
-                                                       "relative_bias": True}, "pipe": {"gantt_steps": 0}})
+                                                       "relative_bias": True, "time_bias": True},
+                                              "pipe": {"gantt_steps": 0}})
     p = run_plan([{"run": out}], 1, str(base / "plan.json"))
     assert p.returncode == 0, p.stderr[-3000:]
     return out
@@ -86,8 +87,10 @@ def test_negative_control_a_cache_off_by_one_token_breaks_equality(run):
     cands = list(range(300))
     ranker.prefill(1, _events(rng, 4))
     good = ranker.cache.get(1)
-    # the prefix's K/V without its first token, still claimed for all 4 positions (an off-by-one in the cache)
-    ranker.cache.put(1, CachedPrefix(good.start, good.length, [(k[1:], v[1:]) for k, v in good.kv],
+    # the prefix's K/V shifted by one token (its first dropped, its last repeated), still claimed for all 4 positions:
+    # an off-by-one in the cache
+    ranker.cache.put(1, CachedPrefix(good.start, good.length,
+                                     [(torch.cat([k[1:], k[-1:]]), torch.cat([v[1:], v[-1:]])) for k, v in good.kv],
                                      good.last_hidden))
     scores, how = ranker.rank(1, _events(rng, 2), cands)
     assert how == "hit"
@@ -101,6 +104,28 @@ def test_negative_control_a_cache_off_by_one_token_breaks_equality(run):
     got, how = fresh.rank(1, ranker.history[1][4:], cands)
     assert how == "hit"
     _close(got, ref)
+
+
+def test_time_bias_cached_prefix_equals_a_full_recompute_and_reads_the_times(run):
+    """With a random (large) time bias in every layer: the cached prefix still gives the full recompute's scores,
+    and the times matter (control: the same events at other times score differently)."""
+    ranker = Ranker.from_run(run)
+    assert all(layer.time_bias is not None for layer in ranker.model.layers)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in ranker.model.layers:
+            layer.time_bias.copy_(torch.randn(layer.time_bias.shape, generator=g) * 3)
+    rng = np.random.default_rng(4)
+    cands = list(range(0, 300, 3))
+    ranker.prefill(11, _events(rng, 3))
+    later = _events(rng, 3)
+    scores, how = ranker.rank(11, later, cands)
+    assert how == "hit"
+    window = ranker.window_events(11)
+    _close(scores, ranker.full_scores(window, cands))
+    spread = events_from_rows(window.item, window.action, window.time[0] + (window.time - window.time[0]) * 1000)
+    with pytest.raises(AssertionError):
+        _close(scores, ranker.full_scores(spread, cands))
 
 
 def test_eviction_recomputes_the_same_scores(run):

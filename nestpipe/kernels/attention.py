@@ -3,7 +3,14 @@
 ``hstu_attention(q, k, v, offsets, ...)`` with ``q, k, v`` ``[T, H, d]`` (the tokens of S sequences back to back,
 sequence ``s`` at rows ``offsets[s] .. offsets[s + 1] - 1``) returns ``out [T, H, d]``::
 
-    out_i = sum_{j <= i, same sequence} silu(scale * q_i . k_j + pos_bias[h, min(i - j, P - 1)]) * inv_norm * v_j
+    out_i = sum_{j <= i, same sequence} silu(scale * q_i . k_j + pos_bias[h, min(i - j, P - 1)]
+                                               + time_bias[h, bucket(times[i] - times[j])]) * inv_norm * v_j
+
+    bucket(dt) = min(bit_length(max(dt, 0)), M - 1)      (dt = 0 -> 0, 1 -> 1, 2..3 -> 2, 4..7 -> 3, ...)
+
+with ``time_bias`` ``[H, M]`` and ``times`` ``[T]`` int64 (any unit; the HSTU model passes seconds): HSTU's
+relative time bias, log2-spaced buckets of the query-key time difference. Integer arithmetic only, so every path
+computes the same bucket of every pair.
 
 Paths (:func:`nestpipe.kernels.select.select_path`, op ``hstu_attention``): on CPU ``numba`` (exact causal loops,
 :mod:`nestpipe.kernels.attention_cpu`) for micro-batches whose longest sequence has at most ``EXACT_MAX_LEN``
@@ -13,8 +20,8 @@ elsewhere: :func:`padded_reference`, the padded batched matmuls (every sequence 
 ``n x n`` score matrix, the causal mask multiplied in), which autograd differentiates. The paths agree to float
 rounding (tested). The path taken is noted per call (``blocked`` or ``numba`` on CPU).
 
-The bias depends only on the distance ``i - j`` (clamped to ``P - 1``), never on absolute positions, so the scores
-of a cached prefix stay valid when tokens are appended.
+Both biases depend only on the pair's distance ``i - j`` (clamped to ``P - 1``) and time difference, never on
+absolute positions or times, so the scores of a cached prefix stay valid when tokens are appended.
 """
 
 from __future__ import annotations
@@ -28,7 +35,13 @@ import torch.nn.functional as F
 from .select import note, select_path
 
 
-def _check(q, k, v, offsets, pos_bias):
+def time_buckets(dt: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """``min(bit_length(max(dt, 0)), num_buckets - 1)`` of an integer tensor, exactly (``frexp`` of a float64 holds
+    every integer below 2**53 exactly; its exponent is the bit length)."""
+    return torch.frexp(dt.clamp(min=0).to(torch.float64))[1].to(torch.int64).clamp_(max=num_buckets - 1)
+
+
+def _check(q, k, v, offsets, pos_bias, time_bias=None, times=None):
     if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v must share one [T, H, d] shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
@@ -36,27 +49,38 @@ def _check(q, k, v, offsets, pos_bias):
         raise ValueError("offsets must be [S + 1] (0, the end of sequence 0, ..., T)")
     if pos_bias is not None and (pos_bias.dim() != 2 or pos_bias.shape[0] != q.shape[1]):
         raise ValueError(f"pos_bias must be [H={q.shape[1]}, P], got {tuple(pos_bias.shape)}")
+    if (time_bias is None) != (times is None):
+        raise ValueError("time_bias and times go together")
+    if time_bias is not None:
+        if time_bias.dim() != 2 or time_bias.shape[0] != q.shape[1] or time_bias.shape[1] < 1:
+            raise ValueError(f"time_bias must be [H={q.shape[1]}, M >= 1], got {tuple(time_bias.shape)}")
+        if times.shape != (q.shape[0],) or times.dtype != torch.int64:
+            raise ValueError(f"times must be int64 [T={q.shape[0]}], got {times.dtype} {tuple(times.shape)}")
 
 
 def hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_len: int,
-                   scale: float, inv_norm: float, pos_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   scale: float, inv_norm: float, pos_bias: Optional[torch.Tensor] = None,
+                   time_bias: Optional[torch.Tensor] = None, times: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The jagged causal attention (module docstring). ``offsets`` int64 ``[S + 1]`` with ``offsets[0] == 0`` and
-    ``offsets[-1] == T``; ``max_len`` at least the longest sequence; ``pos_bias`` ``[H, P]`` or None."""
-    _check(q, k, v, offsets, pos_bias)
+    ``offsets[-1] == T``; ``max_len`` at least the longest sequence; ``pos_bias`` ``[H, P]`` or None;
+    ``time_bias`` ``[H, M]`` with ``times`` int64 ``[T]``, or both None."""
+    _check(q, k, v, offsets, pos_bias, time_bias, times)
     path = select_path("hstu_attention", q.device)
     if path in ("numba", "blocked") and q.device.type == "cpu":
         if path == "numba" and max_len <= EXACT_MAX_LEN and q.dtype in (torch.float32, torch.float64):
             note("hstu_attention", "numba")
-            return _NumbaAttention.apply(q, k, v, offsets, int(max_len), float(scale), float(inv_norm), pos_bias)
+            return _NumbaAttention.apply(q, k, v, offsets, int(max_len), float(scale), float(inv_norm), pos_bias,
+                                         time_bias, times)
         note("hstu_attention", "blocked")
-        return blocked_attention(q, k, v, offsets, scale, inv_norm, pos_bias, block_size(max_len))
+        return blocked_attention(q, k, v, offsets, scale, inv_norm, pos_bias, block_size(max_len),
+                                 time_bias=time_bias, times=times)
     note("hstu_attention", path)
     if path == "triton" and q.dtype in (torch.float32, torch.float16, torch.bfloat16):
         from . import attention_triton  # optional: triton
 
         return attention_triton.hstu_attention(q, k, v, offsets, int(max_len), float(scale), float(inv_norm),
-                                               pos_bias)
-    return padded_reference(q, k, v, offsets, scale, inv_norm, pos_bias)
+                                               pos_bias, time_bias, times)
+    return padded_reference(q, k, v, offsets, scale, inv_norm, pos_bias, time_bias, times)
 
 
 # The CPU rule, by the micro-batch's longest sequence (a shape, the same in every schedule): up to 64 tokens the
@@ -70,7 +94,8 @@ def block_size(max_len: int) -> int:
     return 32 if max_len <= 512 else 64
 
 
-def padded_reference(q, k, v, offsets, scale: float, inv_norm: float, pos_bias=None) -> torch.Tensor:
+def padded_reference(q, k, v, offsets, scale: float, inv_norm: float, pos_bias=None, time_bias=None,
+                     times=None) -> torch.Tensor:
     """The padded computation: sequences padded to the longest ``n``, the full ``[S, H, n, n]`` scores, the causal and
     validity mask multiplied in after the activation (what a dense attention layer does)."""
     lengths = offsets.diff()
@@ -78,7 +103,8 @@ def padded_reference(q, k, v, offsets, scale: float, inv_norm: float, pos_bias=N
     n = int(lengths.max()) if s else 0
     h, d = q.shape[1], q.shape[2]
     if t == 0 or n == 0:
-        empty = q.sum() + k.sum() + v.sum() + (pos_bias.sum() if pos_bias is not None else 0.0)
+        empty = (q.sum() + k.sum() + v.sum() + (pos_bias.sum() if pos_bias is not None else 0.0)
+                 + (time_bias.sum() if time_bias is not None else 0.0))
         return q.new_zeros(q.shape) + 0.0 * empty  # connected to every input: zero gradients, not None
     sample = torch.repeat_interleave(torch.arange(s, device=q.device), lengths)
     pos = torch.arange(t, device=q.device) - offsets[:-1].index_select(0, sample)
@@ -95,6 +121,9 @@ def padded_reference(q, k, v, offsets, scale: float, inv_norm: float, pos_bias=N
     if pos_bias is not None:
         rel = (ar[:, None] - ar[None, :]).clamp(0, pos_bias.shape[1] - 1)
         z = z + pos_bias[:, rel][None]
+    if time_bias is not None:
+        tp = times.new_zeros(s * n).index_copy(0, flat, times).view(s, n)
+        z = z + time_bias[:, time_buckets(tp[:, :, None] - tp[:, None, :], time_bias.shape[1])].transpose(0, 1)
     a = F.silu(z).mul_(inv_norm) * mask[:, None].to(z.dtype)
     out = (a @ vp).transpose(1, 2).reshape(s * n, h, d)
     return out.index_select(0, flat)
@@ -104,19 +133,24 @@ class _NumbaAttention(torch.autograd.Function):
     """Forward and backward through the CPU kernels; the backward recomputes the scores (nothing ``n^2`` kept)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, offsets, max_len, scale, inv_norm, pos_bias):
+    def forward(ctx, q, k, v, offsets, max_len, scale, inv_norm, pos_bias, time_bias=None, times=None):
         from . import attention_cpu  # optional: numba
 
         qn, kn, vn = (x.detach().contiguous().numpy() for x in (q, k, v))
         off = offsets.detach().to(torch.int64).contiguous().numpy()
         bias = (pos_bias.detach().to(q.dtype).contiguous().numpy() if pos_bias is not None
                 else np.zeros((q.shape[1], 0), dtype=qn.dtype))
+        tbias = (time_bias.detach().to(q.dtype).contiguous().numpy() if time_bias is not None
+                 else np.zeros((q.shape[1], 0), dtype=qn.dtype))
+        tn = (times.detach().contiguous().numpy() if times is not None else np.zeros(0, np.int64))
         kt = kn.transpose(1, 2, 0).copy()
-        out = attention_cpu.forward(qn, kt, vn, off, scale, inv_norm, bias, max_len, torch.get_num_threads())
+        out = attention_cpu.forward(qn, kt, vn, off, scale, inv_norm, bias, max_len, torch.get_num_threads(),
+                                    tbias=tbias, times=tn)
         ctx.save_for_backward(q, k, v, offsets)
         ctx.kt = kt  # the backward's scores read k transposed too
         ctx.bias = bias
         ctx.has_bias = pos_bias is not None
+        ctx.tbias, ctx.times, ctx.has_tbias = tbias, tn, time_bias is not None
         ctx.args = (max_len, scale, inv_norm)
         return torch.from_numpy(out)
 
@@ -129,8 +163,9 @@ class _NumbaAttention(torch.autograd.Function):
         qn, kn, vn = (x.detach().contiguous().numpy() for x in (q, k, v))
         off = offsets.to(torch.int64).contiguous().numpy()
         vt = vn.transpose(1, 2, 0).copy()
-        dq, dkt, dvt, dbias = attention_cpu.backward(qn, kn, ctx.kt, vt, dout.detach().contiguous().numpy(), off,
-                                                     scale, inv_norm, ctx.bias, max_len, torch.get_num_threads())
+        dq, dkt, dvt, dbias, dtbias = attention_cpu.backward(
+            qn, kn, ctx.kt, vt, dout.detach().contiguous().numpy(), off, scale, inv_norm, ctx.bias, max_len,
+            torch.get_num_threads(), tbias=ctx.tbias, times=ctx.times)
         dk = torch.from_numpy(dkt).permute(2, 0, 1).contiguous()
         dv = torch.from_numpy(dvt).permute(2, 0, 1).contiguous()
         grad_bias = None
@@ -138,7 +173,12 @@ class _NumbaAttention(torch.autograd.Function):
             s = len(off) - 1
             grad_bias = (torch.from_numpy(dbias).view(s, q.shape[1], -1).sum(0) if s
                          else torch.zeros(ctx.bias.shape, dtype=q.dtype))
-        return torch.from_numpy(dq), dk, dv, None, None, None, None, grad_bias
+        grad_tbias = None
+        if ctx.has_tbias:
+            s = len(off) - 1
+            grad_tbias = (torch.from_numpy(dtbias).view(s, q.shape[1], -1).sum(0) if s
+                          else torch.zeros(ctx.tbias.shape, dtype=q.dtype))
+        return torch.from_numpy(dq), dk, dv, None, None, None, None, grad_bias, grad_tbias, None
 
 
 def _tiles(lengths: np.ndarray, block: int):
@@ -160,7 +200,7 @@ def _tiles(lengths: np.ndarray, block: int):
 
 
 def blocked_attention(q, k, v, offsets, scale: float, inv_norm: float, pos_bias=None, block: int = 32,
-                      causal_shift: int = 0):
+                      causal_shift: int = 0, time_bias=None, times=None):
     """Jagged attention from batched tensor ops: each sequence cut into blocks of ``block`` tokens, scores computed
     for the tiles on and below each sequence's diagonal only (batched matmuls), the causal mask applied inside the
     diagonal tiles; autograd differentiates it. Waste: the upper half of diagonal tiles and the unused slots of a
@@ -168,7 +208,7 @@ def blocked_attention(q, k, v, offsets, scale: float, inv_norm: float, pos_bias=
     t, h, d = q.shape
     lengths = offsets.diff().cpu().numpy()
     if t == 0 or not len(lengths):
-        return padded_reference(q, k, v, offsets, scale, inv_norm, pos_bias)
+        return padded_reference(q, k, v, offsets, scale, inv_norm, pos_bias, time_bias, times)
     tokens, tq, tk, ndiag, shift = _tiles(lengths, block)
     dev = q.device
     idx = torch.from_numpy(np.where(tokens < 0, t, tokens)).to(dev)
@@ -185,6 +225,10 @@ def blocked_attention(q, k, v, offsets, scale: float, inv_norm: float, pos_bias=
     if pos_bias is not None:
         rel = (torch.from_numpy(shift).to(dev)[:, None, None] + (ar[:, None] - ar[None, :])[None])
         z = z + pos_bias[:, rel.clamp(0, pos_bias.shape[1] - 1)].transpose(0, 1)
+    if time_bias is not None:  # slots past a sequence's end read time 0: masked below (diagonal) or never a key
+        tb = torch.cat([times, times.new_zeros(1)]).index_select(0, idx.flatten()).view(idx.shape)
+        dt = tb.index_select(0, tq_t)[:, :, None] - tb.index_select(0, tk_t)[:, None, :]
+        z = z + time_bias[:, time_buckets(dt, time_bias.shape[1])].transpose(0, 1)
     a = F.silu(z).mul_(inv_norm)
     # diagonal tiles (the first ndiag): causal, and keys past the sequence's end (their v is zero, but not their
     # score's gradient to the bias) masked

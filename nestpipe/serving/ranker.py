@@ -353,7 +353,7 @@ class Ranker:
         if not 0 < len(ev) <= self.window:
             raise ValueError(f"full_scores reads one window: 1 to {self.window} events, got {len(ev)}")
         hidden = self.model.encode(self.model.token_inputs(self._token_rows(ev)),
-                                   torch.tensor([len(ev)], dtype=torch.int64))
+                                   torch.tensor([len(ev)], dtype=torch.int64), torch.from_numpy(ev.time.astype(np.int64)))
         return self._score(hidden[-1], candidates)
 
     def stats(self) -> Dict[str, object]:
@@ -416,7 +416,7 @@ class Ranker:
             if not len(new):
                 self.counts["hit"] += 1
                 return cached.last_hidden, "hit"
-            kv, last = self._extend(cached, new)
+            kv, last = self._extend(cached, new, hist.time[cached.start:])
             self.cache.put(user, CachedPrefix(cached.start, cached.length + len(new), kv, last))
             self.counts["hit"] += 1
             return last, "hit"
@@ -424,7 +424,7 @@ class Ranker:
         if cached is not None:
             self.counts["rebase"] += 1
         empty = CachedPrefix(start, 0, [(None, None)] * len(self.model.layers), torch.zeros(0))
-        kv, last = self._extend(empty, hist[start:])
+        kv, last = self._extend(empty, hist[start:], hist.time[start:])
         self.cache.put(user, CachedPrefix(start, n - start, kv, last))
         self.counts["miss"] += 1
         return last, "miss"
@@ -434,17 +434,22 @@ class Ranker:
         return {t: self.tables[t].index_select(0, torch.from_numpy(to_vocab(ids[t], self.vocabs[t])))
                 for t in self.tables}
 
-    def _extend(self, cached: CachedPrefix, new: Events):
+    def _extend(self, cached: CachedPrefix, new: Events, window_times: np.ndarray):
         """Hidden states of ``new`` at positions ``cached.length ..``: every layer's new tokens attend to the cached
-        K/V and to each other (causal). Returns the extended K/V per layer and the last hidden state."""
+        K/V and to each other (causal). ``window_times``: the event times (ms) of the window's events, cached ones
+        and ``new`` (read by a model with the time bias). Returns the extended K/V per layer and the last hidden
+        state."""
         model = self.model
         p0 = cached.length
+        times = None
+        if model.needs_times:  # seconds, as HSTU.encode converts them
+            times = torch.from_numpy(np.asarray(window_times[:p0 + len(new)], dtype=np.int64) // 1000)
         emb = model.token_inputs(self._token_rows(new))
         pos = torch.arange(p0, p0 + len(new))
         x = sum(emb[t] for t in model.tables) + model.pos.index_select(0, pos.clamp(max=model.max_len - 1))
         kv_out = []
         for layer, (k_old, v_old) in zip(model.layers, cached.kv):
-            x, k_all, v_all = layer.forward_cached(x, k_old, v_old, p0)
+            x, k_all, v_all = layer.forward_cached(x, k_old, v_old, p0, times)
             kv_out.append((k_all, v_all))
         return kv_out, model.norm_out(x)[-1]
 

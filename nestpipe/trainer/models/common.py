@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -88,9 +88,16 @@ class SequentialModel(nn.Module):
 
         self.untied = cfg.output_embedding == "untied"
 
-    def encode(self, emb: Dict[str, torch.Tensor], lengths: torch.Tensor) -> torch.Tensor:
-        """Token embeddings (``token_inputs``) -> hidden states."""
+    def encode(self, emb: Dict[str, torch.Tensor], lengths: torch.Tensor,
+               times: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Token embeddings (``token_inputs``) -> hidden states. ``times``: the tokens' event times in ms (int64),
+        for models whose ``needs_times``."""
         raise NotImplementedError
+
+    @property
+    def needs_times(self) -> bool:
+        """Whether :meth:`encode` reads the tokens' event times."""
+        return False
 
     def token_inputs(self, emb: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The sequence tables' rows as token inputs (the input half of untied item rows)."""
@@ -106,7 +113,7 @@ class SequentialModel(nn.Module):
         """Per-sample loss ``[b]``: mean next-item sampled-softmax loss over the sample's positions."""
         k = self.cfg.num_random_negatives
         w = math.log(self.num_items / k) if self.cfg.logq_correction and k and self.num_items > k else 0.0
-        hidden = self.encode(self.token_inputs(emb), feats["lengths"])
+        hidden = self.encode(self.token_inputs(emb), feats["lengths"], feats.get("times"))
         out = {"item": self.candidates(emb["item"]), NEG: self.candidates(emb[NEG])}
         return next_item_loss(hidden, out, feats, self.cfg.temperature, self.cfg.history_negatives, w,
                               in_batch=self.cfg.in_batch_negatives, logit_dtype=NEGATIVE_DTYPES[self.cfg.negatives_dtype])

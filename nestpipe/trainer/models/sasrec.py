@@ -75,8 +75,8 @@ class SASRec(SequentialModel):
         super().__init__("sasrec", cfg, dim, sequence_tables, max_seq_len, num_items)
         self.blocks = nn.ModuleList([SASRecBlock(dim, cfg.num_heads, cfg.ffn_mult) for _ in range(cfg.num_layers)])
 
-    def encode(self, emb: Dict[str, torch.Tensor], lengths: torch.Tensor) -> torch.Tensor:
-        """Jagged tokens -> hidden states, flat ``[nnz, D]`` in the input order."""
+    def encode(self, emb: Dict[str, torch.Tensor], lengths: torch.Tensor, times=None) -> torch.Tensor:
+        """Jagged tokens -> hidden states, flat ``[nnz, D]`` in the input order (``times`` unused)."""
         x, flat, valid = padded_tokens(emb, self.tables, self.pos, lengths, self.max_len)
         b, n = valid.shape
         causal = torch.tril(torch.ones(n, n, dtype=torch.bool, device=lengths.device))

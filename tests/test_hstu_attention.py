@@ -318,3 +318,19 @@ def test_triton_kernels_in_interpreter_mode_equal_the_padded_reference():
         assert worst[name] <= 1e-5 and worst[name + " time bias"] <= 1e-5, (name, worst)
     # negative control: an off-by-one causal bound (one key past the diagonal) is far outside the tolerance
     assert worst["one long among short control"] > 1e-3, worst
+
+
+def test_the_dense_probe_gives_a_time_bias_model_its_times(tmp_path):
+    """``simulate --calibrate`` times the run's own model: with ``hstu.time_bias`` it must pass per-token times (the
+    model refuses inputs without them, as the control in ``test_hstu_model_jagged_equals_padded`` shows)."""
+    from shard_sets import make_shards
+
+    from nestpipe.datasets.shards import load_manifest
+    from nestpipe.measure.dense_probe import first_record, probe_call_seconds
+
+    shards = str(tmp_path / "gr")
+    make_shards(shards, "gr", batch_size=12, micro_batches=3, shards=(2,), eval_shards=(1,), vocab=300, seq_len=8,
+                seed=5)
+    cfg = {"model": "hstu", "shards": shards, "hstu": {"num_layers": 1, "time_bias": True}}
+    out = probe_call_seconds(cfg, load_manifest(shards), first_record(shards), 3, reps=1)
+    assert out["counts"] == [1, 3, 6] and all(v > 0 for v in out["batch_s"].values())

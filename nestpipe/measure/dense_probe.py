@@ -49,6 +49,8 @@ def _micro_batch_inputs(cfg, manifest, record: Dict, model, dims: Dict[str, int]
             widths = {t: dims[t] for t in model.tables}
             widths[NEG] = dims["item"]  # negatives are rows of the item table
             feats = {"lengths": ln, "item_ids": torch.randint(0, 1 << 30, (nnz,), generator=rng), "neg_ids": neg_ids}
+            if model.needs_times:  # event times in ms, one second apart within every sample (a model with a time bias)
+                feats["times"] = torch.arange(nnz, dtype=torch.int64) * 1000
             out.append((_unpack_like(sizes, widths, rng), feats))  # received buffers, rows picked by index
     else:
         nd = len(manifest.dense_features)

@@ -121,7 +121,12 @@ def evaluate_next_item(cfg, man, full, model, max_batches, split="eval", full_ca
             ids = to_vocab(rec[f"{t}.values"][idx], man.tables[t].vocab)
             emb[t] = full[f"embedding.{t}.weight"].float().index_select(0, torch.from_numpy(ids))
         in_len = torch.from_numpy((lengths[keep] - 1).astype(np.int64))
-        times = torch.from_numpy(np.asarray(rec["time"])[idx].astype(np.int64)) if model.needs_times else None
+        times = None
+        if model.needs_times:
+            if "time" not in rec:
+                raise ValueError(f"{cfg.shards}: {split} batches have no 'time' field, which hstu.time_bias needs "
+                                 "(re-ingest them with this version's gr ingest)")
+            times = torch.from_numpy(np.asarray(rec["time"])[idx].astype(np.int64))
         hidden = model.encode(model.token_inputs(emb), in_len, times)
         last = torch.cumsum(in_len, 0) - 1
         q = torch.nn.functional.normalize(hidden.index_select(0, last), dim=-1)

@@ -140,9 +140,9 @@ class _NumbaAttention(torch.autograd.Function):
         off = offsets.detach().to(torch.int64).contiguous().numpy()
         bias = (pos_bias.detach().to(q.dtype).contiguous().numpy() if pos_bias is not None
                 else np.zeros((q.shape[1], 0), dtype=qn.dtype))
-        tbias = (time_bias.detach().to(q.dtype).contiguous().numpy() if time_bias is not None
-                 else np.zeros((q.shape[1], 0), dtype=qn.dtype))
-        tn = (times.detach().contiguous().numpy() if times is not None else np.zeros(0, np.int64))
+        # without a time bias both stay None: attention_cpu substitutes its empty table
+        tbias = time_bias.detach().to(q.dtype).contiguous().numpy() if time_bias is not None else None
+        tn = times.detach().contiguous().numpy() if times is not None else None
         kt = kn.transpose(1, 2, 0).copy()
         out = attention_cpu.forward(qn, kt, vn, off, scale, inv_norm, bias, max_len, torch.get_num_threads(),
                                     tbias=tbias, times=tn)
@@ -150,7 +150,7 @@ class _NumbaAttention(torch.autograd.Function):
         ctx.kt = kt  # the backward's scores read k transposed too
         ctx.bias = bias
         ctx.has_bias = pos_bias is not None
-        ctx.tbias, ctx.times, ctx.has_tbias = tbias, tn, time_bias is not None
+        ctx.tbias, ctx.times = tbias, tn
         ctx.args = (max_len, scale, inv_norm)
         return torch.from_numpy(out)
 
@@ -168,16 +168,14 @@ class _NumbaAttention(torch.autograd.Function):
             torch.get_num_threads(), tbias=ctx.tbias, times=ctx.times)
         dk = torch.from_numpy(dkt).permute(2, 0, 1).contiguous()
         dv = torch.from_numpy(dvt).permute(2, 0, 1).contiguous()
-        grad_bias = None
-        if ctx.has_bias:
-            s = len(off) - 1
-            grad_bias = (torch.from_numpy(dbias).view(s, q.shape[1], -1).sum(0) if s
-                         else torch.zeros(ctx.bias.shape, dtype=q.dtype))
-        grad_tbias = None
-        if ctx.has_tbias:
-            s = len(off) - 1
-            grad_tbias = (torch.from_numpy(dtbias).view(s, q.shape[1], -1).sum(0) if s
-                          else torch.zeros(ctx.tbias.shape, dtype=q.dtype))
+        s = len(off) - 1
+
+        def table_grad(rows, table):  # the per-(sequence, head) rows summed over sequences, in order
+            return torch.from_numpy(rows).view(s, q.shape[1], -1).sum(0) if s else torch.zeros(table.shape,
+                                                                                                 dtype=q.dtype)
+
+        grad_bias = table_grad(dbias, ctx.bias) if ctx.has_bias else None
+        grad_tbias = table_grad(dtbias, ctx.tbias) if ctx.tbias is not None else None
         return torch.from_numpy(dq), dk, dv, None, None, None, None, grad_bias, grad_tbias, None
 
 

@@ -40,7 +40,7 @@ from nestpipe.trainer.data import ShardStream, iter_shard
 from nestpipe.trainer.embedding.placement import to_vocab
 from nestpipe.trainer.export import assemble
 from nestpipe.trainer.models import build_model, model_table_dims
-from nestpipe.trainer.models.hstu import HSTU
+from nestpipe.trainer.models.hstu import HSTU, event_seconds
 from nestpipe.trainer.run_files import run_manifest
 from nestpipe.utils.jsonio import read_json, write_json_atomic
 
@@ -443,7 +443,7 @@ class Ranker:
         p0 = cached.length
         times = None
         if model.needs_times:  # seconds, as HSTU.encode converts them
-            times = torch.from_numpy(np.asarray(window_times[:p0 + len(new)], dtype=np.int64) // 1000)
+            times = event_seconds(torch.from_numpy(np.asarray(window_times[:p0 + len(new)], dtype=np.int64)))
         emb = model.token_inputs(self._token_rows(new))
         pos = torch.arange(p0, p0 + len(new))
         x = sum(emb[t] for t in model.tables) + model.pos.index_select(0, pos.clamp(max=model.max_len - 1))

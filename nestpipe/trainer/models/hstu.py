@@ -78,6 +78,12 @@ class HSTUConfig:
 TIME_BUCKETS = 32  # bit lengths 0..31 of the seconds between two events: 0 s, 1 s, 2-3 s, ..., 2**30 s (34 years) and more
 
 
+def event_seconds(times_ms: torch.Tensor) -> torch.Tensor:
+    """Event times in ms -> whole seconds (floored), the unit of the time bias's buckets: training, evaluation and
+    serving's cached prefix all convert through here."""
+    return torch.div(times_ms.to(torch.int64), 1000, rounding_mode="floor")
+
+
 class HSTULayer(nn.Module):
     """One HSTU layer, on flat tokens ``[T, D]`` (``forward``) or padded ``[b, n, D]`` (``forward_padded``).
 
@@ -182,7 +188,7 @@ class HSTU(SequentialModel):
         """Jagged tokens -> hidden states, flat ``[nnz, D]`` in the input order. ``times``: the tokens' event times
         in ms (int64 ``[nnz]``), read with the time bias only."""
         if times is not None:
-            times = torch.div(times.to(torch.int64), 1000, rounding_mode="floor")  # seconds
+            times = event_seconds(times)
         if self.cfg.attention == "padded":
             return self.encode_padded(emb, lengths, times)
         x = jagged_tokens(emb, self.tables, self.pos, lengths, self.max_len)

@@ -8,17 +8,19 @@ from typing import Callable, Dict
 import torch
 
 
-def adamw_step_(params: Dict[str, torch.Tensor], state: Dict[str, tuple], optim, k: int) -> None:
+def adamw_step_(params: Dict[str, torch.Tensor], state: Dict[str, tuple], optim, k: int, lr=None) -> None:
     """AdamW written out (decoupled weight decay, bias correction at step ``k`` >= 1) on every parameter with a
-    gradient in ``params``; ``state[name]`` is its (exp_avg, exp_avg_sq). Clears the gradients."""
+    gradient in ``params``; ``state[name]`` is its (exp_avg, exp_avg_sq). ``lr``: this step's rate (default
+    ``optim.lr``; the decay uses it too, as torch's AdamW does). Clears the gradients."""
     b0, b1 = optim.betas
+    lr = optim.lr if lr is None else lr
     for n, p in params.items():
         m, v = state[n]
         g = p.grad
-        p.mul_(1 - optim.lr * optim.weight_decay)
+        p.mul_(1 - lr * optim.weight_decay)
         m.mul_(b0).add_((1 - b0) * g)
         v.mul_(b1).add_((1 - b1) * g * g)
-        p -= optim.lr * (m / (1 - b0 ** k)) / ((v / (1 - b1 ** k)).sqrt() + optim.eps)
+        p -= lr * (m / (1 - b0 ** k)) / ((v / (1 - b1 ** k)).sqrt() + optim.eps)
         p.grad = None
 
 

@@ -45,7 +45,11 @@ SETS = {
     "sasrec": {"embedding": {"replicate_max_rows": 300, "lr": 0.05}, "optim": {"lr": 0.01, "weight_decay": 0.01},
                "sasrec": {"num_layers": 1, "num_random_negatives": 8, "num_popular_negatives": 8,
                       "in_batch_negatives": 0}},  # the partition-invariant objective (clustering on vs off)
-    "dlrm": {"embedding": {"replicate_max_rows": 256, "lr": 0.05}, "optim": {"lr": 0.01, "weight_decay": 0.01},
+    # every dlrm schedule with a learning-rate schedule (warm-up, cosine decay, the sparse tables following it):
+    # rates are a function of the step, the same in every schedule
+    "dlrm": {"embedding": {"replicate_max_rows": 256, "lr": 0.05},
+             "optim": {"lr": 0.01, "weight_decay": 0.01, "schedule": "cosine", "warmup_steps": 3,
+                       "final_lr_ratio": 0.1, "embedding_follows": True},
              "dlrm": {"bottom_mlp": [16, 8], "top_mlp": [16], "cross_rank": 4}},
 }
 NO_GANTT = {"pipe": {"gantt_steps": 0}}

@@ -180,8 +180,10 @@ def _wait_for(path, proc, limit=120):
 @pytest.mark.slow
 @pytest.mark.parametrize("tier", ["dram", "mmap"])
 def test_sigkill_mid_checkpoint_and_mid_step_then_resume_is_bitwise(gr, tmp_path, tier):
+    # with a learning-rate schedule: the resumed steps must take the rates of their own step numbers
     args = ["--model", "hstu", "--nproc-per-node", "2", "--steps", "9", "--checkpoint-every", "3", "--no-progress",
-            *SETS]
+            *SETS, "--set", 'optim.schedule="linear"', "--set", "optim.warmup_steps=2",
+            "--set", "optim.embedding_follows=true"]
     if tier == "mmap":  # row files with a DRAM cache of 5 KiB (a few dozen rows): far below the item table
         args += ["--set", 'embedding.tier="mmap"', "--set", "embedding.dram_cache_mb=0.005"]
     hooks = {"checkpoint_sleep_s": 2.0, "step_sleep_s": 0.4}  # windows to kill the run in

@@ -55,8 +55,9 @@ def train_and_export(shards, out, model, extra=(), hooks=None):
     return torch.load(os.path.join(out, "export.pt"), weights_only=True)
 
 
-def reference(run: str):
-    """Float64 single-process training on the batches every rank would see."""
+def reference(run: str, rate=lambda step: 1.0):
+    """Float64 single-process training on the batches every rank would see. ``rate(step)``: the learning-rate
+    multiplier of step ``step`` (0-based) for both optimizers (the reference's own schedule, written out below)."""
     cfg = load_run_config(run)
     man = load_manifest(cfg.shards)
     dims = model_table_dims(cfg, man)
@@ -91,9 +92,10 @@ def reference(run: str):
                 g = tables[t].grad
                 states[t] += g.square().mean(1)
                 # eps outside the square root; M = momentum_scale_groups (1: plain row-wise AdaGrad)
-                tables[t] -= (ec.lr / ((states[t] / ec.momentum_scale_groups).sqrt() + ec.eps))[:, None] * g
+                lr = ec.lr * (rate(step) if o.embedding_follows else 1.0)
+                tables[t] -= (lr / ((states[t] / ec.momentum_scale_groups).sqrt() + ec.eps))[:, None] * g
                 tables[t].grad = None
-            adamw_step_(params, adam, o, step + 1)
+            adamw_step_(params, adam, o, step + 1, lr=o.lr * rate(step))
     out = {f"embedding.{t}.weight": tables[t].detach() for t in names}
     out.update({f"embedding.{t}.adagrad_state": states[t] for t in names})
     out.update({f"dense.{n}": p.detach() for n, p in params.items()})
@@ -163,3 +165,47 @@ def test_float32_training_tracks_float64_reference(shard_dirs, model):
     exported = train_and_export(shards, run, model)
     assert exported["dense." + next(iter(sorted(k[6:] for k in exported if k.startswith("dense."))))].dtype == torch.float32
     compare(exported, reference(run), rtol=1e-3, atol=1e-4)
+
+
+# warm-up over steps 0..2 (1/3, 2/3, 1), then half a cosine from 1 at step 3 to 0.1 at the last step (STEPS - 1)
+SCHEDULE = ["optim.schedule=\"cosine\"", "optim.warmup_steps=3", "optim.final_lr_ratio=0.1",
+            "optim.embedding_follows=true"]
+
+
+def cosine_rate(step: int, shift: int = 0) -> float:
+    step += shift
+    if step < 3:
+        return (step + 1) / 3
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - 3) / (STEPS - 1 - 3)))
+
+
+def test_learning_rate_factors():
+    from nestpipe.trainer.config import OptimConfig, TrainConfig, lr_factor
+
+    total = 11
+    assert [lr_factor(OptimConfig(), s, total) for s in (0, 5, 10)] == [1.0, 1.0, 1.0]
+    lin = OptimConfig(schedule="linear", final_lr_ratio=0.2)
+    assert [round(lr_factor(lin, s, total), 12) for s in (0, 5, 10, 12)] == [1.0, 0.6, 0.2, 0.2]
+    cos = OptimConfig(schedule="cosine", warmup_steps=2)
+    assert [round(lr_factor(cos, s, total), 12) for s in (0, 1, 2, 10)] == [0.5, 1.0, 1.0, 0.0]
+    assert abs(lr_factor(cos, 6, 11) - 0.5) < 1e-12  # half-way through the decay (steps 2..10)
+    for s in range(STEPS):
+        assert abs(lr_factor(OptimConfig(schedule="cosine", warmup_steps=3, final_lr_ratio=0.1), s, STEPS)
+                   - cosine_rate(s)) < 1e-12
+    with pytest.raises(ValueError, match="optim.schedule = 'step': expected one of constant, linear, cosine"):
+        TrainConfig.from_dict({"optim": {"schedule": "step"}}, where="cfg")
+
+
+@pytest.mark.parametrize("model", ["hstu", "dlrm"])
+def test_learning_rate_schedule_matches_the_reference(shard_dirs, model):
+    """Warm-up, cosine decay and the sparse tables following it: the trainer's rates per step are the reference's.
+    Negative controls: the reference without the schedule, and with the schedule one step late, must not match."""
+    base = shard_dirs[0]
+    shards = str(base / ("gr" if model == "hstu" else "ctr"))
+    run = str(base / f"run-{model}-schedule")
+    exported = train_and_export(shards, run, model, extra=["dtype=\"float64\"", *SCHEDULE])
+    compare(exported, reference(run, cosine_rate))
+    with pytest.raises(AssertionError):
+        compare(exported, reference(run))
+    with pytest.raises(AssertionError):
+        compare(exported, reference(run, lambda s: cosine_rate(s, shift=-1) if s > 0 else 1 / 3))

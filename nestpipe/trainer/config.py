@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import textwrap
@@ -38,6 +39,23 @@ RETIRED_KEYS = {
 REMOVED_NO_OP_KEYS = {"hstu.dropout": "the model never applied it"}
 
 
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+def lr_factor(o: "OptimConfig", step: int, total: int) -> float:
+    """The learning-rate multiplier of step ``step`` (0-based) of a ``total``-step run under ``o.schedule``:
+    ``step / warmup_steps`` during the warm-up, then 1 (constant) or a decay from 1 at the warm-up's end to
+    ``final_lr_ratio`` at step ``total - 1`` (linear or half a cosine)."""
+    if o.warmup_steps > 0 and step < o.warmup_steps:
+        return (step + 1) / o.warmup_steps
+    if o.schedule == "constant":
+        return 1.0
+    span = max(total - 1 - o.warmup_steps, 1)
+    done = min(max(step - o.warmup_steps, 0) / span, 1.0)
+    shape = 1.0 - done if o.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
+    return o.final_lr_ratio + (1.0 - o.final_lr_ratio) * shape
+
+
 @dataclasses.dataclass
 class OptimConfig:
     """Dense parameters: AdamW (replicated, gradients all-reduced once per batch)."""
@@ -46,6 +64,16 @@ class OptimConfig:
     betas: Tuple[float, ...] = opt((0.9, 0.999), help="AdamW betas")
     eps: float = opt(1e-8, help="AdamW epsilon", minimum=0)
     weight_decay: float = opt(0.0, help="AdamW weight decay", minimum=0)
+    schedule: str = opt(
+        "constant", help="learning-rate schedule over the run's steps: constant, or linear / cosine decay from lr "
+        "to final_lr_ratio x lr at the last step (after warmup_steps of linear warm-up from 0). The rate of step s "
+        "depends on s and the run's step count only, so every schedule and a resumed run use the same rates",
+        choices=LR_SCHEDULES)
+    warmup_steps: int = opt(0, help="steps of linear warm-up to lr before the schedule", minimum=0)
+    final_lr_ratio: float = opt(0.0, help="linear / cosine: the rate at the last step as a fraction of lr",
+                                minimum=0)
+    embedding_follows: bool = opt(
+        False, help="scale the sparse tables' row-wise AdaGrad rates (embedding.lr, table_lr) by the same factor")
 
 
 @dataclasses.dataclass

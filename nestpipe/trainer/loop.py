@@ -153,6 +153,7 @@ def set_up(cfg: TrainConfig, device: Device, rank: int, world: int) -> RankRun:
     schedule = auto.choose(cfg.pipeline, device.torch, world, micro_batching=cfg.pipe.micro_batching,
                            partition_invariant=model_spec(cfg.model).partition_invariant(cfg))
     state.micro_batching = schedule.micro_batching
+    state.total_steps = steps
     return RankRun(cfg, device, rank, world, hooks, flush_denormal, stream, steps, state, schedule)
 
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from nestpipe.datasets.sequence_cost import DEFAULT_COST, SequenceCost
 from nestpipe.datasets.shards import Manifest
 from nestpipe.trainer import testing_hooks
-from nestpipe.trainer.config import TrainConfig
+from nestpipe.trainer.config import TrainConfig, lr_factor
 from nestpipe.trainer.data import prepare_batch
 from nestpipe.trainer.distributed import sparse_groups
 from nestpipe.trainer.embedding import replica_sync
@@ -65,6 +65,8 @@ class StepState:
     # pipe.micro_batching as resolved for the run's schedule (pipeline.auto.micro_batching_for; set by the trainer
     # once the schedule is chosen): clustered, random or whole
     micro_batching: str = "clustered"
+    # the run's step count (set by the trainer): the learning-rate schedule's horizon (optim.schedule)
+    total_steps: int = 0
 
 
 def sequence_cost(manifest: Manifest) -> SequenceCost:
@@ -201,10 +203,35 @@ class DenseReduce:
     t_done: Optional[float] = None  # set by the collective's completion callback (on the communication thread)
 
 
+def updates_done(optimizer: torch.optim.Optimizer) -> int:
+    """Optimizer steps taken so far: AdamW's own count (saved and restored with its state in a checkpoint)."""
+    for st in optimizer.state.values():
+        if "step" in st:
+            return int(st["step"])
+    return 0
+
+
+def set_rates(state: StepState) -> None:
+    """This update's learning rates under ``optim.schedule``: AdamW's, and the sparse tables' when
+    ``optim.embedding_follows``. A function of the update's index and the run's step count only, so every schedule
+    and a resumed run apply the same rates; ``constant`` without warm-up leaves the configured rates untouched."""
+    o = state.cfg.optim
+    if o.schedule == "constant" and o.warmup_steps == 0:
+        return
+    if state.total_steps <= 0:
+        raise RuntimeError(f"optim.schedule {o.schedule!r} needs the run's step count (StepState.total_steps)")
+    factor = lr_factor(o, updates_done(state.optimizer), state.total_steps)
+    for group in state.optimizer.param_groups:
+        group["lr"] = o.lr * factor
+    if o.embedding_follows:
+        state.emb.lr_scale = factor
+
+
 def update_begin(state: StepState, loss: torch.Tensor, async_op: bool = False) -> DenseReduce:
-    """Flatten dense + replicated gradients and the loss sum, and all-reduce them on the ``dense`` group (in flight
-    on return when ``async_op``; :func:`update_dense` waits). Reads gradients only: the sparse update may run
-    while it is in flight."""
+    """Set this update's learning rates (:func:`set_rates`), flatten dense + replicated gradients and the loss sum,
+    and all-reduce them on the ``dense`` group (in flight on return when ``async_op``; :func:`update_dense` waits).
+    Reads gradients only: the sparse update may run while it is in flight."""
+    set_rates(state)
     params = [p for _, p in sorted(state.model.named_parameters(), key=lambda kv: kv[0])]
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     rep = state.emb.replicated_grads()

@@ -295,6 +295,9 @@ class ShardedEmbeddingCollection:
         # cross-group replica synchronisation run by update(); None / the config's scale in plain training
         self.sparse_momentum_scale = cfg.momentum_scale_groups
         self.replica_sync = None
+        # the learning-rate schedule's factor of the current update (optim.embedding_follows; set by the step before
+        # each update, 1.0 otherwise: a product by 1.0 changes no bit)
+        self.lr_scale = 1.0
         self.update_in_store = cfg.dbp_update_in_store
         self.negatives = negatives
         # The routing payload carries local rows (< a store's rows), key positions (< a table's vocabulary: keys
@@ -878,13 +881,13 @@ class ShardedEmbeddingCollection:
                 # buffer was final when it served the batch, and only this batch's update changes its rows before
                 # this point), so the result is bitwise that of the buffered update.
                 with store.lock:
-                    apply_adagrad(store.weight, store.state, o.rows, g, cfg.lr_of(store.table), cfg.eps,
+                    apply_adagrad(store.weight, store.state, o.rows, g, self.lr_of(store.table), cfg.eps,
                                   self.sparse_momentum_scale,
                                   (o.seg_order, o.seg_offsets), o.inv, grad_pairs)
             else:
                 # in place into the batch's buffer, then written back to the store
                 buf_rows = torch.arange(len(o.rows), dtype=torch.int64)
-                apply_adagrad(o.buf_w, o.buf_s, buf_rows, g, cfg.lr_of(store.table), cfg.eps, self.sparse_momentum_scale,
+                apply_adagrad(o.buf_w, o.buf_s, buf_rows, g, self.lr_of(store.table), cfg.eps, self.sparse_momentum_scale,
                               (o.seg_order, o.seg_offsets), o.inv, grad_pairs)
                 t_wb = time.perf_counter()
                 with self._tier_span(store, "tier.write_back", routing.batch.step):
@@ -927,10 +930,10 @@ class ShardedEmbeddingCollection:
             with store.lock:
                 # bag_rows index rows_all, which _owner_plan bounded to the store's rows
                 kernels.adagrad_bags(store.weight, store.state, o.bag_rows, o.bag_offsets, grad_output,
-                                     self.cfg.lr_of(store.table), self.cfg.eps, indices_checked=True)
+                                     self.lr_of(store.table), self.cfg.eps, indices_checked=True)
             return
         positions = torch.from_numpy(np.concatenate(o.fwd_pos))
-        kernels.adagrad_bags(o.buf_w, o.buf_s, positions, o.bag_offsets, grad_output, self.cfg.lr_of(store.table),
+        kernels.adagrad_bags(o.buf_w, o.buf_s, positions, o.bag_offsets, grad_output, self.lr_of(store.table),
                              self.cfg.eps)
         t_wb = time.perf_counter()
         with self._tier_span(store, "tier.write_back", step):
@@ -980,7 +983,11 @@ class ShardedEmbeddingCollection:
             out.append(w.grad if w.grad is not None else torch.zeros_like(w))
         return out
 
+    def lr_of(self, table: str) -> float:
+        """The row-wise AdaGrad rate of ``table`` in this update: its configured rate times ``lr_scale``."""
+        return self.cfg.lr_of(table) * self.lr_scale
+
     @torch.no_grad()
     def update_replicated(self, grads: List[torch.Tensor]) -> None:
         for t, g in zip(sorted(self.replicated), grads):
-            self.replicated[t].update(g, self.cfg.lr_of(t), self.cfg.eps, self.cfg.momentum_scale_groups)
+            self.replicated[t].update(g, self.lr_of(t), self.cfg.eps, self.cfg.momentum_scale_groups)

@@ -75,27 +75,31 @@ def summary(per_seed, models=GR_MODELS + ("dlrm",)) -> dict:
 
     for model in models:
         add(f"{model} step s", [s["step_s"][model] for s in per_seed])
-    # the next-item figures need hstu (its eval carries the baselines); a dlrm-only run still gets its own
-    if "hstu" in models:
+    # every gr model's figures; the baselines and the oracle from the first gr model's eval (every gr eval carries
+    # them, on the same protocol), the ratios where both models ran
+    gr = [m for m in GR_MODELS if m in models]
+    if gr:
+        ref = gr[0]
         for metric in ("HR@10", "NDCG@10", "HR@50", "NDCG@50"):
-            for model in GR_MODELS:
-                if model in models:
-                    add(f"{model} {metric}", [s[model]["model"][metric] for s in per_seed])
+            for model in gr:
+                add(f"{model} {metric}", [s[model]["model"][metric] for s in per_seed])
             for base in ("successor_counts", "most_popular"):
-                add(f"{base} {metric}", [s["hstu"][f"baseline_{base}"][metric] for s in per_seed])
-            add(f"hstu / successor_counts {metric}",
-                [s["hstu"]["model"][metric] / s["hstu"]["baseline_successor_counts"][metric] for s in per_seed])
-            if "sasrec" in models:
+                add(f"{base} {metric}", [s[ref][f"baseline_{base}"][metric] for s in per_seed])
+            for model in gr:
+                add(f"{model} / successor_counts {metric}",
+                    [s[model]["model"][metric] / s[ref]["baseline_successor_counts"][metric] for s in per_seed])
+            if "hstu" in gr and "sasrec" in gr:
                 add(f"hstu / sasrec {metric}",
                     [s["hstu"]["model"][metric] / s["sasrec"]["model"][metric] for s in per_seed])
-            if all("generator_oracle" in s["hstu"] for s in per_seed):
+            if all("generator_oracle" in s[ref] for s in per_seed):
                 # the ceiling of this data: the generator's own next-item probabilities, on the same protocol
-                add(f"generator_oracle {metric}", [s["hstu"]["generator_oracle"][metric] for s in per_seed])
+                add(f"generator_oracle {metric}", [s[ref]["generator_oracle"][metric] for s in per_seed])
                 add(f"generator_oracle / successor_counts {metric}",
-                    [s["hstu"]["generator_oracle"][metric] / s["hstu"]["baseline_successor_counts"][metric]
+                    [s[ref]["generator_oracle"][metric] / s[ref]["baseline_successor_counts"][metric]
                      for s in per_seed])
-                add(f"hstu / generator_oracle {metric}",
-                    [s["hstu"]["model"][metric] / s["hstu"]["generator_oracle"][metric] for s in per_seed])
+                for model in gr:
+                    add(f"{model} / generator_oracle {metric}",
+                        [s[model]["model"][metric] / s[ref]["generator_oracle"][metric] for s in per_seed])
     if "dlrm" not in models:
         return rows
     for metric in ("AUC", "logloss"):

@@ -1,0 +1,103 @@
+"""Where a next-item model gains and loses against the counting model: the figures split by what the target is.
+
+    python benchmarks/next_item_breakdown.py RUN [--split valid] [--max-batches N]
+
+Synthetic data only (the shards' ``synth_truth.json``): the generator draws a user's next item as the fixed successor
+of the previous one (probability ``successor_prob`` inside a session) or fresh from the user's community or the
+popular head (docs/synthetic-data.md). This scores the trained run (full catalogue, the protocol of ``nestpipe
+eval``), the successor counting model and the generator oracle on the same samples, and prints HR@1, HR@10 and
+NDCG@10 for the samples whose target is the last input item's successor -- split by how often the counting model
+saw that transition in training (the pairs a model can memorise) -- and for the fresh draws. A model that trails
+the counting model on successors but not on fresh draws is short of memorising transitions, not of modelling
+interests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import torch
+
+from nestpipe.datasets.shards import table_offsets
+from nestpipe.trainer import evaluate as ev
+from nestpipe.trainer.config import load_run_config
+from nestpipe.trainer.embedding.placement import to_vocab
+from nestpipe.trainer.export import assemble
+from nestpipe.trainer.models import build_model, model_table_dims
+from nestpipe.trainer.run_files import run_manifest
+
+
+def ranks_and_kinds(run: str, split: str, max_batches=None):
+    """Per sample: the model's, the counting model's and the oracle's rank of the target; whether the target is the
+    last input item's successor; how often that (last, target) transition occurs in the training split."""
+    cfg = load_run_config(run)
+    man, cfg.shards = run_manifest(run, cfg, None, need_data=True)
+    oracle = ev._next_item_oracle(cfg.shards)
+    if oracle is None:
+        raise SystemExit(f"{cfg.shards}: no synth_truth.json with the generator's config (synthetic data only)")
+    full = assemble(run)
+    model = build_model(cfg, man, model_table_dims(cfg, man))
+    model.load_state_dict({k[len("dense."):]: v.float() for k, v in full.items() if k.startswith("dense.")})
+    model.eval()
+    vocab = man.tables["item"].vocab
+    seq = sorted(t for t, s in man.tables.items() if s.kind == "sequence")
+    items = torch.nn.functional.normalize(model.candidates(full["embedding.item.weight"].float()), dim=-1)
+    counts = ev.fit_next_item_baselines(cfg.shards, vocab)["successor_counts"]
+    ranks = {"model": [], "successor_counts": [], "generator_oracle": []}
+    successor, seen = [], []
+    with torch.no_grad():
+        for rec, keep, inputs, target, _ in ev.next_item_examples(cfg.shards, vocab, max_batches, 0, cfg.seed, split):
+            off = table_offsets(rec, "item")
+            lengths = np.diff(off)
+            idx = np.concatenate([np.arange(off[s], off[s + 1] - 1) for s in range(len(lengths)) if keep[s]])
+            emb = {t: full[f"embedding.{t}.weight"].float().index_select(
+                0, torch.from_numpy(to_vocab(rec[f"{t}.values"][idx], man.tables[t].vocab))) for t in seq}
+            in_len = torch.from_numpy((lengths[keep] - 1).astype(np.int64))
+            times = torch.from_numpy(np.asarray(rec["time"])[idx].astype(np.int64)) if model.needs_times else None
+            hidden = model.encode(model.token_inputs(emb), in_len, times)
+            q = torch.nn.functional.normalize(hidden.index_select(0, torch.cumsum(in_len, 0) - 1), dim=-1)
+            scores = q @ items.t()
+            ranks["model"].append((scores > scores.gather(1, torch.from_numpy(target)[:, None])).sum(1).numpy())
+            ranks["successor_counts"].append(ev.baseline_ranks({"c": counts}, inputs, target, None)["c"])
+            ranks["generator_oracle"].append(ev.baseline_ranks({"o": oracle}, inputs, target, None)["o"])
+            for h, t in zip(inputs, target):
+                _, succ_slot = oracle._context(h)
+                successor.append(bool(oracle.layout.video_to_slot(np.array([t]))[0] == succ_slot[0]))
+                followers, n = counts._successors(int(h[-1]))
+                seen.append(int(n[followers == t].sum()))
+    return {k: np.concatenate(v) for k, v in ranks.items()}, np.array(successor), np.array(seen)
+
+
+def figures(r: np.ndarray) -> dict:
+    return {"samples": int(len(r)), "HR@1": float(np.mean(r < 1)), "HR@10": float(np.mean(r < 10)),
+            "NDCG@10": float(np.mean(np.where(r < 10, 1.0 / np.log2(r + 2.0), 0.0)))}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run", help="a trained gr run directory (hstu or sasrec)")
+    ap.add_argument("--split", default="valid", choices=["eval", "valid"])
+    ap.add_argument("--max-batches", type=int, default=None)
+    ap.add_argument("--json", default="", help="also write the figures to this file")
+    args = ap.parse_args(argv)
+    ranks, succ, seen = ranks_and_kinds(args.run, args.split, args.max_batches)
+    groups = {"all": np.ones_like(succ), "successor": succ, "successor, transition seen >= 2x": succ & (seen >= 2),
+              "successor, seen once": succ & (seen == 1), "successor, never seen": succ & (seen == 0),
+              "fresh draw": ~succ}
+    out = {g: {name: figures(r[mask]) for name, r in ranks.items()} for g, mask in groups.items()}
+    print(f"{args.run}, {args.split} split: {len(succ)} samples, {succ.mean():.3f} of them the last item's successor")
+    print(f"{'targets':34s} {'n':>6s}  " + "  ".join(f"{n + ' HR@1 / HR@10 / NDCG@10':>46s}" for n in ranks))
+    for g, row in out.items():
+        n = row["model"]["samples"]
+        print(f"{g:34s} {n:6d}  " + "  ".join(f"{row[k]['HR@1']:>20.3f} / {row[k]['HR@10']:.3f} / {row[k]['NDCG@10']:.4f}"
+                                              for k in ranks))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"run": args.run, "split": args.split, "groups": out}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -100,7 +100,7 @@ def reference(run: str, group_size: int, sharded_scale: float):
                 grad = w.grad if w.grad is not None else torch.zeros_like(w)
                 v += grad.square().mean(1)
                 scale = sharded_scale if t in sharded else ec.momentum_scale_groups
-                w -= (ec.lr / ((v / scale).sqrt() + ec.eps))[:, None] * grad
+                w -= (ec.lr_of(t) / ((v / scale).sqrt() + ec.eps))[:, None] * grad
                 w.grad = None
             for t in sharded:  # average the copies on every row some group touched
                 u = torch.from_numpy(np.unique(np.concatenate([np.concatenate(touched[(g, t)]) for g in range(G)])))

@@ -336,6 +336,8 @@ def test_model_defaults_from_the_shards_task(tmp_path):
     from nestpipe.trainer.config import default_config
 
     assert default_config("hstu")["optim"]["lr"] == 0.004 and default_config("sasrec")["embedding"]["init_scale"] == 0.05
+    assert (default_config("hstu")["embedding"]["table_lr"] == default_config("sasrec")["embedding"]["table_lr"]
+            == {"item": 0.15})
     p = run("train", "--shards", ctr, "--out", str(tmp_path / "r3"), "--steps", "1", "--no-progress",
             "--set", "optim.lr=0.01")
     assert p.returncode == 0, p.stderr[-3000:]

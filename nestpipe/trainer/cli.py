@@ -159,14 +159,14 @@ def _train(args) -> int:
     from nestpipe.trainer.models import MODEL_TASK  # start-up time: imports torch
 
     man = load_manifest(cfg.shards)
-    unknown = sorted(set(cfg.embedding.table_lr) - set(man.tables))
-    if unknown:
-        raise ValueError(f"embedding.table_lr: no table named {unknown} in {cfg.shards} "
-                         f"(tables: {', '.join(sorted(man.tables))})")
     if MODEL_TASK[cfg.model] != man.task:
         right = [m for m, t in MODEL_TASK.items() if t == man.task]
         raise ValueError(f"--model {cfg.model} trains on {MODEL_TASK[cfg.model]!r} shards, {cfg.shards} holds "
                          f"{man.task!r} shards (use --model {' or '.join(right) or '?'})")
+    unknown = sorted(set(cfg.embedding.table_lr) - set(man.tables))
+    if unknown:
+        raise ValueError(f"embedding.table_lr: no table named {unknown} in {cfg.shards} "
+                         f"(tables: {', '.join(sorted(man.tables))})")
     if not _multi_node(args):
         from nestpipe.trainer.data import world_problem  # one node: refuse here, not in every rank
 

@@ -47,6 +47,12 @@ OUTPUT_EMBEDDING_HELP = (
     "(the item table is half as wide)")
 
 
+# The sequential models' defaults for shared keys: the item table learns at 3x the other tables' rate. Chosen on the
+# valid split of the demo's data (three seeds) and of the medium data (seed 0), docs/benchmarks.md (Model quality):
+# the item rows carry which video follows which, the pairs a next-item model must memorise from a few occurrences.
+SEQUENTIAL_TRAIN_DEFAULTS = {"embedding": {"table_lr": {"item": 0.15}}}
+
+
 def sequential_table_widths(section) -> Dict[str, int]:
     """Item rows of ``untied`` models are two embedding dims wide: ``[input | output]``."""
     return {"item": 2} if section.output_embedding == "untied" else {}

@@ -34,8 +34,9 @@ from nestpipe.datasets.shards import Manifest
 from nestpipe.kernels.attention import hstu_attention, time_buckets
 from nestpipe.trainer.embedding.batch import NEG_SLOT, PreparedBatch
 from nestpipe.trainer.models.common import (IN_BATCH_HELP, NEGATIVE_DTYPES, NEGATIVES_DTYPE_HELP,
-                                             OUTPUT_EMBEDDING_HELP, OUTPUT_EMBEDDINGS, SequentialModel,
-                                             jagged_tokens, padded_tokens, sequential_table_widths, sequential_token_dim)
+                                             OUTPUT_EMBEDDING_HELP, OUTPUT_EMBEDDINGS, SEQUENTIAL_TRAIN_DEFAULTS,
+                                             SequentialModel, jagged_tokens, padded_tokens, sequential_table_widths,
+                                             sequential_token_dim)
 from nestpipe.trainer.models.spec import ModelSpec
 from nestpipe.utils.options import opt
 
@@ -244,4 +245,5 @@ def negatives(cfg) -> Tuple[int, int]:
 SPEC = ModelSpec(name="hstu", task="gr", build=build, dense_inputs=dense_inputs, negatives=negatives,
                  shared_negatives=True, table_widths=lambda cfg: sequential_table_widths(cfg.hstu),
                  partition_invariant=lambda cfg: cfg.hstu.in_batch_negatives == 0,
+                 train_defaults=SEQUENTIAL_TRAIN_DEFAULTS,
                  config=HSTUConfig, help="the HSTU model")

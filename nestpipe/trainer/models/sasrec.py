@@ -21,8 +21,8 @@ from torch import nn
 from nestpipe.datasets.shards import Manifest
 from nestpipe.trainer.models import hstu
 from nestpipe.trainer.models.common import (IN_BATCH_HELP, NEGATIVE_DTYPES, NEGATIVES_DTYPE_HELP,
-                                             OUTPUT_EMBEDDING_HELP, OUTPUT_EMBEDDINGS, SequentialModel,
-                                             padded_tokens, sequential_table_widths, sequential_token_dim)
+                                             OUTPUT_EMBEDDING_HELP, OUTPUT_EMBEDDINGS, SEQUENTIAL_TRAIN_DEFAULTS,
+                                             SequentialModel, padded_tokens, sequential_table_widths, sequential_token_dim)
 from nestpipe.trainer.models.spec import ModelSpec
 from nestpipe.utils.options import opt
 
@@ -101,4 +101,5 @@ def negatives(cfg):
 SPEC = ModelSpec(name="sasrec", task="gr", build=build, dense_inputs=hstu.dense_inputs, negatives=negatives,
                  shared_negatives=True, table_widths=lambda cfg: sequential_table_widths(cfg.sasrec),
                  partition_invariant=lambda cfg: cfg.sasrec.in_batch_negatives == 0,
+                 train_defaults=SEQUENTIAL_TRAIN_DEFAULTS,
                  config=SASRecConfig, help="the SASRec model (causal softmax attention)")

@@ -44,8 +44,8 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 
 def lr_factor(o: "OptimConfig", step: int, total: int) -> float:
     """The learning-rate multiplier of step ``step`` (0-based) of a ``total``-step run under ``o.schedule``:
-    ``step / warmup_steps`` during the warm-up, then 1 (constant) or a decay from 1 at the warm-up's end to
-    ``final_lr_ratio`` at step ``total - 1`` (linear or half a cosine)."""
+    ``(step + 1) / warmup_steps`` during the warm-up, then 1 (constant) or a decay from 1 at the warm-up's end to
+    ``final_lr_ratio`` at step ``total - 1`` and after (linear or half a cosine)."""
     if o.warmup_steps > 0 and step < o.warmup_steps:
         return (step + 1) / o.warmup_steps
     if o.schedule == "constant":
@@ -66,8 +66,9 @@ class OptimConfig:
     weight_decay: float = opt(0.0, help="AdamW weight decay", minimum=0)
     schedule: str = opt(
         "constant", help="learning-rate schedule over the run's steps: constant, or linear / cosine decay from lr "
-        "to final_lr_ratio x lr at the last step (after warmup_steps of linear warm-up from 0). The rate of step s "
-        "depends on s and the run's step count only, so every schedule and a resumed run use the same rates",
+        "to final_lr_ratio x lr at the last step (after warmup_steps of linear warm-up: lr / warmup_steps, 2 lr / "
+        "warmup_steps, ..., lr). The rate of step s depends on s and the run's step count only, so every schedule and "
+        "a resumed run use the same rates (a run resumed with a larger --steps follows the new horizon from there)",
         choices=LR_SCHEDULES)
     warmup_steps: int = opt(0, help="steps of linear warm-up to lr before the schedule", minimum=0)
     final_lr_ratio: float = opt(0.0, help="linear / cosine: the rate at the last step as a fraction of lr",

@@ -20,12 +20,8 @@ import json
 import numpy as np
 import torch
 
-from nestpipe.datasets.shards import table_offsets
 from nestpipe.trainer import evaluate as ev
 from nestpipe.trainer.config import load_run_config
-from nestpipe.trainer.embedding.placement import to_vocab
-from nestpipe.trainer.export import assemble
-from nestpipe.trainer.models import build_model, model_table_dims
 from nestpipe.trainer.run_files import run_manifest
 
 
@@ -37,27 +33,15 @@ def ranks_and_kinds(run: str, split: str, max_batches=None):
     oracle = ev._next_item_oracle(cfg.shards)
     if oracle is None:
         raise SystemExit(f"{cfg.shards}: no synth_truth.json with the generator's config (synthetic data only)")
-    full = assemble(run)
-    model = build_model(cfg, man, model_table_dims(cfg, man))
-    model.load_state_dict({k[len("dense."):]: v.float() for k, v in full.items() if k.startswith("dense.")})
-    model.eval()
+    full, model = ev.load_trained(run, cfg, man)
     vocab = man.tables["item"].vocab
-    seq = sorted(t for t, s in man.tables.items() if s.kind == "sequence")
     items = torch.nn.functional.normalize(model.candidates(full["embedding.item.weight"].float()), dim=-1)
     counts = ev.fit_next_item_baselines(cfg.shards, vocab)["successor_counts"]
     ranks = {"model": [], "successor_counts": [], "generator_oracle": []}
     successor, seen = [], []
     with torch.no_grad():
         for rec, keep, inputs, target, _ in ev.next_item_examples(cfg.shards, vocab, max_batches, 0, cfg.seed, split):
-            off = table_offsets(rec, "item")
-            lengths = np.diff(off)
-            idx = np.concatenate([np.arange(off[s], off[s + 1] - 1) for s in range(len(lengths)) if keep[s]])
-            emb = {t: full[f"embedding.{t}.weight"].float().index_select(
-                0, torch.from_numpy(to_vocab(rec[f"{t}.values"][idx], man.tables[t].vocab))) for t in seq}
-            in_len = torch.from_numpy((lengths[keep] - 1).astype(np.int64))
-            times = torch.from_numpy(np.asarray(rec["time"])[idx].astype(np.int64)) if model.needs_times else None
-            hidden = model.encode(model.token_inputs(emb), in_len, times)
-            q = torch.nn.functional.normalize(hidden.index_select(0, torch.cumsum(in_len, 0) - 1), dim=-1)
+            q = ev.next_item_queries(cfg, man, full, model, rec, keep, split)
             scores = q @ items.t()
             ranks["model"].append((scores > scores.gather(1, torch.from_numpy(target)[:, None])).sum(1).numpy())
             ranks["successor_counts"].append(ev.baseline_ranks({"c": counts}, inputs, target, None)["c"])

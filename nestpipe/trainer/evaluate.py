@@ -99,11 +99,31 @@ def next_item_baselines(shards: str, vocab: int, max_batches: Optional[int] = No
     return {n: _rank_metrics(np.concatenate(r)) for n, r in ranks.items()}
 
 
+def next_item_queries(cfg, man, full, model, rec, keep, split: str) -> torch.Tensor:
+    """The model's normalised query ``[kept samples, D]`` of one eval record: each kept sample's tokens but the last
+    (the protocol of :func:`next_item_examples`) encoded, the last position's hidden state."""
+    off = table_offsets(rec, "item")
+    lengths = np.diff(off)
+    idx = np.concatenate([np.arange(off[s], off[s + 1] - 1) for s in range(len(lengths)) if keep[s]])
+    emb = {}
+    for t in sorted(t for t, s in man.tables.items() if s.kind == "sequence"):
+        ids = to_vocab(rec[f"{t}.values"][idx], man.tables[t].vocab)
+        emb[t] = full[f"embedding.{t}.weight"].float().index_select(0, torch.from_numpy(ids))
+    in_len = torch.from_numpy((lengths[keep] - 1).astype(np.int64))
+    times = None
+    if model.needs_times:
+        if "time" not in rec:
+            raise ValueError(f"{cfg.shards}: {split} batches have no 'time' field, which hstu.time_bias needs "
+                             "(re-ingest them with this version's gr ingest)")
+        times = torch.from_numpy(np.asarray(rec["time"])[idx].astype(np.int64))
+    hidden = model.encode(model.token_inputs(emb), in_len, times)
+    return torch.nn.functional.normalize(hidden.index_select(0, torch.cumsum(in_len, 0) - 1), dim=-1)
+
+
 @torch.no_grad()
 def evaluate_next_item(cfg, man, full, model, max_batches, split="eval", full_catalog_max=2_000_000,
                   sampled_negatives=1000):
     vocab = man.tables["item"].vocab
-    seq = sorted(t for t, s in man.tables.items() if s.kind == "sequence")
     items = torch.nn.functional.normalize(model.candidates(full["embedding.item.weight"].float()), dim=-1)
     fitted = fit_next_item_baselines(cfg.shards, vocab)
     sampled = vocab > full_catalog_max
@@ -112,24 +132,8 @@ def evaluate_next_item(cfg, man, full, model, max_batches, split="eval", full_ca
     read = 0
     for rec, keep, inputs, target, negs in next_item_examples(cfg.shards, vocab, max_batches,
                                                               sampled_negatives if sampled else 0, cfg.seed, split):
-        off = table_offsets(rec, "item")
-        lengths = np.diff(off)
-        read += len(lengths)
-        emb = {}
-        idx = np.concatenate([np.arange(off[s], off[s + 1] - 1) for s in range(len(lengths)) if keep[s]])
-        for t in seq:
-            ids = to_vocab(rec[f"{t}.values"][idx], man.tables[t].vocab)
-            emb[t] = full[f"embedding.{t}.weight"].float().index_select(0, torch.from_numpy(ids))
-        in_len = torch.from_numpy((lengths[keep] - 1).astype(np.int64))
-        times = None
-        if model.needs_times:
-            if "time" not in rec:
-                raise ValueError(f"{cfg.shards}: {split} batches have no 'time' field, which hstu.time_bias needs "
-                                 "(re-ingest them with this version's gr ingest)")
-            times = torch.from_numpy(np.asarray(rec["time"])[idx].astype(np.int64))
-        hidden = model.encode(model.token_inputs(emb), in_len, times)
-        last = torch.cumsum(in_len, 0) - 1
-        q = torch.nn.functional.normalize(hidden.index_select(0, last), dim=-1)
+        read += len(table_offsets(rec, "item")) - 1
+        q = next_item_queries(cfg, man, full, model, rec, keep, split)
         tgt = torch.from_numpy(target)
         if negs is None:
             scores = q @ items.t()
@@ -228,6 +232,15 @@ def _bayes_ceiling(cfg, man, split: str, samples: int) -> Dict:
 PROTOCOLS = {"gr": evaluate_next_item, "ctr": evaluate_ctr}
 
 
+def load_trained(run: str, cfg, man):
+    """The run's assembled tensors and its dense model with the trained parameters, in eval mode."""
+    full = assemble(run)
+    model = build_model(cfg, man, model_table_dims(cfg, man))
+    model.load_state_dict({k[len("dense."):]: v.float() for k, v in full.items() if k.startswith("dense.")})
+    model.eval()
+    return full, model
+
+
 def evaluate_run(run: str, max_batches: Optional[int] = None, split: str = "eval",
                  shards: Optional[str] = None) -> Dict:
     """Evaluate ``run`` on ``split`` (``eval``, or ``valid`` for shards ingested with ``--validation``); writes
@@ -240,10 +253,7 @@ def evaluate_run(run: str, max_batches: Optional[int] = None, split: str = "eval
         raise ValueError(f"{cfg.shards}: no {split!r} split (splits: {sorted(man.sets)})"
                          + ("; ingest with --validation to carve one from the training data" if split == "valid"
                             else ""))
-    full = assemble(run)
-    model = build_model(cfg, man, model_table_dims(cfg, man))
-    model.load_state_dict({k[len("dense."):]: v.float() for k, v in full.items() if k.startswith("dense.")})
-    model.eval()
+    full, model = load_trained(run, cfg, man)
     res = PROTOCOLS[model_spec(cfg.model).task](cfg, man, full, model, max_batches, split)
     res.update({"run": os.path.abspath(run), "step": int(full["meta.step"]), "model_name": cfg.model, "split": split})
     write_json_atomic(os.path.join(run, "eval.json" if split == "eval" else f"eval-{split}.json"), res)

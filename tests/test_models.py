@@ -16,8 +16,9 @@ D, L = 16, 12
 
 
 def _model(name):
-    m = (HSTU(HSTUConfig(num_layers=2, num_heads=2, linear_dim=8), D, ["action", "item"], L) if name == "hstu"
-         else SASRec(SASRecConfig(num_layers=2, num_heads=2), D, ["action", "item"], L))
+    m = (HSTU(HSTUConfig(num_layers=2, num_heads=2, linear_dim=8, transition=0.0), D, ["action", "item"], L)
+         if name == "hstu"
+         else SASRec(SASRecConfig(num_layers=2, num_heads=2, transition=0.0), D, ["action", "item"], L))
     init_parameters(m, torch.Generator().manual_seed(0))
     with torch.no_grad():
         m.pos.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
@@ -306,3 +307,51 @@ def test_bfloat16_negative_logits_stay_close_to_float32():
     for a, b in zip(ga, gb):
         assert b.dtype == torch.float32
         torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("name", ["hstu", "sasrec"])
+def test_transition_term_adds_the_last_items_from_to_cosine(name):
+    """``transition = w``: item rows ``[input | output | from | to]``; a position's score of candidate ``c`` is
+    ``(cos(hidden, output_c) + w cos(from_own_item, to_c)) / temperature``. Checked against that formula
+    written out (no history or in-batch negatives, no logQ). Negative controls: the same formula reading the
+    target's ``from`` block (one position late), or without the term, gives another loss."""
+    w, temp = 0.7, 0.1
+    m = _model(name)
+    m.cfg = type(m.cfg)(**{**m.cfg.__dict__, "transition": w, "history_negatives": False, "in_batch_negatives": 0,
+                           "logq_correction": False, "temperature": temp})
+    m.transition = w
+    lengths = torch.tensor([5, 3])
+    n = int(lengths.sum())
+    g = torch.Generator().manual_seed(11)
+    emb = {"item": torch.randn(n, 4 * D, generator=g, dtype=torch.float64),
+           "action": torch.randn(n, D, generator=g, dtype=torch.float64),
+           "item#neg": torch.randn(6, 4 * D, generator=g, dtype=torch.float64)}
+    feats = {"lengths": lengths, "item_ids": torch.arange(20, 20 + n), "neg_ids": torch.arange(100, 106)}
+    loss = m(emb, feats)
+    unit = lambda x: torch.nn.functional.normalize(x, dim=-1)
+    hidden = m.encode({"item": emb["item"][:, :D], "action": emb["action"]}, lengths)
+
+    def reference(from_shift=0, weight=w):
+        out = []
+        start = 0
+        for length in lengths.tolist():
+            per = []
+            for p in range(start, start + length - 1):
+                cands = torch.cat([emb["item"][p + 1:p + 2], emb["item#neg"]])
+                score = unit(hidden[p]) @ unit(cands[:, D:2 * D]).t()
+                score = score + weight * unit(emb["item"][p + from_shift, 2 * D:3 * D]) @ unit(cands[:, 3 * D:]).t()
+                score = score / temp
+                per.append(torch.logsumexp(score, 0) - score[0])
+            out.append(torch.stack(per).mean())
+            start += length
+        return torch.stack(out)
+
+    torch.testing.assert_close(loss, reference())
+    assert not torch.allclose(loss, reference(from_shift=1))
+    assert not torch.allclose(loss, reference(weight=0.0))
+    # the rows are four blocks wide, and the tokens read only the input block
+    from nestpipe.trainer.models.common import sequential_table_widths
+    assert sequential_table_widths(m.cfg) == {"item": 4}
+    changed = {**emb, "item": emb["item"].clone()}
+    changed["item"][:, 2 * D:] += 1.0
+    torch.testing.assert_close(m.encode(m.token_inputs(changed), lengths), hidden, rtol=0, atol=0)

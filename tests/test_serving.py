@@ -40,7 +40,8 @@ def run(tmp_path_factory):
                 seq_len=MAX_LEN, seed=5)
     out = str(base / "run")
     write_run(out, shards, "hstu", "off", 4, {"hstu": {"num_layers": 2, "num_random_negatives": 16,
-                                                       "relative_bias": True, "time_bias": True},
+                                                       "relative_bias": True, "time_bias": True,
+                                                       "transition": 0.5},
                                               "pipe": {"gantt_steps": 0}})
     p = run_plan([{"run": out}], 1, str(base / "plan.json"))
     assert p.returncode == 0, p.stderr[-3000:]
@@ -126,6 +127,34 @@ def test_time_bias_cached_prefix_equals_a_full_recompute_and_reads_the_times(run
     spread = events_from_rows(window.item, window.action, window.time[0] + (window.time - window.time[0]) * 1000)
     with pytest.raises(AssertionError):
         _close(scores, ranker.full_scores(spread, cands))
+
+
+def test_scores_add_the_transition_term_of_the_last_event(run):
+    """The run has ``hstu.transition = 0.5``: a score is ``(cos(hidden, output_c) + w cos(from_last, to_c)) /
+    temperature``, ``from`` read from the window's last event's item (the training objective's query).
+    Control: the same formula with the first event's item gives other scores."""
+    ranker = Ranker.from_run(run)
+    model, w = ranker.model, 0.5
+    assert model.transition == w and ranker.tables["item"].shape[1] == 4 * model.dim
+    rng = np.random.default_rng(9)
+    events = ranker._events(_events(rng, 5))
+    cands = list(range(0, 300, 5))
+    rows = ranker._token_rows(events)
+    hidden = model.encode(model.token_inputs(rows), torch.tensor([len(events)]),
+                          torch.from_numpy(events.time.astype(np.int64)))[-1]
+    table = ranker.tables["item"]
+    d = model.dim
+    unit = lambda x: torch.nn.functional.normalize(x, dim=-1)
+    cand_rows = table[torch.tensor(cands)]
+
+    def formula(frm_row):
+        cos = unit(cand_rows[:, d:2 * d]) @ unit(hidden)
+        return (cos + w * unit(cand_rows[:, 3 * d:]) @ unit(frm_row[2 * d:3 * d])) / model.cfg.temperature
+
+    got = ranker.full_scores(events, cands)
+    _close(got, formula(rows["item"][-1]).detach().numpy())
+    with pytest.raises(AssertionError):
+        _close(got, formula(rows["item"][0]).detach().numpy())
 
 
 def test_eviction_recomputes_the_same_scores(run):

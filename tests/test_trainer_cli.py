@@ -87,8 +87,9 @@ def test_train_eval_export_and_errors(gr, tmp_path):
     p = run("export", "--run", out, "--out", str(tmp_path / "m.pt"))
     assert p.returncode == 0, p.stderr[-3000:]
     d = torch.load(str(tmp_path / "m.pt"), weights_only=True)
-    # hstu default output_embedding=untied: every item row is [input | output], two dims of 16
-    assert d["embedding.item.weight"].shape == (300, 32) and "optim.dense.pos.exp_avg" in d
+    # hstu defaults output_embedding=untied and transition=0.3: every item row is [input | output | from | to],
+    # four dims of 16
+    assert d["embedding.item.weight"].shape == (300, 64) and "optim.dense.pos.exp_avg" in d
     _check_safetensors_export(out, tmp_path, d)
     # the run stands on its own: with its shards gone (moved), export still works from the manifest the run
     # kept; eval asks for --shards and checks that they are the run's (before: "no manifest" for both)

@@ -2,7 +2,8 @@
 
 Scoring is ``nestpipe eval``'s: the user's history (the last ``max_seq_len`` events at most: the *window*) is read
 by the model, and a candidate's score is the cosine similarity of the last position's hidden state with the
-candidate's output embedding, divided by the model's temperature (the training logit, without the logQ term).
+candidate's output embedding, plus with the transition term ``w`` times the cosine of the last event's ``from`` block
+with the candidate's ``to`` block, divided by the model's temperature (the training logit, without the logQ term).
 
 Why a prefix can be cached exactly: an HSTU layer computes every token's ``u, v, q, k`` from that token alone, a
 token attends to the tokens at or before it with ``SiLU(q . k / sqrt(d) + bias(i - j)) / max_seq_len`` (a constant
@@ -294,7 +295,7 @@ class Ranker:
         tables = {t: full[f"embedding.{t}.weight"].float() for t in seq}
         vocabs = {t: int(man.tables[t].vocab) for t in seq}
         return cls(model, tables["item"], tables, vocabs, item_authors(run, cfg.shards, vocabs["item"]), cache_mb,
-                   cfg.hstu.temperature, HistoryStore(history) if history else None,
+                   model.score_temperature, HistoryStore(history) if history else None,
                    spill=SpillStore(spill_dir, int(spill_mb * (1 << 20))) if spill_dir else None)
 
     @classmethod
@@ -309,7 +310,7 @@ class Ranker:
         model.load_state_dict(torch.load(os.path.join(shared, "dense.pt"), map_location="cpu", weights_only=True))
         tables = {t: _mapped(os.path.join(shared, f"table-{t}.npy")) for t in meta["tables"]}
         return cls(model, tables["item"], tables, meta["vocabs"], np.load(os.path.join(shared, "item_author.npy")),
-                   cache_mb, cfg.hstu.temperature, HistoryStore(history) if history else None,
+                   cache_mb, model.score_temperature, HistoryStore(history) if history else None,
                    candidates=_mapped(os.path.join(shared, "candidates.npy")),
                    spill=SpillStore(spill_dir, int(spill_mb * (1 << 20))) if spill_dir else None)
 
@@ -337,7 +338,7 @@ class Ranker:
             raise KeyError(f"user {user}: no stored history and no events: send events")
         with self.compute_lock:  # one request of a user at a time sees and extends its cached prefix
             hidden, how = self._hidden(user, hist)
-        return self._score(hidden, candidates), how
+        return self._score(hidden, hist.item[-1:], candidates), how
 
     def window_events(self, user: int) -> Events:
         """The events of the user's current window (what the cached prefix covers after a request)."""
@@ -354,7 +355,7 @@ class Ranker:
             raise ValueError(f"full_scores reads one window: 1 to {self.window} events, got {len(ev)}")
         hidden = self.model.encode(self.model.token_inputs(self._token_rows(ev)),
                                    torch.tensor([len(ev)], dtype=torch.int64), torch.from_numpy(ev.time.astype(np.int64)))
-        return self._score(hidden[-1], candidates)
+        return self._score(hidden[-1], ev.item[-1:], candidates)
 
     def stats(self) -> Dict[str, object]:
         return {"users": len(self.history), "requests": dict(self.counts), "cache": self.cache.stats()}
@@ -453,12 +454,15 @@ class Ranker:
             kv_out.append((k_all, v_all))
         return kv_out, model.norm_out(x)[-1]
 
-    def _score(self, hidden: torch.Tensor, candidates: Sequence[int]) -> np.ndarray:
+    def _score(self, hidden: torch.Tensor, last_item: np.ndarray, candidates: Sequence[int]) -> np.ndarray:
+        """Scores of ``candidates`` for the last position's ``hidden`` state; ``last_item``: its item id (1
+        element), whose row the transition term reads."""
         cand = np.asarray(list(candidates), dtype=np.int64)
         if cand.ndim != 1:
             raise ValueError("candidates must be a list of item ids")
         rows = self.candidates.index_select(0, torch.from_numpy(to_vocab(cand, self.vocabs["item"])))
-        q = F.normalize(hidden, dim=-1)
+        last_row = self.tables["item"].index_select(0, torch.from_numpy(to_vocab(last_item, self.vocabs["item"])))
+        q = F.normalize(self.model.queries(hidden[None], last_row)[0], dim=-1)
         return (rows @ q / self.temperature).numpy()
 
 

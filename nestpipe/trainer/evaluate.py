@@ -116,8 +116,9 @@ def next_item_queries(cfg, man, full, model, rec, keep, split: str) -> torch.Ten
             raise ValueError(f"{cfg.shards}: {split} batches have no 'time' field, which hstu.time_bias needs "
                              "(re-ingest them with this version's gr ingest)")
         times = torch.from_numpy(np.asarray(rec["time"])[idx].astype(np.int64))
-    hidden = model.encode(model.token_inputs(emb), in_len, times)
-    return torch.nn.functional.normalize(hidden.index_select(0, torch.cumsum(in_len, 0) - 1), dim=-1)
+    last = torch.cumsum(in_len, 0) - 1
+    hidden = model.encode(model.token_inputs(emb), in_len, times).index_select(0, last)
+    return torch.nn.functional.normalize(model.queries(hidden, emb["item"].index_select(0, last)), dim=-1)
 
 
 @torch.no_grad()

@@ -53,9 +53,17 @@ OUTPUT_EMBEDDING_HELP = (
 SEQUENTIAL_TRAIN_DEFAULTS = {"embedding": {"table_lr": {"item": 0.15}}}
 
 
+TRANSITION_HELP = (
+    "weight of the first-order transition term (FPMC, Rendle et al. 2010): every item row gains a 'from' and a 'to' "
+    "block, and a candidate's score adds this weight x cos(from(last item), to(candidate)), so which item follows "
+    "which is learned in its own factors beside the sequence encoder's query; 0: off (docs/trainer.md)")
+
+
 def sequential_table_widths(section) -> Dict[str, int]:
-    """Item rows of ``untied`` models are two embedding dims wide: ``[input | output]``."""
-    return {"item": 2} if section.output_embedding == "untied" else {}
+    """Item rows are ``[input | output | from | to]``, the output block with ``untied`` output embeddings, the
+    transition blocks with a ``transition`` weight; other sequence tables one embedding dim."""
+    blocks = (2 if section.output_embedding == "untied" else 1) + (2 if getattr(section, "transition", 0.0) else 0)
+    return {"item": blocks} if blocks > 1 else {}
 
 
 def sequential_token_dim(name: str, section, sequence_tables: List[str], dims: Dict[str, int]) -> int:
@@ -78,7 +86,15 @@ class SequentialModel(nn.Module):
     With ``output_embedding == "untied"`` an item's row is ``[input | output]`` (``2 D`` wide): the token uses the
     input half, the candidate side of the objective (the target, the shared negatives, the history negatives) and
     of evaluation the output half. Both halves share the row's optimizer state (one row, one row-wise AdaGrad
-    accumulator)."""
+    accumulator).
+
+    With a ``transition`` weight ``w`` the row also holds ``from`` and ``to`` blocks (FPMC's first-order factors):
+    the query of a position is ``[unit(hidden) | sqrt(w) unit(from(its own item))]`` (:meth:`queries`), a candidate
+    ``[unit(output) | sqrt(w) unit(to(item))]`` (:meth:`candidates`), and the logit ``(cos(hidden, output) +
+    w cos(from, to)) / temperature``: one dot product, as without the term, in training, evaluation and serving
+    alike. The objective normalises both sides again (dividing the dot product by ``1 + w``), which
+    :attr:`score_temperature`, ``temperature / (1 + w)``, undoes: the encoder's cosine keeps the configured
+    temperature and the term adds up to ``w / temperature`` on top."""
 
     def __init__(self, name: str, cfg, dim: int, sequence_tables: List[str], max_seq_len: int, num_items: int = 0):
         super().__init__()
@@ -93,6 +109,7 @@ class SequentialModel(nn.Module):
         self.norm_out = nn.LayerNorm(dim)
 
         self.untied = cfg.output_embedding == "untied"
+        self.transition = float(getattr(cfg, "transition", 0.0))
 
     def encode(self, emb: Dict[str, torch.Tensor], lengths: torch.Tensor,
                times: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -107,21 +124,43 @@ class SequentialModel(nn.Module):
 
     def token_inputs(self, emb: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The sequence tables' rows as token inputs (the input half of untied item rows)."""
-        if not self.untied:
+        if not (self.untied or self.transition):
             return emb
         return {t: (e[:, :self.dim] if t == "item" else e) for t, e in emb.items() if t != NEG}
 
+    @property
+    def score_temperature(self) -> float:
+        """The temperature of the objective's cosine of unit query and candidate vectors (``temperature``, divided
+        by ``1 + w`` with the transition term: see the class docstring)."""
+        return self.cfg.temperature / (1.0 + self.transition)
+
+    def _block(self, item_rows: torch.Tensor, k: int) -> torch.Tensor:
+        return item_rows[:, k * self.dim:(k + 1) * self.dim]
+
     def candidates(self, item_rows: torch.Tensor) -> torch.Tensor:
-        """Item rows as candidates of the objective and of evaluation (the output half of untied rows)."""
-        return item_rows[:, self.dim:] if self.untied else item_rows
+        """Item rows as candidates of the objective and of evaluation (the output block of untied rows; with the
+        transition term, the unit output block and the weighted unit ``to`` block side by side)."""
+        out = self._block(item_rows, 1 if self.untied else 0)
+        if not self.transition:
+            return out
+        to = self._block(item_rows, 3 if self.untied else 2)
+        return torch.cat([F.normalize(out, dim=-1), math.sqrt(self.transition) * F.normalize(to, dim=-1)], dim=1)
+
+    def queries(self, hidden: torch.Tensor, item_rows: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[T, D]`` -> the queries scored against :meth:`candidates`; ``item_rows``: the item rows
+        of the same tokens (each position's own item: the transition term's ``from`` block)."""
+        if not self.transition:
+            return hidden
+        frm = self._block(item_rows, 2 if self.untied else 1)
+        return torch.cat([F.normalize(hidden, dim=-1), math.sqrt(self.transition) * F.normalize(frm, dim=-1)], dim=1)
 
     def forward(self, emb: Dict[str, torch.Tensor], feats: Dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-sample loss ``[b]``: mean next-item sampled-softmax loss over the sample's positions."""
         k = self.cfg.num_random_negatives
         w = math.log(self.num_items / k) if self.cfg.logq_correction and k and self.num_items > k else 0.0
-        hidden = self.encode(self.token_inputs(emb), feats["lengths"], feats.get("times"))
+        hidden = self.queries(self.encode(self.token_inputs(emb), feats["lengths"], feats.get("times")), emb["item"])
         out = {"item": self.candidates(emb["item"]), NEG: self.candidates(emb[NEG])}
-        return next_item_loss(hidden, out, feats, self.cfg.temperature, self.cfg.history_negatives, w,
+        return next_item_loss(hidden, out, feats, self.score_temperature, self.cfg.history_negatives, w,
                               in_batch=self.cfg.in_batch_negatives, logit_dtype=NEGATIVE_DTYPES[self.cfg.negatives_dtype])
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from nestpipe.datasets.shards import Manifest
 from nestpipe.trainer.models import hstu
 from nestpipe.trainer.models.common import (IN_BATCH_HELP, NEGATIVE_DTYPES, NEGATIVES_DTYPE_HELP,
-                                             OUTPUT_EMBEDDING_HELP, OUTPUT_EMBEDDINGS, SEQUENTIAL_TRAIN_DEFAULTS,
+                                             OUTPUT_EMBEDDING_HELP, OUTPUT_EMBEDDINGS, SEQUENTIAL_TRAIN_DEFAULTS, TRANSITION_HELP,
                                              SequentialModel, padded_tokens, sequential_table_widths,
                                              sequential_token_dim)
 from nestpipe.trainer.models.spec import ModelSpec
@@ -46,6 +46,7 @@ class SASRecConfig:
         True, help="weigh each uniform negative as V / K catalog items (log(V / K) added to its logit)")
     output_embedding: str = opt("untied", help=OUTPUT_EMBEDDING_HELP, choices=OUTPUT_EMBEDDINGS)
     in_batch_negatives: int = opt(1024, help=IN_BATCH_HELP, minimum=0)
+    transition: float = opt(0.3, help=TRANSITION_HELP, minimum=0)
     negatives_dtype: str = opt("float32", help=NEGATIVES_DTYPE_HELP, choices=tuple(NEGATIVE_DTYPES))
 
 

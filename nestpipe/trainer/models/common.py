@@ -123,7 +123,7 @@ class SequentialModel(nn.Module):
         return False
 
     def token_inputs(self, emb: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """The sequence tables' rows as token inputs (the input half of untied item rows)."""
+        """The sequence tables' rows as token inputs (the input block of item rows wider than one dim)."""
         if not (self.untied or self.transition):
             return emb
         return {t: (e[:, :self.dim] if t == "item" else e) for t, e in emb.items() if t != NEG}

@@ -215,29 +215,6 @@ def test_dlrm_dot_pairs_add_the_embeddings_dot_product_to_the_logit():
         DLRM(DLRMConfig(dot_pairs=("last_video*video_id",)), 3, {**dims, "video_id": 4})
 
 
-def test_dlrm_own_pair_factors_are_the_second_block_of_the_pair_tables():
-    """``pair_factors = own``: the pair tables' rows are ``[feature | factor]``; the cross network reads the feature
-    blocks (the plain model on them gives the same logit), the pair term the factor blocks. Control: the shared
-    model's term on the feature blocks is another logit."""
-    from nestpipe.trainer.models.dlrm import DLRM, DLRMConfig, table_widths
-
-    torch.manual_seed(0)
-    dims = {"last_video": 8, "video_id": 8, "user_id": 8}
-    cfg = DLRMConfig(pair_factors="own")
-    assert table_widths(type("C", (), {"dlrm": cfg})()) == {"last_video": 2, "video_id": 2}
-    emb = {t: torch.randn(5, 16 if t != "user_id" else 8) for t in dims}
-    dense = torch.randn(5, 3)
-    own = DLRM(cfg, 3, dims)
-    plain = DLRM(DLRMConfig(dot_pairs=()), 3, dims)
-    plain.load_state_dict(own.state_dict())
-    features = {t: v[:, :8] for t, v in emb.items()}
-    want = plain.logits(features, dense) + (emb["last_video"][:, 8:] * emb["video_id"][:, 8:]).sum(1)
-    torch.testing.assert_close(own.logits(emb, dense), want)
-    shared = DLRM(DLRMConfig(), 3, dims)
-    shared.load_state_dict(own.state_dict())
-    assert not torch.allclose(shared.logits(features, dense), want, atol=1e-3)
-
-
 def _grad_without_pair(model, emb, dense):
     e = {t: v.clone().requires_grad_() for t, v in emb.items()}
     model.logits(e, dense).sum().backward()

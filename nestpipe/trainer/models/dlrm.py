@@ -39,10 +39,6 @@ class DLRMConfig:
                                      "the model learn which video follows which: last_video's row of a video learns "
                                      "to point at its successors' video_id rows); pairs whose tables the shards lack "
                                      "are skipped")
-    pair_factors: str = opt(
-        "shared", help="shared: a dot pair multiplies the tables' rows, the same vectors the cross network reads; "
-        "own: every table of a dot pair holds a second block, [feature | pair factor], and the pair term multiplies "
-        "the factor blocks only (rows twice as wide)", choices=("shared", "own"))
     target: str = opt("is_click", help="label column trained on (one of the manifest's labels)")
 
 
@@ -60,26 +56,11 @@ class CrossLayer(nn.Module):
         return x0 * self.u(self.v(x)) + x
 
 
-def pair_tables(cfg: DLRMConfig) -> List[str]:
-    """The tables named by ``dot_pairs``."""
-    return sorted({t for spec in cfg.dot_pairs for t in spec.partition("*")[::2] if t})
-
-
-def table_widths(cfg) -> Dict[str, int]:
-    """With ``pair_factors = own`` the dot pairs' tables are two blocks wide: ``[feature | pair factor]``."""
-    return {t: 2 for t in pair_tables(cfg.dlrm)} if cfg.dlrm.pair_factors == "own" else {}
-
-
 class DLRM(nn.Module):
-    """``sparse_dims``: every table's feature width (the cross network's input); with ``pair_factors = own`` the
-    rows of the dot pairs' tables are twice that, the second half the pair factor."""
-
     def __init__(self, cfg: DLRMConfig, num_dense: int, sparse_dims: Dict[str, int]):
         super().__init__()
         self.cfg = cfg
         self.tables: List[str] = sorted(sparse_dims)
-        self.dims = dict(sparse_dims)
-        self.own_factors = cfg.pair_factors == "own"
         self.bottom = mlp([num_dense, *cfg.bottom_mlp])
         width = cfg.bottom_mlp[-1] + sum(sparse_dims[t] for t in self.tables)
         self.cross = nn.ModuleList([CrossLayer(width, cfg.cross_rank) for _ in range(cfg.cross_layers)])
@@ -96,16 +77,13 @@ class DLRM(nn.Module):
 
     def logits(self, emb: Dict[str, torch.Tensor], dense: torch.Tensor) -> torch.Tensor:
         dense = torch.sign(dense) * torch.log1p(dense.abs())
-        x0 = torch.cat([self.bottom(dense)] + [emb[t][:, :self.dims[t]] for t in self.tables], dim=1)
+        x0 = torch.cat([self.bottom(dense)] + [emb[t] for t in self.tables], dim=1)
         x = x0
         for layer in self.cross:
             x = layer(x0, x)
         logit = self.top(x).squeeze(1)
         for a, b in self.dot_pairs:
-            if self.own_factors:
-                logit = logit + (emb[a][:, self.dims[a]:] * emb[b][:, self.dims[b]:]).sum(1)
-            else:
-                logit = logit + (emb[a] * emb[b]).sum(1)
+            logit = logit + (emb[a] * emb[b]).sum(1)
         return logit
 
     def forward(self, emb: Dict[str, torch.Tensor], feats: Dict[str, torch.Tensor]) -> torch.Tensor:
@@ -117,8 +95,7 @@ class DLRM(nn.Module):
 def build(cfg, manifest: Manifest, dims: Dict[str, int]) -> DLRM:
     if cfg.dlrm.target not in manifest.labels:
         raise ValueError(f"dlrm target {cfg.dlrm.target!r} not among the shards' labels {manifest.labels}")
-    blocks = table_widths(cfg)
-    sparse = {t: dims[t] // blocks.get(t, 1) for t, s in manifest.tables.items() if s.kind != "sequence"}
+    sparse = {t: dims[t] for t, s in manifest.tables.items() if s.kind != "sequence"}
     return DLRM(cfg.dlrm, len(manifest.dense_features), sparse)
 
 
@@ -142,5 +119,4 @@ def negatives(cfg) -> Tuple[int, int]:
 TRAIN_DEFAULTS = {"optim": {"lr": 0.002}, "embedding": {"init_scale": 0.1}}
 
 SPEC = ModelSpec(name="dlrm", task="ctr", build=build, dense_inputs=dense_inputs, negatives=negatives,
-                 shared_negatives=False, config=DLRMConfig, help="the DLRM model", train_defaults=TRAIN_DEFAULTS,
-                 table_widths=table_widths)
+                 shared_negatives=False, config=DLRMConfig, help="the DLRM model", train_defaults=TRAIN_DEFAULTS)

@@ -70,7 +70,9 @@ def make_gr_shards(out: str, batch: int, seq_len: int, micro_batches: int, vocab
 def train_sets(seq_len: int, negatives: Tuple[int, int] = (32, 32)) -> Dict:
     return {"embedding": {"replicate_max_rows": 300, "dim": 64},
             "hstu": {"num_layers": 1, "num_heads": 2, "linear_dim": 32, "max_seq_len": seq_len,
-                     "num_random_negatives": negatives[0], "num_popular_negatives": negatives[1]},
+                     "num_random_negatives": negatives[0], "num_popular_negatives": negatives[1],
+                     # the workload the simulator's figures were measured on: item rows [input | output]
+                     "transition": 0.0},
             # the model's off routes every batch in its own step over the shards' micro-batches (measured.fit_hardware
             # fits per micro-batch; micro_batching auto would run off's batch as one)
             "pipe": {"gantt_steps": 0, "trace_steps": 1000, "route_ahead": False, "micro_batching": "clustered"}}

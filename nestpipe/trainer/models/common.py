@@ -62,7 +62,7 @@ TRANSITION_HELP = (
 def sequential_table_widths(section) -> Dict[str, int]:
     """Item rows are ``[input | output | from | to]``, the output block with ``untied`` output embeddings, the
     transition blocks with a ``transition`` weight; other sequence tables one embedding dim."""
-    blocks = (2 if section.output_embedding == "untied" else 1) + (2 if getattr(section, "transition", 0.0) else 0)
+    blocks = (2 if section.output_embedding == "untied" else 1) + (2 if section.transition else 0)
     return {"item": blocks} if blocks > 1 else {}
 
 
@@ -109,7 +109,7 @@ class SequentialModel(nn.Module):
         self.norm_out = nn.LayerNorm(dim)
 
         self.untied = cfg.output_embedding == "untied"
-        self.transition = float(getattr(cfg, "transition", 0.0))
+        self.transition = float(cfg.transition)
 
     def encode(self, emb: Dict[str, torch.Tensor], lengths: torch.Tensor,
                times: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -47,7 +47,8 @@ def data(tmp_path_factory):
 
 def train(shards, out, model, *args):
     p = subprocess.run([sys.executable, "-m", "nestpipe", "train", "--shards", shards, "--out", out, "--model", model,
-                        "--nproc-per-node", "2", "--pipeline", "off", "--no-progress", *args],
+                        "--nproc-per-node", "2", "--pipeline", "off", "--no-progress",
+                        "--set", "pipe.gantt_steps=0", *args],
                        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     return evaluate_run(out)

@@ -498,9 +498,7 @@ def test_table_lr_sets_one_tables_learning_rate(tmp_path):
         out = str(tmp_path / name)
         p = run("train", "--shards", ctr, "--out", out, "--steps", "2", "--no-progress", *extra)
         assert p.returncode == 0, p.stderr[-3000:]
-        p = run("export", "--run", out, "--out", str(tmp_path / f"{name}.pt"))
-        assert p.returncode == 0, p.stderr[-3000:]
-        tables[name] = torch.load(str(tmp_path / f"{name}.pt"), weights_only=True)
+        tables[name] = assemble(out)
     table_id = sorted(["user_id", "video_id", "author_id", "tag", "history"]).index  # the placement's table ids
 
     def initial(t, vocab):  # the dlrm's init_scale default is 0.1

@@ -240,8 +240,8 @@ def test_sigkill_mid_checkpoint_and_mid_step_then_resume_is_bitwise(gr, tmp_path
     assert p.returncode == 0, p.stderr[-3000:]
     m = json.load(open(os.path.join(out, "metrics.json")))
     assert m["world"] == 2 and m["resumed_from_step"] == 9 and m["pipeline"] == "off", m
-    # and the comparison is sensitive: one step more differs (the linear schedule's rate is 0 at the original last
-    # step, so the step moves the optimizers' state, not the weights)
+    # and the comparison is sensitive: one step more differs (the linear schedule ends at rate final_lr_ratio = 0,
+    # so that tenth and last step moves the optimizers' state, not the weights)
     c = assemble(out)
     assert int(c["meta.step"]) == 10
     moved = [k for k in a if k != "meta.step" and not torch.equal(a[k], c[k])]

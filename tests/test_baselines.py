@@ -299,3 +299,15 @@ def test_the_shards_oracle_ranks_above_the_counting_baseline(gr_shards):
     counting = next_item_baselines(gr_shards, vocab)["successor_counts"]
     assert got["HR@10"] > counting["HR@10"] and got["NDCG@10"] > counting["NDCG@10"], (got, counting)
     assert bad["HR@10"] < 0.5 * counting["HR@10"], (bad, counting)
+
+
+def test_logistic_float32_matrix_fits_the_float64_model():
+    """The default float32 model matrix (the cheaper fit) picks the same C and predicts what the float64 fit does."""
+    rng = np.random.default_rng(2)
+    train, ev = _ctr_records(rng, 20, 256, False), _ctr_records(rng, 4, 256, False)
+    f32 = baselines.LogisticBaseline(["a"], {"a": 50}, 0).fit(train)
+    f64 = baselines.LogisticBaseline(["a"], {"a": 50}, 0, baselines.LogisticConfig(dtype="float64")).fit(train)
+    assert f32._matrix(*f32.features(ev[0])).dtype == np.float32 and f32.fit_info["dtype"] == "float32"
+    assert f32.fit_info["C"] == f64.fit_info["C"]
+    p32, p64 = (np.concatenate([m.predict(r) for r in ev]) for m in (f32, f64))
+    assert np.abs(p32 - p64).max() < 1e-3

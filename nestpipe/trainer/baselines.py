@@ -158,6 +158,10 @@ class LogisticConfig:
     max_iter: int = 300
     tol: float = 1e-3
     max_train_samples: int = 400_000
+    # The model matrix's dtype: float32 values (beside 4-byte column indices) cut the bytes each of the solver's
+    # sparse products reads, the fit's cost (demo data: the same C and AUC 0.63313 against 0.63308 in float64, the
+    # fit 22.9-27.0 s against 37.1 s; docs/benchmarks.md).
+    dtype: str = "float32"
 
 
 class LogisticBaseline:
@@ -237,7 +241,7 @@ class LogisticBaseline:
         """The model matrix: sparse rows beside the dense features standardised with the training moments."""
         from scipy.sparse import csr_matrix, hstack
 
-        return hstack([sparse, csr_matrix((dense - self.mean) / self.std)]).tocsr()
+        return hstack([sparse, csr_matrix((dense - self.mean) / self.std)]).tocsr().astype(self.cfg.dtype)
 
     def predict(self, rec: Dict) -> np.ndarray:
         return self.model.predict_proba(self._matrix(*self.features(rec)))[:, 1]

@@ -24,6 +24,8 @@ NO_CHART = ["--set", "pipe.gantt_steps=0"]  # no timeline.png (about 2 s a launc
 
 
 def cmd(*args):
+    if args[:1] == ("train",) and "--shards" in args:  # a new run: NO_CHART first, so a later --set overrides it
+        args = ("train", *NO_CHART, *args[1:])
     return [sys.executable, "-m", "nestpipe", *args]
 
 
@@ -33,8 +35,6 @@ def env(**hooks):
 
 
 def run(*args, timeout=180, hooks=None):
-    if args[:1] == ("train",) and "--shards" in args:  # a new run: NO_CHART first, so a later --set overrides it
-        args = ("train", *NO_CHART, *args[1:])
     return subprocess.run(cmd(*args), capture_output=True, text=True, timeout=timeout, env=env(**(hooks or {})))
 
 
@@ -199,7 +199,7 @@ def test_sigkill_mid_checkpoint_and_mid_step_then_resume_is_bitwise(gr, tmp_path
 
     out = str(tmp_path / "killed")
     ck = os.path.join(out, "checkpoints")
-    proc = subprocess.Popen(cmd("train", *NO_CHART, "--shards", gr, "--out", out, *args), start_new_session=True,
+    proc = subprocess.Popen(cmd("train", "--shards", gr, "--out", out, *args), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env(**hooks))
     try:
         _wait_for(os.path.join(ck, ".tmp-step-00000006", "rank-00000.pt.part"), proc)  # mid checkpoint write

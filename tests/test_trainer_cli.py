@@ -183,19 +183,30 @@ def _wait_for(path, proc, limit=120):
         time.sleep(0.05)
 
 
+# with a learning-rate schedule: the resumed steps must take the rates of their own step numbers
+SIGKILL_ARGS = ["--model", "hstu", "--nproc-per-node", "2", "--steps", "9", "--checkpoint-every", "3",
+                "--no-progress", *SETS, "--set", 'optim.schedule="linear"', "--set", "optim.warmup_steps=2",
+                "--set", "optim.embedding_follows=true"]
+
+
+@pytest.fixture(scope="module")
+def sigkill_ref(gr, tmp_path_factory):
+    """The uninterrupted run both tiers' killed runs are compared with (the memory-mapped tier trains bitwise like
+    DRAM: tests/test_tiered_store.py)."""
+    ref = str(tmp_path_factory.mktemp("sigkill") / "ref")
+    p = run("train", "--shards", gr, "--out", ref, *SIGKILL_ARGS)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return ref
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tier", ["dram", "mmap"])
-def test_sigkill_mid_checkpoint_and_mid_step_then_resume_is_bitwise(gr, tmp_path, tier):
-    # with a learning-rate schedule: the resumed steps must take the rates of their own step numbers
-    args = ["--model", "hstu", "--nproc-per-node", "2", "--steps", "9", "--checkpoint-every", "3", "--no-progress",
-            *SETS, "--set", 'optim.schedule="linear"', "--set", "optim.warmup_steps=2",
-            "--set", "optim.embedding_follows=true"]
+def test_sigkill_mid_checkpoint_and_mid_step_then_resume_is_bitwise(gr, sigkill_ref, tmp_path, tier):
+    args = list(SIGKILL_ARGS)
     if tier == "mmap":  # row files with a DRAM cache of 5 KiB (a few dozen rows): far below the item table
         args += ["--set", 'embedding.tier="mmap"', "--set", "embedding.dram_cache_mb=0.005"]
     hooks = {"checkpoint_sleep_s": 2.0, "step_sleep_s": 0.4}  # windows to kill the runs below in
-    ref = str(tmp_path / "ref")
-    p = run("train", "--shards", gr, "--out", ref, *args)
-    assert p.returncode == 0, p.stderr[-3000:]
+    ref = sigkill_ref
 
     out = str(tmp_path / "killed")
     ck = os.path.join(out, "checkpoints")
@@ -493,12 +504,14 @@ def test_table_lr_sets_one_tables_learning_rate(tmp_path):
     control: without the override the same table moves); an unknown table name is refused."""
     ctr = str(tmp_path / "ctr")
     make_shards(ctr, "ctr", batch_size=12, micro_batches=3, shards=(2,), eval_shards=(1,), vocab=300, seed=3)
-    tables = {}
-    for name, extra in (("frozen", ["--set", 'embedding.table_lr={"video_id": 0.0}']), ("plain", [])):
-        out = str(tmp_path / name)
-        p = run("train", "--shards", ctr, "--out", out, "--steps", "2", "--no-progress", *extra)
-        assert p.returncode == 0, p.stderr[-3000:]
-        tables[name] = assemble(out)
+    # both runs in one launch of the ranks (the trainer's own train_worker, as `nestpipe train` runs it)
+    from nestpipe.measure.launcher import run_plan, write_run
+
+    runs = {name: write_run(str(tmp_path / name), ctr, "dlrm", "auto", 2, {"pipe": {"gantt_steps": 0}, **sets})
+            for name, sets in (("frozen", {"embedding": {"table_lr": {"video_id": 0.0}}}), ("plain", {}))}
+    p = run_plan([{"run": r} for r in runs.values()], 1, str(tmp_path / "plan.json"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    tables = {name: assemble(r) for name, r in runs.items()}
     table_id = sorted(["user_id", "video_id", "author_id", "tag", "history"]).index  # the placement's table ids
 
     def initial(t, vocab):  # the dlrm's init_scale default is 0.1

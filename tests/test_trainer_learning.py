@@ -1,7 +1,7 @@
 """Learning works on the default synthetic data: trained models beat trivial baselines by stated margins.
 
 Data: ``nestpipe.datasets.synth.generate(scale="tiny")`` (planted communities and item->item successors) ->
-``nestpipe ingest`` for both tasks. ``hstu`` trains on 2 gloo ranks with the default config and must beat the
+``nestpipe ingest`` for both tasks. ``hstu`` trains on 2 gloo ranks (``--pipeline off``) with the default config and must beat the
 most-popular baseline on full-catalog HR@10 and NDCG@10; ``dlrm`` trains on 2 ranks and must beat the constant
 (train positive rate) predictor on AUC and logloss. Negative control: the same runs with both learning rates 0
 (the initial model) do not clear the margins, so the margins measure training, not the evaluation.
@@ -9,15 +9,12 @@ most-popular baseline on full-catalog HR@10 and NDCG@10; ``dlrm`` trains on 2 ra
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from nestpipe.datasets import synth
 from nestpipe.ingest import IngestConfig, ingest
 from nestpipe.datasets.shards import load_manifest
+from nestpipe.measure.launcher import run_plan, write_run
 from nestpipe.trainer.evaluate import evaluate_run
 
 pytestmark = pytest.mark.slow  # module fixtures train for a minute or more
@@ -29,7 +26,7 @@ NDCG_MARGIN = 0.03
 AUC_MIN = 0.56
 LOGLOSS_MARGIN = 0.01
 HSTU_EPOCHS = 5
-FROZEN = ["--set", "embedding.lr=0", "--set", "optim.lr=0"]
+FROZEN = {"embedding": {"lr": 0}, "optim": {"lr": 0}}
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +42,19 @@ def data(tmp_path_factory):
     return {"gr": gr, "ctr": ctr, "root": root}
 
 
-def train(shards, out, model, *args):
-    p = subprocess.run([sys.executable, "-m", "nestpipe", "train", "--shards", shards, "--out", out, "--model", model,
-                        "--nproc-per-node", "2", "--pipeline", "off", "--no-progress",
-                        "--set", "pipe.gantt_steps=0", *args],
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+@pytest.fixture(scope="module")
+def runs(data):
+    """The four runs below (each model trained, and frozen for one step), by ``train_worker`` on 2 ranks (what
+    ``nestpipe train --pipeline off`` runs in each rank) in one launch: {name: run directory}."""
+    root = data["root"]
+    todo = {"hstu": ("gr", "hstu", None, {"epochs": HSTU_EPOCHS}), "hstu-frozen": ("gr", "hstu", 1, FROZEN),
+            "dlrm": ("ctr", "dlrm", None, {"epochs": 1}), "dlrm-frozen": ("ctr", "dlrm", 1, FROZEN)}
+    out = {}
+    for name, (task, model, steps, sets) in todo.items():
+        out[name] = write_run(str(root / name), data[task], model, "off", steps, {**sets, "pipe": {"gantt_steps": 0}})
+    p = run_plan([{"run": r} for r in out.values()], 2, str(root / "plan.json"), timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    return evaluate_run(out)
+    return out
 
 
 def hstu_beats(ev) -> bool:
@@ -64,8 +67,8 @@ def dlrm_beats(ev) -> bool:
     return m["AUC"] >= AUC_MIN and m["logloss"] <= b["logloss"] - LOGLOSS_MARGIN
 
 
-def test_hstu_beats_most_popular(data):
-    ev = train(data["gr"], str(data["root"] / "hstu"), "hstu", "--epochs", str(HSTU_EPOCHS))
+def test_hstu_beats_most_popular(data, runs):
+    ev = evaluate_run(runs["hstu"])
     assert ev["protocol"].startswith("full catalog") and ev["samples"] >= 100
     # every eval user is scored (the ingest keeps the incomplete last eval batch), and the report says how many
     m = load_manifest(data["gr"])
@@ -73,18 +76,18 @@ def test_hstu_beats_most_popular(data):
     assert ev["split_samples"] % m.batch_size, "the fixture should leave an incomplete last eval batch"
     assert hstu_beats(ev), ev
     # negative control: the untrained model (learning rates 0) does not beat the baseline
-    frozen = train(data["gr"], str(data["root"] / "hstu-frozen"), "hstu", "--steps", "1", *FROZEN)
+    frozen = evaluate_run(runs["hstu-frozen"])
     assert not hstu_beats(frozen), frozen
     assert frozen["model"]["HR@10"] < frozen["baseline_most_popular"]["HR@10"], frozen
 
 
-def test_dlrm_beats_constant(data):
-    ev = train(data["ctr"], str(data["root"] / "dlrm"), "dlrm", "--epochs", "1")
+def test_dlrm_beats_constant(data, runs):
+    ev = evaluate_run(runs["dlrm"])
     assert ev["samples"] >= 1000
     assert ev["samples"] == load_manifest(data["ctr"]).stats["samples"]["eval"]  # every eval interaction
     assert dlrm_beats(ev), ev
     # synthetic data: the generator's own probabilities bound what any model can reach (within sampling noise)
     ceiling = ev["bayes_ceiling"]
     assert ceiling["rows"] >= ev["samples"] and ceiling["AUC"] > ev["model"]["AUC"] - 0.01, ev
-    frozen = train(data["ctr"], str(data["root"] / "dlrm-frozen"), "dlrm", "--steps", "1", *FROZEN)
+    frozen = evaluate_run(runs["dlrm-frozen"])
     assert not dlrm_beats(frozen), frozen

@@ -10,16 +10,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from nestpipe.trainer import testing_hooks
 from nestpipe.datasets.shards import load_manifest
-from nestpipe.trainer.config import load_run_config
+from nestpipe.measure.launcher import run_plan, write_run
+from nestpipe.trainer.config import load_run_config, merge
 from nestpipe.trainer.data import ShardStream, prepare_batch
 from nestpipe.trainer.embedding.collection import choose_kind
 from nestpipe.trainer.export import assemble
@@ -32,27 +30,40 @@ from shard_sets import make_shards
 STEPS = 10
 WORLD = 2
 SETS = {
-    "hstu": ["embedding.replicate_max_rows=300", "embedding.lr=0.05", "optim.lr=0.01", "optim.weight_decay=0.01",
-             "hstu.num_random_negatives=8", "hstu.num_popular_negatives=8", "hstu.num_layers=1",
-             "pipe.gantt_steps=0"],
-    "dlrm": ["embedding.replicate_max_rows=256", "embedding.lr=0.05", "optim.lr=0.01", "optim.weight_decay=0.01",
-             "dlrm.bottom_mlp=[16,8]", "dlrm.top_mlp=[16]", "dlrm.cross_rank=4", "pipe.gantt_steps=0"],
+    "hstu": {"embedding": {"replicate_max_rows": 300, "lr": 0.05}, "optim": {"lr": 0.01, "weight_decay": 0.01},
+             "hstu": {"num_random_negatives": 8, "num_popular_negatives": 8, "num_layers": 1},
+             "pipe": {"gantt_steps": 0}},
+    "dlrm": {"embedding": {"replicate_max_rows": 256, "lr": 0.05}, "optim": {"lr": 0.01, "weight_decay": 0.01},
+             "dlrm": {"bottom_mlp": [16, 8], "top_mlp": [16], "cross_rank": 4}, "pipe": {"gantt_steps": 0}},
 }
+F64 = {"dtype": "float64"}
+# warm-up over steps 0..2 (1/3, 2/3, 1), then half a cosine from 1 at step 3 to 0.1 at the last step (STEPS - 1)
+SCHEDULE = {"optim": {"schedule": "cosine", "warmup_steps": 3, "final_lr_ratio": 0.1, "embedding_follows": True}}
+# name -> (extra settings, testing hooks): every run of both models, trained below in one launch of the ranks
+RUNS = {"f64": (F64, {}), "f64-bad": (F64, {"requester_salt": 7}), "f32": ({}, {}),
+        "schedule": ({**F64, **SCHEDULE}, {})}
 
 
-def nestpipe(*args, timeout=240, hooks=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(testing_hooks.as_env(**hooks) if hooks else {}))
-    p = subprocess.run([sys.executable, "-m", "nestpipe", *args], capture_output=True, text=True, timeout=timeout,
-                       env=env)
-    return p
-
-
-def train_and_export(shards, out, model, extra=(), hooks=None):
-    sets = [x for s in SETS[model] + list(extra) for x in ("--set", s)]
-    p = nestpipe("train", "--shards", shards, "--out", out, "--model", model, "--nproc-per-node", str(WORLD),
-                 "--steps", str(STEPS), "--no-progress", *sets, hooks=hooks)
+@pytest.fixture(scope="module")
+def trained(shard_dirs):
+    """{(model, name): run directory}: the runs of RUNS for both models, trained by ``train_worker`` (what ``nestpipe
+    train`` runs in each rank; its command line is tested in tests/test_trainer_cli.py) in one launch."""
+    base = shard_dirs[0]
+    plan, runs = [], {}
+    for model in ("hstu", "dlrm"):
+        for name, (extra, hooks) in RUNS.items():
+            run = str(base / f"run-{model}-{name}")
+            write_run(run, str(base / ("gr" if model == "hstu" else "ctr")), model, "auto", STEPS,
+                      merge(SETS[model], extra))  # the command line's defaults: --pipeline auto
+            plan.append({"run": run, "testing_hooks": hooks})
+            runs[(model, name)] = run
+    p = run_plan(plan, WORLD, str(base / "plan.json"), timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    return assemble(out)  # what `nestpipe export` writes (its CLI: tests/test_trainer_cli.py), without a launch
+    return runs
+
+
+def exported(trained, model, name):
+    return assemble(trained[(model, name)])  # what `nestpipe export` writes (its CLI: tests/test_trainer_cli.py)
 
 
 def reference(run: str, rate=lambda step: 1.0):
@@ -124,20 +135,18 @@ def shard_dirs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("model", ["hstu", "dlrm"])
-def test_two_ranks_match_float64_reference(shard_dirs, model):
-    base = shard_dirs[0]
-    shards = str(base / ("gr" if model == "hstu" else "ctr"))
-    run = str(base / f"run-{model}")
-    exported = train_and_export(shards, run, model, extra=["dtype=\"float64\""])
-    assert exported[f"embedding.item.weight" if model == "hstu" else "embedding.video_id.weight"].dtype == torch.float64
+def test_two_ranks_match_float64_reference(shard_dirs, trained, model):
+    run = trained[(model, "f64")]
+    got = exported(trained, model, "f64")
+    assert got["embedding.item.weight" if model == "hstu" else "embedding.video_id.weight"].dtype == torch.float64
     cfg = load_run_config(run)
-    man = load_manifest(shards)
+    man = load_manifest(cfg.shards)
     kinds = {t: choose_kind(t, s.vocab, s.kind, cfg.embedding) for t, s in man.tables.items()}
     # every exchange kind the model's data allows is exercised
     expected = {"unique", "replicated"} | ({"reduction"} if model == "dlrm" else set())
     assert set(kinds.values()) == expected, kinds
     ref = reference(run)
-    compare(exported, ref)
+    compare(got, ref)
     # parameters moved far more than the tolerance
     init = initial(run)
     for k, v in init.items():
@@ -148,28 +157,17 @@ def test_two_ranks_match_float64_reference(shard_dirs, model):
     assert math.isfinite(metrics["final_loss"])
 
     # negative control: requesters route with another placement than owners use -> must not match
-    bad = str(base / f"run-{model}-bad")
-    exported_bad = train_and_export(shards, bad, model, extra=["dtype=\"float64\""],
-                                   hooks={"requester_salt": 7})
     with pytest.raises(AssertionError):
-        compare(exported_bad, ref)
+        compare(exported(trained, model, "f64-bad"), ref)
 
 
 @pytest.mark.parametrize("model", ["hstu", "dlrm"])
-def test_float32_training_tracks_float64_reference(shard_dirs, model):
+def test_float32_training_tracks_float64_reference(trained, model):
     """The production dtype: float32 rounding (amplified where a normalising optimizer meets a gradient that is a
     cancelling sum) keeps the 10-step result within 1e-4 absolute / 1e-3 relative of the float64 reference."""
-    base = shard_dirs[0]
-    shards = str(base / ("gr" if model == "hstu" else "ctr"))
-    run = str(base / f"run-{model}-f32")
-    exported = train_and_export(shards, run, model)
-    assert exported["dense." + next(iter(sorted(k[6:] for k in exported if k.startswith("dense."))))].dtype == torch.float32
-    compare(exported, reference(run), rtol=1e-3, atol=1e-4)
-
-
-# warm-up over steps 0..2 (1/3, 2/3, 1), then half a cosine from 1 at step 3 to 0.1 at the last step (STEPS - 1)
-SCHEDULE = ["optim.schedule=\"cosine\"", "optim.warmup_steps=3", "optim.final_lr_ratio=0.1",
-            "optim.embedding_follows=true"]
+    got = exported(trained, model, "f32")
+    assert got["dense." + next(iter(sorted(k[6:] for k in got if k.startswith("dense."))))].dtype == torch.float32
+    compare(got, reference(trained[(model, "f32")]), rtol=1e-3, atol=1e-4)
 
 
 def cosine_rate(step: int, shift: int = 0) -> float:
@@ -197,15 +195,13 @@ def test_learning_rate_factors():
 
 
 @pytest.mark.parametrize("model", ["hstu", "dlrm"])
-def test_learning_rate_schedule_matches_the_reference(shard_dirs, model):
+def test_learning_rate_schedule_matches_the_reference(trained, model):
     """Warm-up, cosine decay and the sparse tables following it: the trainer's rates per step are the reference's.
     Negative controls: the reference without the schedule, and with the schedule one step late, must not match."""
-    base = shard_dirs[0]
-    shards = str(base / ("gr" if model == "hstu" else "ctr"))
-    run = str(base / f"run-{model}-schedule")
-    exported = train_and_export(shards, run, model, extra=["dtype=\"float64\"", *SCHEDULE])
-    compare(exported, reference(run, cosine_rate))
+    run = trained[(model, "schedule")]
+    got = exported(trained, model, "schedule")
+    compare(got, reference(run, cosine_rate))
     with pytest.raises(AssertionError):
-        compare(exported, reference(run))
+        compare(got, reference(run))
     with pytest.raises(AssertionError):
-        compare(exported, reference(run, lambda s: cosine_rate(s, shift=-1) if s > 0 else 1 / 3))
+        compare(got, reference(run, lambda s: cosine_rate(s, shift=-1) if s > 0 else 1 / 3))

@@ -81,5 +81,7 @@ def test_row_stores_use_huge_pages_when_resident():
     rows = torch.arange(0, 140_000, 8192)  # one row per 2 MiB: 4 KiB pages keep the lazy store small
     lazy.gather(rows)
     forced.gather(rows)
-    assert _anon_huge_kib(lazy.weight) == 0 and _anon_huge_kib(forced.weight) >= 16 << 10
+    # the lazy store asks for no huge pages: its few touched rows stay on small pages, but the host may collapse one
+    # 2 MiB region on its own (khugepaged or a DAMON scheme: seen once in a full suite), so one is tolerated
+    assert _anon_huge_kib(lazy.weight) <= 2 << 10 and _anon_huge_kib(forced.weight) >= 16 << 10
     assert torch.equal(lazy.gather(rows)[0], eager.gather(rows)[0])  # same values on any pages

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow  # module fixtures train for a minute or more
 
 C = v.Config
 STEPS, BATCH, SEQ, VOCAB = 8, 16, 40, 20_000
-CAP_BIT = 20e6
+CAP_BIT = 40e6
 REPEATS = 3  # interleaved; each configuration's fastest repeat counts
 
 

@@ -35,6 +35,9 @@ class IngestTask:
     cluster_tables: Sequence[str]  # tables whose keys the micro-batch clustering sees
     log_columns: Sequence[str]  # log columns kept after validation (every column is still validated)
     video_basic_columns: Sequence[str]  # video_features_basic columns kept after validation
+    # Raised when the samples a task writes change for the same inputs and options: part of the ingest's fingerprint,
+    # so that an interrupted run of another version is never resumed into a mix and a complete output is not reused.
+    version: int = 1
 
     def column_spec(self, kind: str) -> ColumnSpec:
         """Validation spec of an input kind other than the logs and the basic video features."""
@@ -65,6 +68,12 @@ class IngestTask:
 
     def manifest_fields(self, cfg) -> Dict[str, Any]:
         """The task's manifest fields: ``max_seq_len``, ``dense_features``, ``labels``."""
+        raise NotImplementedError
+
+    def derive(self, ex: Executor, cfg, work: WorkDir, num_parts: int) -> Dict[str, Any]:
+        """Between stages 3 and 4, on ``ex``: features that need every partition's samples (a reduce over the user
+        partitions), written as further arrays of each partition (:meth:`PartitionArrays.derived`); their stats
+        for the manifest's stats."""
         raise NotImplementedError
 
     def bytes_per_sample(self, cfg, s3: List[Dict[str, Any]]) -> float:
@@ -105,7 +114,7 @@ class PartitionCache:
         if q not in self.items:
             if len(self.items) >= self.keep:
                 self.items.pop(next(iter(self.items)))
-            self.items[q] = PartitionArrays(self.work, samples_dir(q))
+            self.items[q] = PartitionArrays(self.work, q)
         return self.items[q]
 
 
@@ -114,18 +123,29 @@ def samples_dir(q: int) -> str:
     return f"s3/samples-{q:05d}"
 
 
-class PartitionArrays:
-    """The arrays of one stage-3 partition by name (``arrays["item"]``), each memory-mapped on first use."""
+def derived_dir(kind: str, q: int) -> str:
+    """The unit of user partition ``q`` that derives the arrays ``kind`` after stage 3 (``IngestTask.derive``)."""
+    return f"s3/{kind}-{q:05d}"
 
-    def __init__(self, work: WorkDir, sub: str):
-        self.work, self.sub = work, sub
+
+class PartitionArrays:
+    """The arrays of one stage-3 partition by name (``arrays["item"]``), each memory-mapped on first use; the
+    arrays derived after stage 3 by ``arrays.derived(kind, name)``."""
+
+    def __init__(self, work: WorkDir, q: int):
+        self.work, self.q = work, q
         self.arrays: Dict[str, np.ndarray] = {}
 
+    def _load(self, rel: str) -> np.ndarray:
+        if rel not in self.arrays:
+            self.arrays[rel] = np.load(self.work.fetch(rel), mmap_mode="r", allow_pickle=False)
+        return self.arrays[rel]
+
     def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self.arrays:
-            path = self.work.fetch(f"{self.sub}/{name}.npy")
-            self.arrays[name] = np.load(path, mmap_mode="r", allow_pickle=False)
-        return self.arrays[name]
+        return self._load(f"{samples_dir(self.q)}/{name}.npy")
+
+    def derived(self, kind: str, name: str) -> np.ndarray:
+        return self._load(f"{derived_dir(kind, self.q)}/{name}.npy")
 
 
 def runs(cache: "PartitionCache", bp: np.ndarray, bx: np.ndarray) -> List[Tuple["PartitionArrays", np.ndarray]]:

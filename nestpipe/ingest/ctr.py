@@ -14,6 +14,13 @@ Sequence context besides the pooled history: ``last_video`` (single) is the user
 the user's first interaction), a table of its own so that a model can learn which item follows which (a pooled
 bag loses the position); the dense ``log1p_gap_s`` is the seconds since the user's previous interaction (the first
 interaction counts as a 30-day gap), which separates a session's first item from its continuation.
+
+The pair count (dense ``log1p_pair_count``): how often the pair (previous video, video) of a sample occurs as
+consecutive interactions of one user in the **training split**, over every user (a reduce over the user partitions
+between stages 3 and 4, :meth:`CTRTask.derive`); a training sample's own occurrence is not counted, so that a pair
+seen k times elsewhere reads k in every split. Valid and eval rows never count: their features are the same
+whatever the logs hold on those dates. The count says which video tends to follow which, from every impression,
+clicked or not; an embedding pair learns it from clicks alone, a few times per pair.
 """
 
 from __future__ import annotations
@@ -25,11 +32,12 @@ import numpy as np
 import polars as pl
 
 from nestpipe.datasets import kuairand, shards
-from nestpipe.ingest.common import IngestTask, PartitionCache, batch_seed, crash_point, runs
+from nestpipe.ingest.common import (IngestTask, PartitionArrays, PartitionCache, batch_seed, crash_point,
+                                    derived_dir, runs)
 from nestpipe.ingest.gr import sort_interactions
 from nestpipe.ingest.parse import ColumnSpec
 from nestpipe.ingest.spill import read_partition, write_partitioned
-from nestpipe.ingest.workdir import WorkDir
+from nestpipe.ingest.workdir import WorkDir, save_array
 
 USER_SPEC = ColumnSpec(kuairand.USER_COLUMNS, kuairand.USER_DTYPES, ["user_id"], quoted_any=True)
 VIDEO_BASIC_FEATURES = ["author_id", "video_type", "upload_type", "video_duration", "music_id", "tag"]
@@ -39,10 +47,12 @@ STAT_FEATURES = [
 ]
 USER_LOG_FEATURES = ["follow_user_num", "fans_user_num", "friend_user_num", "register_days"]
 USER_FLAG_FEATURES = ["is_lowactive_period", "is_live_streamer", "is_video_author"]
-DENSE_FEATURES = (
+PARTITION_DENSE = (  # the dense features stage 3 computes per user partition
     [f"log1p_{c}" for c in USER_LOG_FEATURES] + USER_FLAG_FEATURES + ["log1p_video_duration_s"]
     + [f"log1p_{c}" for c in STAT_FEATURES[:-1]] + ["play_progress", "log1p_gap_s"]
 )
+DENSE_FEATURES = PARTITION_DENSE + ["log1p_pair_count"]  # the shards' dense columns: the pair count last
+PAIR_COUNTS = "pair-counts"  # the derived arrays' kind (common.derived_dir)
 FIRST_GAP_S = 30 * 86400.0  # the gap feature of a user's first interaction
 LABELS = ["is_click", "long_view", "is_like", "is_follow", "is_comment", "is_forward", "is_hate", "is_profile_enter"]
 ACTIVE_DEGREES = {"UNKNOWN": 0, "high_active": 1, "full_active": 2, "middle_active": 3}
@@ -144,6 +154,7 @@ def build_partition(rows: pl.DataFrame, users: pl.DataFrame,
     if opts.get("validation") and opts.get("max_date"):
         is_valid = (date >= _eval_cutoff(_day_before(cutoff), 1)) & ~is_eval
     is_train = ~is_eval & ~is_valid
+    pair_key = pair_keys(last_video, video, opts["maxima"].get("video_id", 0))
     # Single-id features as one row-major (C-order) matrix: the shard stage gathers whole rows, and a row is then one
     # run of bytes in the memory-mapped file, not one value per column. int32 where every value fits (half the bytes
     # to write here and to read per shard); the shard stage widens the gathered rows back to int64.
@@ -154,16 +165,42 @@ def build_partition(rows: pl.DataFrame, users: pl.DataFrame,
               "video_id": video}
     dense_rows = np.ascontiguousarray(dense.to_numpy(order="c"), dtype=np.float32)
     arrays.update({
-        "dense": dense_rows.reshape(len(df), len(DENSE_FEATURES)),
+        "dense": dense_rows.reshape(len(df), len(PARTITION_DENSE)),
         "labels": np.ascontiguousarray(labels.to_numpy(order="c"), dtype=np.uint8).reshape(len(df), len(LABELS)),
         "tag_values": tag_values, "tag_offsets": tag_off, "ustart": ustart.astype(np.int64),
         "train_rows": np.flatnonzero(is_train).astype(np.int64), "eval_rows": np.flatnonzero(is_eval).astype(np.int64),
         "valid_rows": np.flatnonzero(is_valid).astype(np.int64),
+        "pair_key": pair_key, **train_pairs(pair_key[counted_pairs(is_train)], int(opts["pair_buckets"])),
     })
     stats = {"rows": int(len(df)), "train_samples": int(is_train.sum()), "eval_samples": int(is_eval.sum()),
              "valid_samples": int(is_valid.sum()),
              "users": int(len(np.unique(user))) if len(user) else 0, "missing_users": missing_users}
     return arrays, stats
+
+
+def pair_keys(last_video: np.ndarray, video: np.ndarray, max_video: int) -> np.ndarray:
+    """One int64 per (previous video, video) pair: ``prev * (max_video + 1) + video``; -1 for a user's first
+    interaction (no previous video; ``last_video`` is the previous id plus one, 0 for none)."""
+    n = int(max_video) + 1
+    if n > 3_000_000_000:  # n * n must fit in int64
+        raise ValueError(f"video ids up to {max_video}: too large for the pair count's int64 keys")
+    return np.where(last_video > 0, (last_video - 1) * n + video, -1).astype(np.int64)
+
+
+def counted_pairs(is_train: np.ndarray) -> np.ndarray:
+    """The rows whose pairs the pair count counts: the training split's (never valid or eval rows)."""
+    return is_train
+
+
+def train_pairs(keys: np.ndarray, buckets: int) -> Dict[str, np.ndarray]:
+    """One partition's counted pairs for the reduce: distinct keys with their counts, grouped by bucket
+    (``key % buckets``; bucket b is ``[offsets[b], offsets[b + 1])``, keys ascending within it)."""
+    keys = keys[keys >= 0]
+    u, c = np.unique(keys, return_counts=True)
+    order = np.lexsort((u, u % buckets))
+    u, c = u[order], c[order]
+    offsets = np.searchsorted(u % buckets, np.arange(buckets + 1))  # the buckets are ascending now
+    return {"pair_keys": u, "pair_counts": c.astype(np.int64), "pair_offsets": offsets.astype(np.int64)}
 
 
 def _gather_jagged(values: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -205,7 +242,8 @@ def gather(pieces: List[Tuple[Dict[str, np.ndarray], np.ndarray]], split: str,
         hv, hl = _gather_jagged(arrays["video_id"], hs, rows)
         add("history.values", hv)
         add("history.lengths", hl.astype(np.int64))
-        add("dense", take(arrays["dense"]))
+        pair_count = take(arrays.derived(PAIR_COUNTS, "pair_count"))
+        add("dense", np.concatenate([take(arrays["dense"]), np.log1p(pair_count, dtype=np.float32)[:, None]], axis=1))
         add("labels", take(arrays["labels"]))
     return {k: np.concatenate(v) for k, v in out.items()}
 
@@ -245,6 +283,59 @@ def unit_join(args: Tuple[WorkDir, int, int]) -> Dict[str, Any]:
     with work.output(marker) as out:
         write_partitioned(out.path(rel), joined, "_part", num_parts)
         return out.commit(stats)
+
+
+# -- between stages 3 and 4: the pair counts over every user partition -------------------------------------------
+def unit_pair_reduce(args: Tuple[WorkDir, int, int]) -> Dict[str, Any]:
+    """Bucket ``b`` of the pair counts: every partition's counted pairs of that bucket, summed per key."""
+    work, b, num_parts = args
+    sub = f"s3/pairs-{b:05d}"
+    done = work.done(f"{sub}/stats.json")
+    if done is not None:
+        return done
+    keys, counts = [], []
+    for q in range(num_parts):
+        arrays = PartitionArrays(work, q)
+        lo, hi = arrays["pair_offsets"][b:b + 2]
+        keys.append(np.asarray(arrays["pair_keys"][lo:hi]))
+        counts.append(np.asarray(arrays["pair_counts"][lo:hi]))
+    keys_all = np.concatenate(keys)
+    u, inv = np.unique(keys_all, return_inverse=True)
+    total = np.bincount(inv, weights=np.concatenate(counts), minlength=len(u)).astype(np.int64)
+    with work.output(f"{sub}/stats.json") as out:
+        save_array(out.path(f"{sub}/keys.npy"), u)
+        save_array(out.path(f"{sub}/counts.npy"), total)
+        return out.commit({"rows": int(total.sum()), "pairs": int(len(u))})
+
+
+def unit_pair_lookup(args: Tuple[WorkDir, int, int]) -> Dict[str, Any]:
+    """Partition ``q``'s pair count per row: its pair's count in the reduced buckets, less the row's own
+    occurrence where the row was counted."""
+    work, q, num_parts = args
+    sub = derived_dir(PAIR_COUNTS, q)
+    done = work.done(f"{sub}/stats.json")
+    if done is not None:
+        return done
+    arrays = PartitionArrays(work, q)
+    key = np.asarray(arrays["pair_key"])
+    count = np.zeros(len(key), np.int64)
+    bucket = np.where(key >= 0, key % num_parts, -1)
+    for b in np.unique(bucket[bucket >= 0]):
+        rows = np.flatnonzero(bucket == b)
+        keys = np.load(work.fetch(f"s3/pairs-{b:05d}/keys.npy"), mmap_mode="r", allow_pickle=False)
+        counts = np.load(work.fetch(f"s3/pairs-{b:05d}/counts.npy"), mmap_mode="r", allow_pickle=False)
+        at = np.searchsorted(keys, key[rows])
+        hit = at < len(keys)
+        hit[hit] = keys[at[hit]] == key[rows[hit]]
+        count[rows[hit]] = counts[at[hit]]
+    counted = np.zeros(len(key), bool)
+    counted[np.asarray(arrays["train_rows"])] = True
+    count -= counted_pairs(counted) & (key >= 0)
+    if (count < 0).any():  # a counted row's own pair is in the reduce: never expected
+        raise ValueError(f"partition {q}: pair counts below zero (the reduce misses counted pairs)")
+    with work.output(f"{sub}/stats.json") as out:
+        save_array(out.path(f"{sub}/pair_count.npy"), count.astype(np.int32))
+        return out.commit({"rows": int(len(key)), "rows_with_seen_pair": int((count > 0).sum())})
 
 
 # -- stage 4 ------------------------------------------------------------------------------------------------------
@@ -322,6 +413,7 @@ class CTRTask(IngestTask):
     """Click-through rate: one sample per interaction with user and video features, labels and recent history."""
 
     name = "ctr"
+    version = 2  # 2: the pair count
     input_kinds = ("log_standard", "log_random", "video_features_basic", "video_features_statistic", "user_features")
     # about 64 MB of raw input per partition: the samples stage holds every feature column of a partition at once
     partition_bytes = 64 << 20
@@ -346,6 +438,16 @@ class CTRTask(IngestTask):
         rows = read_partition(work, work.glob("s2", "joined-*.arrow"), q)
         users = read_partition(work, work.glob("s1", "user_features-*.arrow"), q)
         return build_partition(rows, users, opts)
+
+    def derive(self, ex, cfg, work: WorkDir, num_parts: int) -> Dict[str, Any]:
+        """The pair counts (module docstring): reduced per bucket of keys, then looked up per partition."""
+        reduced = ex.run(unit_pair_reduce, [(work, b, num_parts) for b in range(num_parts)], cfg,
+                         "3/4 pair counts (reduce)")
+        looked = ex.run(unit_pair_lookup, [(work, q, num_parts) for q in range(num_parts)], cfg,
+                        "3/4 pair counts (lookup)")
+        return {"pair_count": {"train_transitions": sum(r["rows"] for r in reduced),
+                               "distinct_pairs": sum(r["pairs"] for r in reduced),
+                               "rows_with_seen_pair": sum(r["rows_with_seen_pair"] for r in looked)}}
 
     def shard_records(self, cache, parts, idxs, split, k, first_batch, n_batches, opts):
         return shard_records(cache, parts, idxs, split, k, first_batch, n_batches, opts)

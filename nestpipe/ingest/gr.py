@@ -319,6 +319,10 @@ class GRTask(IngestTask):
         stats["missing_video_features"] = missing
         return arrays, stats
 
+    def derive(self, ex, cfg, work, num_parts: int) -> Dict[str, Any]:
+        """Nothing: a GR window needs only its own user's interactions (the samples stage has them all)."""
+        return {}
+
     def shard_records(self, cache, parts, idxs, split, k, first_batch, n_batches, opts):
         return shard_records(cache, parts, idxs, split, k, first_batch, n_batches, opts)
 

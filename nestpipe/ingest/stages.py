@@ -8,7 +8,8 @@ an fsspec URL: ``nestpipe.ingest.workdir``; an interrupted run redoes only the u
 2. join     per video partition: the logs meet the video tables (deduplicated by video id), then are spilled
             again, hash-partitioned by user id.
 3. samples  per user partition: a total sort by (user, time, video, source, line), then samples (GR windows or
-            CTR rows with their recent history), kept as flat numpy arrays.
+            CTR rows with their recent history), kept as flat numpy arrays; then what the task derives over every
+            partition (``IngestTask.derive``; CTR: the pair counts, one unit per key bucket, then per partition).
 4. shards   the samples of each split, in a seeded order, cut into batches of exactly B; each batch is partitioned
             into N micro-batches by key-centric clustering and carries its unique keys per table; S batches per
             WebDataset shard.
@@ -275,7 +276,8 @@ def _prepare_out(cfg: IngestConfig, fingerprint: Dict[str, Any]) -> str:
             return "complete" if complete else "resume"
         if not cfg.force:
             held = ("an unfinished ingest of other inputs or options" if os.path.exists(state_path) else
-                    "the output of an ingest with other inputs or options" if os.path.exists(manifest_path) else
+                    "the output of an ingest with other inputs or options (or of another NestPipe version whose "
+                    "samples differ)" if os.path.exists(manifest_path) else
                     "files of something else")
             raise FileExistsError(
                 f"{out}: output directory holds {held}; choose another --out or pass --force to replace its "
@@ -345,7 +347,7 @@ def ingest(cfg: IngestConfig, executor: Optional[Executor] = None) -> shards.Man
     semantic = cfg.semantic()
     semantic["partitions"] = num_parts
     fingerprint = {"inputs": fps, "options": semantic, "format_version": shards.FORMAT_VERSION,
-                   "release": found.release}
+                   "task_version": TASKS[cfg.task].version, "release": found.release}
     run = uuid.uuid4().hex  # names this run's caches of a URL working directory in every process
     remote = cfg.out if storage.is_url(cfg.out) else None
     staging = None
@@ -482,9 +484,10 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
     # 3. samples
     opts = {"max_seq_len": cfg.max_seq_len, "history_len": cfg.history_len, "ctr_eval_days": cfg.ctr_eval_days,
             "validation": cfg.validation,
-            "max_date": maxima.get("date", 0), "maxima": maxima}
+            "max_date": maxima.get("date", 0), "maxima": maxima, "pair_buckets": num_parts}
     s3 = ex.run(_unit_samples, [(work, cfg.task, q, opts) for q in range(num_parts)], cfg, "3/4 samples",
                 rows_of=lambda s: s.get("tokens", s.get("rows", 0)))
+    derived = task.derive(ex, cfg, work, num_parts)  # features over every partition (CTR: pair counts)
 
     # 4. shards
     tables = task.tables(cfg, maxima)
@@ -538,6 +541,7 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
         "missing_video_features": sum(s.get("missing_video_features", 0) for s in s2 + s3),
         "duplicate_video_rows": sum(s["duplicate_video_rows"] for s in s2),
         "samples": {split: int(sum(s[f"{split}_samples"] for s in s3)) for split in cfg.splits()},
+        **derived,
         "resumed_shards": sum(1 for r in s4 if r.get("resumed")),
         "seconds": round(time.time() - t_start, 3),
         "stage_seconds": dict(ex.stage_seconds),

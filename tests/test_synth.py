@@ -297,6 +297,32 @@ def test_feedback_is_more_positive_in_community(tiny, tmp_path_factory):
     assert inside_off < outside_off + 0.05, (inside_off, outside_off)
 
 
+def test_taste_match_is_a_cross_and_moves_clicks_only(tiny, tmp_path_factory):
+    """``click_taste_boost``: clicks follow the latent taste match ``t_uv`` (a user x video cross: it varies inside
+    every user and every video), the item sequences stay the same; negative control: the default (0) data's clicks
+    do not follow it."""
+    out, cfg, _ = tiny
+    log = _read(out, "log_standard").sort(["user_id", "time_ms", "video_id"])
+    u, v = log["user_id"].to_numpy(), log["video_id"].to_numpy()
+    t = synth.taste_match(cfg, u, v)
+    assert abs(t.mean()) < 0.1 and abs(t.std() - 1) < 0.1  # the logged pairs repeat the popular videos
+    # not a function of the user alone, nor of the video alone: most of its variance is inside each
+    within_user = pl.DataFrame({"g": u, "t": t}).group_by("g").agg(pl.col("t").var())["t"].drop_nulls().mean()
+    within_video = pl.DataFrame({"g": v, "t": t}).group_by("g").agg(pl.col("t").var())["t"].drop_nulls().mean()
+    assert within_user > 0.8 and within_video > 0.5, (within_user, within_video)
+
+    def gap(lg, c):
+        x = synth.taste_match(c, lg["user_id"].to_numpy(), lg["video_id"].to_numpy())
+        y = lg["is_click"].to_numpy()
+        return y[x > 0.7].mean() - y[x < -0.7].mean()
+
+    assert abs(gap(log, cfg)) < 0.03  # negative control: off by default
+    on, cfg_on, _ = _generate(tmp_path_factory, "taste", click_taste_boost=1.0)
+    log_on = _read(on, "log_standard").sort(["user_id", "time_ms", "video_id"])
+    assert gap(log_on, cfg_on) > 0.2
+    assert log_on["video_id"].to_list() == log["video_id"].to_list()  # the same items, only the clicks move
+
+
 def test_sessions_contain_fixed_successor_transitions(tiny, tmp_path_factory):
     out, cfg, _ = tiny
     log = _read(out, "log_standard")

@@ -31,7 +31,8 @@ Beijing time), so a chronological sequence model sees successor pairs as consecu
 *Feedback depends on the match.* With ``m`` = 1 for an item of the user's own community, ``s`` = 1 for a successor
 transition, ``h`` = 1 for a head item and ``b_u ~ N(0, 0.3)`` a per-user bias (logistic ``σ``)::
 
-    P(is_click)        = σ(-1.0 + click_community_boost(1.4)·m + click_successor_boost(1.0)·s + 0.4·h + b_u)
+    P(is_click)        = σ(-1.0 + click_community_boost(1.4)·m + click_successor_boost(1.0)·s + 0.4·h + b_u
+                           + click_taste_boost(0)·t_uv)
     watch ratio        = exp(N(-1.0 + 0.6·m + 0.5·s + 0.3·is_click, 0.6)),   play_time_ms = ratio · duration_ms
                          (ratio > 1 are replays, so play_time_ms sometimes exceeds duration_ms)
     long_view          = play_time_ms >= min(duration_ms, 18000)
@@ -41,6 +42,11 @@ transition, ``h`` = 1 for a head item and ``b_u ~ N(0, 0.3)`` a per-user bias (l
     P(is_forward)      = σ(-5.5 + 1.0·m)
     P(is_hate)         = σ(-4.5 - 1.5·m)
     P(is_profile_enter)= σ(-4.0 + 1.0·m + 0.5·is_click)
+
+``t_uv`` (:func:`taste_match`) is a latent taste match, ``<t_u, w_v> / sqrt(TASTE_RANK)`` of a user's and a video's
+standard-normal vectors: a user x video cross no function of the user or the video alone describes (``m`` is a
+function of the video in the standard log: users draw from their own community or the head). It changes clicks
+only (the item sequences stay the same) and is off by default (``click_taste_boost = 0``).
 
 *Random-policy log.* A fraction ``random_fraction`` of all interactions (default 2%) forms
 ``log_random_4_22_to_5_08_27k.csv`` (``is_rand = 1``): items uniform over a fixed pool of ``random_pool_size``
@@ -143,6 +149,7 @@ class SynthConfig:
     user_activity_sigma: float = 1.0  # lognormal spread of interactions per user
     click_community_boost: float = 1.4
     click_successor_boost: float = 1.0
+    click_taste_boost: float = 0.0  # weight of the latent user x video taste match t_uv (taste_match); 0: none
     chunk_rows: int = 1_000_000  # log rows generated per chunk (bounds memory)
     bucket_rows: int = 2_000_000  # rows per spill bucket of the external shuffle (bounds memory)
     video_chunk_rows: int = 1_000_000  # feature-table rows per chunk
@@ -278,6 +285,26 @@ def _user_bias(cfg: SynthConfig, users: np.ndarray) -> np.ndarray:
     return 0.3 * np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2 * np.pi * u2)
 
 
+TASTE_RANK = 4  # dimensions of the latent taste vectors
+
+
+def _normal(ids: np.ndarray, salt: int) -> np.ndarray:
+    """Standard normal per id (Box-Muller on two hashes of it)."""
+    u1 = _hash_unit(ids, salt)
+    u2 = _hash_unit(ids, salt + 1)
+    return np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2 * np.pi * u2)
+
+
+def taste_match(cfg: SynthConfig, users: np.ndarray, videos: np.ndarray) -> np.ndarray:
+    """``t_uv = <t_u, w_v> / sqrt(TASTE_RANK)`` per (user id, video id) row: every user's and every video's taste
+    vector is standard normal, from hashes of the id and the seed, so ``t_uv`` has mean 0 and variance 1 over random
+    pairs and is no function of the user or the video alone."""
+    out = np.zeros(len(users))
+    for k in range(TASTE_RANK):
+        out += _normal(users, 1000 + 10 * k + cfg.seed * 131) * _normal(videos, 2000 + 10 * k + cfg.seed * 131)
+    return out / np.sqrt(TASTE_RANK)
+
+
 def user_interaction_counts(cfg: SynthConfig) -> Tuple[np.ndarray, np.ndarray]:
     """Rows per user in the standard logs and in the random log (each sums exactly to its total)."""
     n_rand = int(round(cfg.interactions * cfg.random_fraction))
@@ -352,6 +379,7 @@ def _feedback(cfg, rng, users, videos, match, successor, head) -> Dict[str, np.n
     duration = video_duration_ms(cfg, videos)
     p_click = _sigmoid(
         -1.0 + cfg.click_community_boost * m + cfg.click_successor_boost * s + 0.4 * h + _user_bias(cfg, users)
+        + (cfg.click_taste_boost * taste_match(cfg, users, videos) if cfg.click_taste_boost else 0.0)
     )
     click = rng.random(n) < p_click
     ratio = np.exp(rng.normal(-1.0 + 0.6 * m + 0.5 * s + 0.3 * click, 0.6))

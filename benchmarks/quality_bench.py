@@ -2,7 +2,8 @@
 
     python benchmarks/quality_bench.py [--seeds 0 1 2] [--scale small] [--split eval] [--epochs 3] [--out DIR]
 
-Per seed: ``nestpipe synth --scale SCALE --seed S`` -> ``nestpipe ingest`` (the demo's settings, ``--validation``
+Per seed: ``nestpipe synth --scale SCALE --seed S`` (``--synth KEY=VALUE``: a generator setting, the data in a
+directory of its own) -> ``nestpipe ingest`` (the demo's settings, ``--validation``
 so that ``--split valid`` can be scored) -> ``nestpipe train`` of hstu and sasrec on the gr shards (``--epochs``
 each, 2 processes, default configs: the same training budget) and dlrm on the ctr shards (``--dlrm-epochs``) ->
 ``nestpipe eval --split SPLIT``. Settings are chosen with ``--split valid``; ``--split eval`` reports the held-out
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from nestpipe.datasets.synth import generate
+from nestpipe.datasets.synth import SynthConfig, generate
 from nestpipe.demo import DEMO_INGEST
 from nestpipe.ingest import IngestConfig, ingest
 from nestpipe.trainer.evaluate import evaluate_run
@@ -45,11 +46,26 @@ def train(shards: str, run: str, model: str, epochs: int, nproc: int, sets):
     return time.perf_counter() - t0
 
 
+def synth_overrides(items) -> dict:
+    """``--synth KEY=VALUE`` -> SynthConfig overrides (values parsed as JSON, else kept as strings)."""
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def one_seed(args, seed: int) -> dict:
-    root = os.path.join(args.out, f"{args.scale}-seed{seed}")
+    synth = synth_overrides(args.synth)
+    # data generated with other generator settings lives in a directory of its own
+    suffix = "".join(f"-{k}={v}" for k, v in sorted(synth.items()))
+    root = os.path.join(args.out, f"{args.scale}-seed{seed}{suffix}")
     raw = os.path.join(root, "raw")
     if not os.path.exists(os.path.join(raw, "user_features_27k.csv")):
-        generate(raw, scale=args.scale, seed=seed, progress=False)
+        generate(raw, config=SynthConfig.for_scale(args.scale, seed=seed, **synth), progress=False)
     shards = {}
     for task, opts in DEMO_INGEST.items():
         shards[task] = os.path.join(root, f"shards-{task}")
@@ -130,6 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="/tmp/nestpipe-quality")
     ap.add_argument("--models", nargs="+", default=list(GR_MODELS) + ["dlrm"], choices=list(GR_MODELS) + ["dlrm"],
                     help="the models trained and scored (default: all three)")
+    ap.add_argument("--synth", action="append", default=[], metavar="KEY=VALUE",
+                    help="a generator setting (nestpipe.datasets.synth.SynthConfig), e.g. click_taste_boost=0.8")
     ap.add_argument("--tag", default="", help="prefix of the run directories (several settings on the same shards)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

@@ -440,6 +440,19 @@ def test_synth_command_writes_and_refuses_a_foreign_directory(tmp_path, capsys):
     assert (out / "notes.txt").read_text() == "keep me"
 
 
+def test_synth_set_applies_a_generator_setting_and_refuses_others(tmp_path, tiny):
+    out = tmp_path / "taste"
+    assert cli_main(["synth", "--out", str(out), "--scale", "tiny", "--quiet", "--set", "click_taste_boost=1.0"]) == 0
+    want = tmp_path / "want"
+    synth.generate(str(want), config=synth.SynthConfig.for_scale("tiny", click_taste_boost=1.0), progress=False)
+    assert _digest(out) == _digest(want) != _digest(tiny[0])  # the setting applied (the default data differs)
+    for bad, why in (("nope=1", "not a generator setting"), ("seed=3", "have their own options"),
+                     ("num_communities=2.5", "expected int"), ("communities=1", "expected bool"),
+                     ("click_taste_boost", "expected KEY=VALUE")):
+        with pytest.raises(SystemExit, match=why):
+            cli_main(["synth", "--out", str(tmp_path / "x"), "--scale", "tiny", "--quiet", "--set", bad])
+
+
 def test_synth_help_explains_the_options(capsys):
     with pytest.raises(SystemExit):
         cli_main(["synth", "--help"])

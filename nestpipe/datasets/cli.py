@@ -17,8 +17,9 @@ The files have the names, headers and value formats of the published KuaiRand-27
 for the same scale, seed and --interactions, and log rows are shuffled (not sorted by user or time). The planted
 structure (communities, Zipf popularity, session transitions, feedback) is described in docs/synthetic-data.md.
 
-example:
+examples:
   nestpipe synth --out data/kuairand-small --scale small --seed 0
+  nestpipe synth --out data/kuairand-taste --scale small --set click_taste_boost=0.8   (a user x video cross in clicks)
 """
 
 
@@ -46,6 +47,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed; same seed -> byte-identical files (default: 0)")
     p.add_argument("--interactions", type=_positive_int, default=None, metavar="N",
                    help="total log rows (standard + random logs), overriding the scale's default")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a generator setting (a field of nestpipe.datasets.synth.SynthConfig, docs/synthetic-data.md), "
+                        "e.g. --set click_taste_boost=0.8 for a latent user x video cross in the clicks; repeatable")
     p.add_argument("--force", action="store_true",
                    help="write even if DIR already holds files that are not synthetic KuaiRand output")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -69,10 +73,9 @@ def run_synth(args) -> int:
     from nestpipe.datasets import synth  # start-up time: Polars only for the command that runs
 
     start = time.perf_counter()
-    result = synth.generate(
-        args.out, scale=args.scale, seed=args.seed, interactions=args.interactions, progress=not args.quiet,
-        force=args.force,
-    )
+    config = synth.SynthConfig.for_scale(args.scale, seed=args.seed, interactions=args.interactions,
+                                         **_settings(args.set))
+    result = synth.generate(args.out, config=config, progress=not args.quiet, force=args.force)
     counts = result["counts"]
     size = sum(os.path.getsize(p) for paths in result["files"].values() for p in paths)
     print(
@@ -82,6 +85,38 @@ def run_synth(args) -> int:
         f"random log rows, {counts['communities']} planted communities (seed {args.seed})"
     )
     return 0
+
+
+def _settings(items) -> dict:
+    """``--set KEY=VALUE`` items -> SynthConfig overrides; an unknown key or a value of the wrong type is refused
+    naming it."""
+    import dataclasses
+    import json
+
+    from nestpipe.datasets.synth import SynthConfig
+
+    fields = {f.name: f for f in dataclasses.fields(SynthConfig)}
+    out = {}
+    for item in items:
+        key, eq, text = item.partition("=")
+        if not eq:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
+        if key not in fields or key in ("seed", "interactions"):
+            known = ", ".join(sorted(k for k in fields if k not in ("seed", "interactions")))
+            raise SystemExit(f"--set {key}: not a generator setting (--seed and --interactions have their own "
+                             f"options); settings: {known}")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            raise SystemExit(f"--set {key}={text}: expected a number, true or false")
+        default = getattr(SynthConfig, key)
+        ok = (isinstance(value, bool) if isinstance(default, bool) else
+              isinstance(value, int) and not isinstance(value, bool) if isinstance(default, int) else
+              isinstance(value, (int, float)) and not isinstance(value, bool))
+        if not ok:
+            raise SystemExit(f"--set {key}={text}: expected {type(default).__name__} like its default {default!r}")
+        out[key] = float(value) if isinstance(default, float) else value
+    return out
 
 
 def run_check_raw(args) -> int:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import time
 
@@ -74,7 +76,7 @@ def run_synth(args) -> int:
 
     start = time.perf_counter()
     config = synth.SynthConfig.for_scale(args.scale, seed=args.seed, interactions=args.interactions,
-                                         **_settings(args.set))
+                                         **_settings(args.set, synth.SynthConfig))
     result = synth.generate(args.out, config=config, progress=not args.quiet, force=args.force)
     counts = result["counts"]
     size = sum(os.path.getsize(p) for paths in result["files"].values() for p in paths)
@@ -87,14 +89,9 @@ def run_synth(args) -> int:
     return 0
 
 
-def _settings(items) -> dict:
-    """``--set KEY=VALUE`` items -> SynthConfig overrides; an unknown key or a value of the wrong type is refused
-    naming it."""
-    import dataclasses
-    import json
-
-    from nestpipe.datasets.synth import SynthConfig
-
+def _settings(items, SynthConfig) -> dict:
+    """``--set KEY=VALUE`` items -> overrides of ``SynthConfig`` (the class, passed in by the command); an unknown key
+    or a value of the wrong type is refused naming it."""
     fields = {f.name: f for f in dataclasses.fields(SynthConfig)}
     out = {}
     for item in items:

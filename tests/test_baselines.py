@@ -216,6 +216,10 @@ def test_click_truth_streams_the_exact_auc_and_logloss():
     assert abs(r["AUC"] - roc_auc_score(y[sel], p[sel])) < 1e-4
     want_ll = -np.mean(np.where(y[sel], np.log(p[sel]), np.log1p(-p[sel])))
     assert abs(r["logloss"] - want_ll) < 1e-9
+    v = truth.result(2, "valid")  # the valid split of --validation: the one date before the eval dates
+    sel = dates == 20220506
+    assert v["rows"] == sel.sum() and v["first_date"] == 20220506
+    assert abs(v["AUC"] - roc_auc_score(y[sel], p[sel])) < 1e-4
     # negative control: probabilities that do not belong to the rows give chance
     shuffled = ClickTruth()
     shuffled.add(dates, rng.permutation(p), y)
@@ -231,6 +235,8 @@ def test_synth_truth_travels_with_the_shards(gr_shards):
     ceiling = read_json(os.path.join(raw, TRUTH_FILE))["bayes_ceiling_by_eval_days"]
     assert set(ceiling) == {str(d) for d in range(1, 8)}
     assert ceiling["3"]["rows"] > ceiling["1"]["rows"] > 0 and 0.6 < ceiling["3"]["AUC"] < 0.8
+    valid = read_json(os.path.join(raw, TRUTH_FILE))["bayes_ceiling_valid_by_eval_days"]
+    assert valid["3"]["first_date"] < ceiling["3"]["first_date"] and 0 < valid["3"]["rows"] < ceiling["3"]["rows"]
 
 
 # -- the ceiling on synthetic data: the generator's own next-item ranking ------------------------------------------

@@ -40,7 +40,7 @@ def _training_pairs(raw, validation: bool = True) -> Counter:
     logs = logs.sort(["user_id", "time_ms", "video_id", "src", "line"])
     cutoff = kuairand.eval_cutoff(int(logs["date"].max()), 3)
     if validation:  # the last date before the eval dates is the valid split
-        cutoff = kuairand.eval_cutoff(ctr._day_before(cutoff), 1)
+        cutoff = kuairand.valid_date(int(logs["date"].max()), 3)
     pairs = Counter()
     for (_,), g in logs.group_by(["user_id"], maintain_order=True):
         v, d = g["video_id"].to_list(), g["date"].to_list()

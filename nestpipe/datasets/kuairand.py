@@ -264,3 +264,9 @@ def eval_cutoff(max_date: int, days: int) -> int:
     """The first date (``YYYYMMDD``) of the CTR eval split: the last ``days`` dates up to ``max_date``."""
     d = datetime.datetime.strptime(str(max_date), "%Y%m%d").date() - datetime.timedelta(days=max(days, 1) - 1)
     return int(d.strftime("%Y%m%d"))
+
+
+def valid_date(max_date: int, eval_days: int) -> int:
+    """The date (``YYYYMMDD``) of the CTR valid split (``ingest --validation``): the last date before the eval split."""
+    d = datetime.datetime.strptime(str(eval_cutoff(max_date, eval_days)), "%Y%m%d").date() - datetime.timedelta(days=1)
+    return int(d.strftime("%Y%m%d"))

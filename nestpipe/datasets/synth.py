@@ -761,21 +761,29 @@ class ClickTruth:
             h += np.stack([np.bincount(b[sel & ~y], minlength=self.BINS), np.bincount(b[sel & y], minlength=self.BINS)])
             self.logloss[d] = self.logloss.get(d, 0.0) + float(ll[sel].sum())
 
-    def result(self, eval_days: int) -> Dict[str, float]:
-        cutoff = kuairand.eval_cutoff(max(self.hist), eval_days)
-        dates = [d for d in self.hist if d >= cutoff]
-        h = sum(self.hist[d] for d in dates)
+    def result(self, eval_days: int, split: str = "eval") -> Dict[str, float]:
+        """``split`` ``eval``: the last ``eval_days`` dates; ``valid``: the one date before them (``--validation``)."""
+        last = max(self.hist)
+        if split == "valid":
+            first = kuairand.valid_date(last, eval_days)
+            dates = [d for d in self.hist if d == first]
+        else:
+            first = kuairand.eval_cutoff(last, eval_days)
+            dates = [d for d in self.hist if d >= first]
+        h = sum((self.hist[d] for d in dates), np.zeros((2, self.BINS), np.int64))
         neg, pos = h[0].astype(np.float64), h[1].astype(np.float64)
         below = np.concatenate([[0.0], np.cumsum(neg)[:-1]])
         n_pos, n_neg = pos.sum(), neg.sum()
         auc = float((pos * (below + 0.5 * neg)).sum() / (n_pos * n_neg)) if n_pos and n_neg else float("nan")
-        return {"rows": int(n_pos + n_neg), "first_date": int(cutoff), "AUC": auc,
+        return {"rows": int(n_pos + n_neg), "first_date": int(first), "AUC": auc,
                 "logloss": sum(self.logloss[d] for d in dates) / max(n_pos + n_neg, 1)}
 
     def summary(self) -> Dict:
         return {"label": "is_click", "what": "the generator's own click probabilities on every interaction of the "
-                "last D dates (the ctr eval split of `nestpipe ingest --ctr-eval-days D`)",
-                "bayes_ceiling_by_eval_days": {str(d): self.result(d) for d in TRUTH_EVAL_DAYS}}
+                "last D dates (the ctr eval split of `nestpipe ingest --ctr-eval-days D`); the valid entries: of the "
+                "date before them (the valid split of `--validation`)",
+                "bayes_ceiling_by_eval_days": {str(d): self.result(d) for d in TRUTH_EVAL_DAYS},
+                "bayes_ceiling_valid_by_eval_days": {str(d): self.result(d, "valid") for d in TRUTH_EVAL_DAYS}}
 
 
 class NextItemOracle:

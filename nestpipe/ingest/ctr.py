@@ -25,7 +25,6 @@ clicked or not; an embedding pair learns it from clicks alone, a few times per p
 
 from __future__ import annotations
 
-import datetime
 from typing import Any, Dict, List, Tuple
 
 import numpy as np
@@ -83,11 +82,6 @@ def tables(cfg, maxima: Dict[str, int]) -> Dict[str, shards.TableSpec]:
 
 
 _eval_cutoff = kuairand.eval_cutoff
-
-
-def _day_before(date: int) -> int:
-    d = datetime.datetime.strptime(str(date), "%Y%m%d").date() - datetime.timedelta(days=1)
-    return int(d.strftime("%Y%m%d"))
 
 
 def build_partition(rows: pl.DataFrame, users: pl.DataFrame,
@@ -152,7 +146,7 @@ def build_partition(rows: pl.DataFrame, users: pl.DataFrame,
     is_eval = date >= cutoff
     is_valid = np.zeros(len(df), bool)
     if opts.get("validation") and opts.get("max_date"):
-        is_valid = (date >= _eval_cutoff(_day_before(cutoff), 1)) & ~is_eval
+        is_valid = date == kuairand.valid_date(opts["max_date"], opts["ctr_eval_days"])
     is_train = ~is_eval & ~is_valid
     pair_key = pair_keys(last_video, video, opts["maxima"].get("video_id", 0))
     # Single-id features as one row-major (C-order) matrix: the shard stage gathers whole rows, and a row is then one

@@ -217,16 +217,19 @@ def evaluate_ctr(cfg, man, full, model, max_batches, split="eval",
 
 def _bayes_ceiling(cfg, man, split: str, samples: int) -> Dict:
     """Synthetic data only (``SHARDS/synth_truth.json``, copied there by the ingest from ``nestpipe synth``'s output):
-    the AUC and logloss of the generator's own click probabilities on the eval dates."""
+    the AUC and logloss of the generator's own click probabilities on the split's dates (eval: the last D dates;
+    valid: the date before them)."""
     path = os.path.join(cfg.shards, TRUTH_FILE)
     days = int((man.options or {}).get("ctr_eval_days", 0))
-    if split != "eval" or cfg.dlrm.target != "is_click" or not os.path.isfile(path):
+    if split not in ("eval", "valid") or cfg.dlrm.target != "is_click" or not os.path.isfile(path):
         return {}
-    entry = read_json(path, "synthetic truth").get("bayes_ceiling_by_eval_days", {}).get(str(days))
-    if not entry:
+    key = "bayes_ceiling_by_eval_days" if split == "eval" else "bayes_ceiling_valid_by_eval_days"
+    entry = read_json(path, "synthetic truth").get(key, {}).get(str(days))
+    if not entry:  # a truth file written before the valid entries existed
         return {}
-    return {"bayes_ceiling": {**entry, "note": f"every interaction of the last {days} dates ({entry['rows']} rows; "
-                              f"the eval split scored here: {samples} samples, every one of the split)"}}
+    dates = f"the last {days} dates" if split == "eval" else f"the date {entry['first_date']} (the valid split)"
+    return {"bayes_ceiling": {**entry, "note": f"every interaction of {dates} ({entry['rows']} rows; "
+                              f"the {split} split scored here: {samples} samples, every one of the split)"}}
 
 
 # the evaluation protocol of each shard task: next-item (HR/NDCG) for gr, CTR (AUC/logloss) for ctr

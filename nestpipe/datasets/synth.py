@@ -150,6 +150,7 @@ class SynthConfig:
     click_community_boost: float = 1.4
     click_successor_boost: float = 1.0
     click_taste_boost: float = 0.0  # weight of the latent user x video taste match t_uv (taste_match); 0: none
+    click_taste_of: str = "video"  # whose taste vector w_v is: "video" (its own) or "author" (its author's)
     chunk_rows: int = 1_000_000  # log rows generated per chunk (bounds memory)
     bucket_rows: int = 2_000_000  # rows per spill bucket of the external shuffle (bounds memory)
     video_chunk_rows: int = 1_000_000  # feature-table rows per chunk
@@ -295,13 +296,28 @@ def _normal(ids: np.ndarray, salt: int) -> np.ndarray:
     return np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2 * np.pi * u2)
 
 
+def video_authors(cfg: SynthConfig, video_ids: np.ndarray) -> np.ndarray:
+    """``author_id`` of each video (as the basic feature table lists it): about four neighbouring slots share one."""
+    return _slot_author(cfg, video_slots(cfg, video_ids))
+
+
+def _slot_author(cfg: SynthConfig, slot: np.ndarray) -> np.ndarray:
+    return (_hash_u64(np.asarray(slot, np.int64) // 4, 42 + cfg.seed * 131)
+            % np.uint64(max(1, cfg.num_videos // 8))).astype(np.int64)
+
+
 def taste_match(cfg: SynthConfig, users: np.ndarray, videos: np.ndarray) -> np.ndarray:
-    """``t_uv = <t_u, w_v> / sqrt(TASTE_RANK)`` per (user id, video id) row: every user's and every video's taste
-    vector is standard normal, from hashes of the id and the seed, so ``t_uv`` has mean 0 and variance 1 over random
-    pairs and is no function of the user or the video alone."""
+    """``t_uv = <t_u, w_v> / sqrt(TASTE_RANK)`` per (user id, video id) row: every user's taste vector ``t_u`` and
+    every video's ``w_v`` is standard normal, from hashes of the id and the seed (``click_taste_of = "author"``:
+    ``w_v`` is the video's author's vector, hashed from the author id: a user likes or dislikes a creator's videos
+    alike), so ``t_uv`` has mean 0 and variance 1 over random pairs and is no function of the user or the video
+    alone."""
+    if cfg.click_taste_of not in ("video", "author"):
+        raise ValueError(f"click_taste_of {cfg.click_taste_of!r}: expected 'video' or 'author'")
+    owners = video_authors(cfg, videos) if cfg.click_taste_of == "author" else np.asarray(videos, np.int64)
     out = np.zeros(len(users))
     for k in range(TASTE_RANK):
-        out += _normal(users, 1000 + 10 * k + cfg.seed * 131) * _normal(videos, 2000 + 10 * k + cfg.seed * 131)
+        out += _normal(users, 1000 + 10 * k + cfg.seed * 131) * _normal(owners, 2000 + 10 * k + cfg.seed * 131)
     return out / np.sqrt(TASTE_RANK)
 
 
@@ -601,8 +617,7 @@ def _video_basic_frame(cfg: SynthConfig, layout: _Layout, rows: np.ndarray) -> p
     upload_day = rng.integers(0, 700, n)
     df = pl.DataFrame({
         "video_id": vid,
-        "author_id": (_hash_u64(slot // 4, 42 + cfg.seed * 131) % np.uint64(max(1, cfg.num_videos // 8))).astype(
-            np.int64),
+        "author_id": _slot_author(cfg, slot),
         "video_type": np.where(rng.random(n) < 0.03, "AD", "NORMAL"),
         "upload_day": upload_day,
         "upload_type": np.asarray(["ShortImport", "LongImport", "Web", "ShortCamera", "LongCamera", "PictureSet"],

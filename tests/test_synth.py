@@ -300,9 +300,9 @@ def test_feedback_is_more_positive_in_community(tiny, tmp_path_factory):
 
 def test_taste_match_is_a_cross_and_moves_clicks_only(tiny, tmp_path_factory):
     """``click_taste_boost``: clicks follow the latent taste match ``t_uv`` (a user x video cross: it varies inside
-    every user and every video), the item sequences stay the same; negative control: the default (0) data's clicks
-    do not follow it."""
-    out, cfg, _ = tiny
+    every user and every video), the item sequences stay the same; negative control: with the term off
+    (``click_taste_boost = 0``) the clicks do not follow it."""
+    out, cfg, _ = _generate(tmp_path_factory, "notaste", click_taste_boost=0.0, click_taste_of="video")
     log = _read(out, "log_standard").sort(["user_id", "time_ms", "video_id"])
     u, v = log["user_id"].to_numpy(), log["video_id"].to_numpy()
     t = synth.taste_match(cfg, u, v)
@@ -317,37 +317,40 @@ def test_taste_match_is_a_cross_and_moves_clicks_only(tiny, tmp_path_factory):
         y = lg["is_click"].to_numpy()
         return y[x > 0.7].mean() - y[x < -0.7].mean()
 
-    assert abs(gap(log, cfg)) < 0.03  # negative control: off by default
-    on, cfg_on, _ = _generate(tmp_path_factory, "taste", click_taste_boost=1.0)
+    assert abs(gap(log, cfg)) < 0.03  # negative control: the term off
+    on, cfg_on, _ = _generate(tmp_path_factory, "taste", click_taste_boost=1.0, click_taste_of="video")
     log_on = _read(on, "log_standard").sort(["user_id", "time_ms", "video_id"])
     assert gap(log_on, cfg_on) > 0.2
     assert log_on["video_id"].to_list() == log["video_id"].to_list()  # the same items, only the clicks move
+    # the default data: the term on, the author's taste (test_author_taste_is_a_user_x_author_cross)
+    default = _read(tiny[0], "log_standard").sort(["user_id", "time_ms", "video_id"])
+    assert (tiny[1].click_taste_boost, tiny[1].click_taste_of) == (1.0, "author")
+    assert gap(default, tiny[1]) > 0.2 and default["video_id"].to_list() == log["video_id"].to_list()
 
 
-def test_author_taste_is_a_user_x_author_cross(tiny, tmp_path_factory):
-    """``click_taste_of = "author"``: a video's taste vector is its author's (the ``author_id`` the basic feature table
-    lists), so ``t_uv`` is one value per (user, author) and still varies inside every user and every author's
-    audience; clicks follow it. Negative control: the per-video match of the same data does not explain the clicks
-    as well."""
+def test_author_taste_is_a_user_x_author_cross(tiny):
+    """``click_taste_of = "author"`` (the default): a video's taste vector is its author's (the ``author_id`` the
+    basic feature table lists), so ``t_uv`` is one value per (user, author) and still varies inside every user and
+    every author's audience; clicks follow it. Negative control: the per-video match of the same data does not
+    explain the clicks."""
     out, cfg, _ = tiny
     basic = _read(out, "video_features_basic")
     assert (synth.video_authors(cfg, basic["video_id"].to_numpy()) == basic["author_id"].to_numpy()).all()
-    on, cfg_on, _ = _generate(tmp_path_factory, "taste-author", click_taste_boost=1.0, click_taste_of="author")
-    log = _read(on, "log_standard")
+    log = _read(out, "log_standard")
     u, v = log["user_id"].to_numpy(), log["video_id"].to_numpy()
-    t = synth.taste_match(cfg_on, u, v)
-    a = synth.video_authors(cfg_on, v)
+    t = synth.taste_match(cfg, u, v)
+    a = synth.video_authors(cfg, v)
     per_pair = pl.DataFrame({"u": u, "a": a, "t": t}).group_by(["u", "a"]).agg(pl.col("t").n_unique())["t"]
     assert per_pair.max() == 1  # one value per (user, author)
     within_author = pl.DataFrame({"g": a, "t": t}).group_by("g").agg(pl.col("t").var())["t"].drop_nulls().mean()
     assert within_author > 0.5, within_author
     y = log["is_click"].to_numpy()
     gap = y[t > 0.7].mean() - y[t < -0.7].mean()
-    by_video = synth.taste_match(dataclasses.replace(cfg_on, click_taste_of="video"), u, v)
+    by_video = synth.taste_match(dataclasses.replace(cfg, click_taste_of="video"), u, v)
     gap_video = y[by_video > 0.7].mean() - y[by_video < -0.7].mean()
     assert gap > 0.2 and abs(gap_video) < 0.05, (gap, gap_video)
     with pytest.raises(ValueError, match="click_taste_of 'tag'"):
-        synth.taste_match(dataclasses.replace(cfg_on, click_taste_of="tag"), u, v)
+        synth.taste_match(dataclasses.replace(cfg, click_taste_of="tag"), u, v)
 
 
 def test_sessions_contain_fixed_successor_transitions(tiny, tmp_path_factory):
@@ -469,9 +472,9 @@ def test_synth_command_writes_and_refuses_a_foreign_directory(tmp_path, capsys):
 
 def test_synth_set_applies_a_generator_setting_and_refuses_others(tmp_path, tiny):
     out = tmp_path / "taste"
-    assert cli_main(["synth", "--out", str(out), "--scale", "tiny", "--quiet", "--set", "click_taste_boost=1.0"]) == 0
+    assert cli_main(["synth", "--out", str(out), "--scale", "tiny", "--quiet", "--set", "click_taste_boost=0.5"]) == 0
     want = tmp_path / "want"
-    synth.generate(str(want), config=synth.SynthConfig.for_scale("tiny", click_taste_boost=1.0), progress=False)
+    synth.generate(str(want), config=synth.SynthConfig.for_scale("tiny", click_taste_boost=0.5), progress=False)
     assert _digest(out) == _digest(want) != _digest(tiny[0])  # the setting applied (the default data differs)
     for bad, why in (("nope=1", "not a generator setting"), ("seed=3", "have their own options"),
                      ("num_communities=2.5", "expected int"), ("communities=1", "expected bool"),

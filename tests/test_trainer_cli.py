@@ -347,7 +347,7 @@ def test_model_defaults_from_the_shards_task(tmp_path):
     assert conf["model"] == "dlrm"
     # the dlrm's own defaults for shared keys apply (the other models keep the sections' defaults), and --set wins
     assert conf["optim"]["lr"] == 0.002 and conf["embedding"]["init_scale"] == 0.1
-    assert conf["dlrm"]["dot_pairs"] == []
+    assert conf["dlrm"]["dot_pairs"] == ["user_id*author_id"]
     from nestpipe.trainer.config import default_config
 
     assert default_config("hstu")["optim"]["lr"] == 0.004 and default_config("sasrec")["embedding"]["init_scale"] == 0.05

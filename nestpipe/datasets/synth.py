@@ -32,7 +32,7 @@ Beijing time), so a chronological sequence model sees successor pairs as consecu
 transition, ``h`` = 1 for a head item and ``b_u ~ N(0, 0.3)`` a per-user bias (logistic ``σ``)::
 
     P(is_click)        = σ(-1.0 + click_community_boost(1.4)·m + click_successor_boost(1.0)·s + 0.4·h + b_u
-                           + click_taste_boost(0)·t_uv)
+                           + click_taste_boost(1.0)·t_uv)
     watch ratio        = exp(N(-1.0 + 0.6·m + 0.5·s + 0.3·is_click, 0.6)),   play_time_ms = ratio · duration_ms
                          (ratio > 1 are replays, so play_time_ms sometimes exceeds duration_ms)
     long_view          = play_time_ms >= min(duration_ms, 18000)
@@ -43,10 +43,11 @@ transition, ``h`` = 1 for a head item and ``b_u ~ N(0, 0.3)`` a per-user bias (l
     P(is_hate)         = σ(-4.5 - 1.5·m)
     P(is_profile_enter)= σ(-4.0 + 1.0·m + 0.5·is_click)
 
-``t_uv`` (:func:`taste_match`) is a latent taste match, ``<t_u, w_v> / sqrt(TASTE_RANK)`` of a user's and a video's
-standard-normal vectors: a user x video cross no function of the user or the video alone describes (``m`` is a
-function of the video in the standard log: users draw from their own community or the head). It changes clicks
-only (the item sequences stay the same) and is off by default (``click_taste_boost = 0``).
+``t_uv`` (:func:`taste_match`) is a latent taste match, ``<t_u, w_v> / sqrt(TASTE_RANK)`` of a user's and, by default
+(``click_taste_of = "author"``), the video's author's standard-normal vectors: a user x creator cross no function of
+the user or the video alone describes (``m`` is a function of the video in the standard log: users draw from their
+own community or the head). It changes clicks only (the item sequences stay the same; the gr shards' tokens, which
+carry the actions, change); ``click_taste_boost = 0`` turns it off (the data before the term).
 
 *Random-policy log.* A fraction ``random_fraction`` of all interactions (default 2%) forms
 ``log_random_4_22_to_5_08_27k.csv`` (``is_rand = 1``): items uniform over a fixed pool of ``random_pool_size``
@@ -149,8 +150,8 @@ class SynthConfig:
     user_activity_sigma: float = 1.0  # lognormal spread of interactions per user
     click_community_boost: float = 1.4
     click_successor_boost: float = 1.0
-    click_taste_boost: float = 0.0  # weight of the latent user x video taste match t_uv (taste_match); 0: none
-    click_taste_of: str = "video"  # whose taste vector w_v is: "video" (its own) or "author" (its author's)
+    click_taste_boost: float = 1.0  # weight of the latent user x video taste match t_uv (taste_match); 0: none
+    click_taste_of: str = "author"  # whose taste vector w_v is: "author" (the video's author's) or "video" (its own)
     chunk_rows: int = 1_000_000  # log rows generated per chunk (bounds memory)
     bucket_rows: int = 2_000_000  # rows per spill bucket of the external shuffle (bounds memory)
     video_chunk_rows: int = 1_000_000  # feature-table rows per chunk

@@ -34,12 +34,10 @@ class DLRMConfig:
     cross_layers: int = opt(2, help="DCNv2 cross layers", minimum=0)
     cross_rank: int = opt(16, help="low-rank DCNv2 (U V^T) rank; 0 = full rank", minimum=0)
     top_mlp: Tuple[int, ...] = opt((64, 32), help="top MLP widths")
-    dot_pairs: Tuple[str, ...] = opt((), help="table pairs 'a*b' whose embeddings' dot product is added to the logit "
-                                     "(a factorisation-machine term: 'last_video*video_id' lets last_video's row of "
-                                     "a video learn to point at its successors' video_id rows; none by default: the "
-                                     "CTR shards' dense log1p_pair_count carries which video follows which, and the "
-                                     "pair term on top of it overfits); pairs whose tables the shards lack are "
-                                     "skipped")
+    dot_pairs: Tuple[str, ...] = opt(("user_id*author_id",), help="table pairs 'a*b' whose embeddings' dot product is "
+                                     "added to the logit (a factorisation-machine term: 'user_id*author_id' learns "
+                                     "a user's taste for a creator, a cross no linear model over the same columns "
+                                     "expresses); pairs whose tables the shards lack are skipped")
     target: str = opt("is_click", help="label column trained on (one of the manifest's labels)")
 
 

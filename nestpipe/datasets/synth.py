@@ -753,7 +753,8 @@ TRUTH_EVAL_DAYS = range(1, 8)  # the ctr eval splits (`ingest --ctr-eval-days D`
 
 class ClickTruth:
     """The Bayes ceiling of ``is_click``: AUC and logloss of the generator's own click probabilities over the rows
-    of the last D dates (the ctr eval split of ``nestpipe ingest --ctr-eval-days D``), for D in 1..7.
+    of the last D dates (the ctr eval split of ``nestpipe ingest --ctr-eval-days D``), for D in 1..7, and over the
+    date before them (the valid split of ``--validation``).
 
     Streams: per date, histograms of the probability (``BINS`` equal bins) for clicked and not-clicked rows (the AUC
     from them counts two rows in one bin as a tie: within 1e-4 of the exact AUC, tested) and exact float64 logloss

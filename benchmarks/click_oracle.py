@@ -70,6 +70,7 @@ def main() -> None:
               "valid": (d == dates[-a.eval_days - 1], d < dates[-a.eval_days - 1])}
     print(f"{a.scale} seed {a.seed}: {len(y)} rows, successor transitions {s.mean():.3f} of them")
     z = -1 + 1.4 * m + 0.4 * h + bu + taste  # every term but s
+    z_no_taste = -1 + 1.4 * m + 1.0 * s + 0.4 * h + bu  # every term but t_uv
     for name, (sel, train) in splits.items():
         seen = s & np.isin(pair, np.unique(pair[train & s]))
         rows = {
@@ -77,10 +78,8 @@ def main() -> None:
             "all terms (Bayes ceiling)": sig(-1 + 1.4 * m + 1.0 * s + 0.4 * h + bu + taste),
             "without the successor term s": sig(-1 + 1.4 * m + 0.4 * h + bu + taste),
             "s only for pairs seen in training": sig(-1 + 1.4 * m + 1.0 * seen + 0.4 * h + bu + taste),
-            "t_u learnt from training clicks": sig(-1 + 1.4 * m + 1.0 * s + 0.4 * h + bu
-                                                    + _taste_posterior(cfg, u, v, y, train, -1 + 1.4 * m + 1.0 * s
-                                                                       + 0.4 * h + bu, sig)),
-            "without the taste match t_uv": sig(-1 + 1.4 * m + 1.0 * s + 0.4 * h + bu),
+            "t_u learnt from training clicks": sig(z_no_taste + _taste_posterior(cfg, u, v, y, train, z_no_taste, sig)),
+            "without the taste match t_uv": sig(z_no_taste),
             "without the user bias b_u": sig(-1 + 1.4 * m + 1.0 * s + 0.4 * h + taste),
             "video terms alone (m, h)": sig(-1 + 1.4 * m + 0.4 * h),
         }
@@ -97,9 +96,7 @@ def _taste_posterior(cfg, u, v, y, train, z, sig, iterations=8):
     if not cfg.click_taste_boost:
         return np.zeros(len(u))
     r = synth.TASTE_RANK
-    owners = synth.video_authors(cfg, v) if cfg.click_taste_of == "author" else v
-    x = np.stack([synth._normal(owners, 2000 + 10 * k + cfg.seed * 131) for k in range(r)], 1)
-    x *= cfg.click_taste_boost / np.sqrt(r)
+    x = synth.video_tastes(cfg, v) * (cfg.click_taste_boost / np.sqrt(r))
     users = int(u.max()) + 1
     t = np.zeros((users, r))
     tr = np.flatnonzero(train)

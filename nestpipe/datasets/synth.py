@@ -307,18 +307,27 @@ def _slot_author(cfg: SynthConfig, slot: np.ndarray) -> np.ndarray:
             % np.uint64(max(1, cfg.num_videos // 8))).astype(np.int64)
 
 
-def taste_match(cfg: SynthConfig, users: np.ndarray, videos: np.ndarray) -> np.ndarray:
-    """``t_uv = <t_u, w_v> / sqrt(TASTE_RANK)`` per (user id, video id) row: every user's taste vector ``t_u`` and
-    every video's ``w_v`` is standard normal, from hashes of the id and the seed (``click_taste_of = "author"``:
-    ``w_v`` is the video's author's vector, hashed from the author id: a user likes or dislikes a creator's videos
-    alike), so ``t_uv`` has mean 0 and variance 1 over random pairs and is no function of the user or the video
-    alone."""
+def user_tastes(cfg: SynthConfig, users: np.ndarray) -> np.ndarray:
+    """``t_u`` per user id ``[n, TASTE_RANK]``: standard normal, from hashes of the id and the seed."""
+    return np.stack([_normal(users, 1000 + 10 * k + cfg.seed * 131) for k in range(TASTE_RANK)], 1)
+
+
+def video_tastes(cfg: SynthConfig, videos: np.ndarray) -> np.ndarray:
+    """``w_v`` per video id ``[n, TASTE_RANK]``: standard normal, hashed from the video's author id
+    (``click_taste_of = "author"``: a user likes or dislikes a creator's videos alike) or from the video id."""
     if cfg.click_taste_of not in ("video", "author"):
         raise ValueError(f"click_taste_of {cfg.click_taste_of!r}: expected 'video' or 'author'")
     owners = video_authors(cfg, videos) if cfg.click_taste_of == "author" else np.asarray(videos, np.int64)
+    return np.stack([_normal(owners, 2000 + 10 * k + cfg.seed * 131) for k in range(TASTE_RANK)], 1)
+
+
+def taste_match(cfg: SynthConfig, users: np.ndarray, videos: np.ndarray) -> np.ndarray:
+    """``t_uv = <t_u, w_v> / sqrt(TASTE_RANK)`` per (user id, video id) row (:func:`user_tastes`,
+    :func:`video_tastes`): mean 0 and variance 1 over random pairs, and no function of the user or the video alone."""
+    t_u, w_v = user_tastes(cfg, users), video_tastes(cfg, videos)
     out = np.zeros(len(users))
     for k in range(TASTE_RANK):
-        out += _normal(users, 1000 + 10 * k + cfg.seed * 131) * _normal(owners, 2000 + 10 * k + cfg.seed * 131)
+        out += t_u[:, k] * w_v[:, k]
     return out / np.sqrt(TASTE_RANK)
 
 

@@ -470,12 +470,21 @@ def test_synth_command_writes_and_refuses_a_foreign_directory(tmp_path, capsys):
     assert (out / "notes.txt").read_text() == "keep me"
 
 
-def test_synth_set_applies_a_generator_setting_and_refuses_others(tmp_path, tiny):
+def test_synth_set_applies_a_generator_setting_and_refuses_others(tmp_path, tiny, capsys):
     out = tmp_path / "taste"
     assert cli_main(["synth", "--out", str(out), "--scale", "tiny", "--quiet", "--set", "click_taste_boost=0.5"]) == 0
     want = tmp_path / "want"
     synth.generate(str(want), config=synth.SynthConfig.for_scale("tiny", click_taste_boost=0.5), progress=False)
     assert _digest(out) == _digest(want) != _digest(tiny[0])  # the setting applied (the default data differs)
+    # a word setting: the per-video taste
+    assert cli_main(["synth", "--out", str(tmp_path / "video"), "--scale", "tiny", "--quiet",
+                     "--set", "click_taste_of=video"]) == 0
+    synth.generate(str(tmp_path / "want-video"), config=synth.SynthConfig.for_scale("tiny", click_taste_of="video"),
+                   progress=False)
+    assert _digest(tmp_path / "video") == _digest(tmp_path / "want-video") != _digest(tiny[0])
+    assert cli_main(["synth", "--out", str(tmp_path / "x"), "--scale", "tiny", "--quiet",
+                     "--set", "click_taste_of=tag"]) == 1
+    assert "click_taste_of 'tag'" in capsys.readouterr().err and not (tmp_path / "x").exists()
     for bad, why in (("nope=1", "not a generator setting"), ("seed=3", "have their own options"),
                      ("num_communities=2.5", "expected int"), ("communities=1", "expected bool"),
                      ("click_taste_boost", "expected KEY=VALUE")):

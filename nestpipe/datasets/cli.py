@@ -102,11 +102,14 @@ def _settings(items, SynthConfig) -> dict:
             known = ", ".join(sorted(k for k in fields if k not in ("seed", "interactions")))
             raise SystemExit(f"--set {key}: not a generator setting (--seed and --interactions have their own "
                              f"options); settings: {known}")
+        default = getattr(SynthConfig, key)
+        if isinstance(default, str):  # a word such as click_taste_of=video, checked by SynthConfig.validated
+            out[key] = text
+            continue
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
             raise SystemExit(f"--set {key}={text}: expected a number, true or false")
-        default = getattr(SynthConfig, key)
         ok = (isinstance(value, bool) if isinstance(default, bool) else
               isinstance(value, int) and not isinstance(value, bool) if isinstance(default, int) else
               isinstance(value, (int, float)) and not isinstance(value, bool))

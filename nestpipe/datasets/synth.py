@@ -190,6 +190,7 @@ class SynthConfig:
                 raise ValueError(f"{name} must be in [0, 1], got {v}")
         if self.mean_session_length < 1:
             raise ValueError(f"mean_session_length must be >= 1, got {self.mean_session_length}")
+        _check_taste_of(self)
         return self
 
 
@@ -312,11 +313,15 @@ def user_tastes(cfg: SynthConfig, users: np.ndarray) -> np.ndarray:
     return np.stack([_normal(users, 1000 + 10 * k + cfg.seed * 131) for k in range(TASTE_RANK)], 1)
 
 
+def _check_taste_of(cfg: SynthConfig) -> None:
+    if cfg.click_taste_of not in ("video", "author"):
+        raise ValueError(f"click_taste_of {cfg.click_taste_of!r}: expected 'video' or 'author'")
+
+
 def video_tastes(cfg: SynthConfig, videos: np.ndarray) -> np.ndarray:
     """``w_v`` per video id ``[n, TASTE_RANK]``: standard normal, hashed from the video's author id
     (``click_taste_of = "author"``: a user likes or dislikes a creator's videos alike) or from the video id."""
-    if cfg.click_taste_of not in ("video", "author"):
-        raise ValueError(f"click_taste_of {cfg.click_taste_of!r}: expected 'video' or 'author'")
+    _check_taste_of(cfg)
     owners = video_authors(cfg, videos) if cfg.click_taste_of == "author" else np.asarray(videos, np.int64)
     return np.stack([_normal(owners, 2000 + 10 * k + cfg.seed * 131) for k in range(TASTE_RANK)], 1)
 

@@ -247,9 +247,10 @@ def _oracle(seed=0, **overrides):
     return synth.next_item_oracle({"config": dataclasses.asdict(cfg)}), cfg
 
 
-@pytest.mark.parametrize("communities", [True, False])
-def test_oracle_rank_is_the_brute_force_rank_and_its_probabilities_sum_to_one(communities):
-    oracle, cfg = _oracle(communities=communities)
+@pytest.mark.parametrize("overrides", [dict(communities=True), dict(communities=False),
+                                       dict(session_topics=8, topic_prob=0.8)])
+def test_oracle_rank_is_the_brute_force_rank_and_its_probabilities_sum_to_one(overrides):
+    oracle, cfg = _oracle(**overrides)
     rng = np.random.default_rng(1)
     everything = np.arange(cfg.num_videos)
     head = synth.head_catalogue(cfg)
@@ -317,3 +318,45 @@ def test_logistic_float32_matrix_fits_the_float64_model():
     assert f32.fit_info["C"] == f64.fit_info["C"]
     p32, p64 = (np.concatenate([m.predict(r) for r in ev]) for m in (f32, f64))
     assert np.abs(p32 - p64).max() < 1e-3
+
+
+def test_session_topics_are_planted_and_the_oracle_reads_them(tmp_path):
+    """``session_topics = K``: a session's fresh in-community draws share its topic (rank mod K) far more often
+    than two Zipf draws do by chance, and the oracle, which takes the topic's posterior from the history, ranks the logs'
+    next items higher than the same oracle told there are no topics. Negative controls: with ``topic_prob = 0``
+    consecutive items share a topic at chance, and the topic-aware oracle gains nothing there."""
+    import dataclasses
+
+    import polars as pl
+
+    def logs(**overrides):
+        cfg = synth.SynthConfig.for_scale("tiny", seed=0, **overrides)
+        out = tmp_path / f"raw-{overrides.get('topic_prob', 0)}"
+        synth.generate(str(out), config=cfg, progress=False)
+        log = pl.concat([pl.read_csv(str(out / f)) for f in synth.LOG_FILES if "standard" in f])
+        s = log.sort(["user_id", "time_ms"])
+        return cfg, s["user_id"].to_numpy(), s["video_id"].to_numpy()
+
+    def same_topic_share(cfg, u, v):
+        slots = synth._Layout.build(cfg).video_to_slot(v)
+        comm = synth._slot_community(cfg, slots)
+        topic = (slots - cfg.head_size) % cfg.catalogue_size % 8
+        follows = np.r_[False, slots[1:] == synth._successor(cfg, slots[:-1])]
+        pair = (u[1:] == u[:-1]) & (comm[1:] >= 0) & (comm[1:] == comm[:-1]) & ~follows[1:] & ~follows[:-1]
+        marginal = np.bincount(topic[comm >= 0], minlength=8) / (comm >= 0).sum()
+        return float((topic[1:] == topic[:-1])[pair].mean()), float((marginal ** 2).sum())  # (share, chance)
+
+    def hit_rate(oracle, u, v):
+        ends = np.flatnonzero(u[1:] == u[:-1])[::7][:600] + 1
+        return float(np.mean([oracle.rank(v[max(0, e - 64):e][u[max(0, e - 64):e] == u[e]], int(v[e])) < 10
+                              for e in ends]))
+
+    cfg, u, v = logs(session_topics=8, topic_prob=0.8)
+    plain = synth.NextItemOracle(dataclasses.replace(cfg, session_topics=0, topic_prob=0.0))
+    share, chance = same_topic_share(cfg, u, v)
+    assert share > chance + 0.25, (share, chance)  # chance: two draws of the ranks' Zipf share a topic
+    assert hit_rate(synth.NextItemOracle(cfg), u, v) > hit_rate(plain, u, v) + 0.03
+    cfg0, u0, v0 = logs(session_topics=8, topic_prob=0.0)
+    share, chance = same_topic_share(cfg0, u0, v0)
+    assert abs(share - chance) < 0.03, (share, chance)
+    assert abs(hit_rate(synth.NextItemOracle(cfg0), u0, v0) - hit_rate(plain, u0, v0)) < 0.01

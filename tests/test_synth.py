@@ -213,6 +213,10 @@ def test_config_validation_errors_name_the_argument():
         synth.SynthConfig.for_scale("tiny", in_community_prob=1.5)
     with pytest.raises(ValueError, match="interactions"):
         synth.SynthConfig.for_scale("tiny", interactions=-1)
+    with pytest.raises(ValueError, match="session_topics must be in"):
+        synth.SynthConfig.for_scale("tiny", session_topics=-2)
+    with pytest.raises(ValueError, match="topic_prob"):
+        synth.SynthConfig.for_scale("tiny", session_topics=8, topic_prob=1.2)
 
 
 def test_27k_scale_uses_the_real_vocabulary():

@@ -28,6 +28,11 @@ wraps around). Successors stay in their catalogue, so the community share is unc
 they keep the Zipf curve. Sessions are laid out chronologically in the user's timeline (2022-04-08 .. 2022-05-08,
 Beijing time), so a chronological sequence model sees successor pairs as consecutive items.
 
+*Session topics* (off by default). With ``session_topics`` K > 0 every catalogue has K interleaved topics (in-catalogue
+rank r is in topic ``r % K``); each session draws a topic uniformly, and its fresh in-community draws come with
+probability ``topic_prob`` from that topic (Zipf over the topic's ranks ``z, z + K, ...``), else from the whole
+catalogue. Nothing records the topic: it is a latent state a model infers from the session's items.
+
 *Feedback depends on the match.* With ``m`` = 1 for an item of the user's own community, ``s`` = 1 for a successor
 transition, ``h`` = 1 for a head item and ``b_u ~ N(0, 0.3)`` a per-user bias (logistic ``σ``)::
 
@@ -61,7 +66,8 @@ durations are a hash of the video id, so ``duration_ms`` in the logs equals ``vi
 
 Negative controls: ``communities=False`` draws the catalogue of every non-head item from a random community instead
 of the user's own (structure gone, popularity kept); ``successor_prob=0`` removes transitions;
-``zipf_exponent=0`` makes popularity uniform; ``click_community_boost=0`` removes the feedback dependence.
+``zipf_exponent=0`` makes popularity uniform; ``click_community_boost=0`` removes the feedback dependence;
+``topic_prob=0`` leaves the session topics without effect.
 """
 
 from __future__ import annotations
@@ -145,6 +151,8 @@ class SynthConfig:
     successor_prob: float = 0.3
     successor_max_offset: int = 3
     mean_session_length: float = 8.0
+    session_topics: int = 0  # K topics per catalogue (in-catalogue rank r is in topic r % K); 0: no session topics
+    topic_prob: float = 0.0  # share of a session's fresh in-community draws taken from the session's topic
     random_fraction: float = 0.02
     random_pool_size: int = 7_583
     user_activity_sigma: float = 1.0  # lognormal spread of interactions per user
@@ -184,7 +192,10 @@ class SynthConfig:
                 f"num_communities={self.num_communities} leaves no catalogue for "
                 f"{self.num_videos - self.head_size} non-head videos"
             )
-        for name in ("in_community_prob", "successor_prob", "random_fraction"):
+        if self.session_topics < 0 or self.session_topics > self.catalogue_size:
+            raise ValueError(f"session_topics must be in [0, catalogue_size={self.catalogue_size}], "
+                             f"got {self.session_topics}")
+        for name in ("in_community_prob", "successor_prob", "random_fraction", "topic_prob"):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {v}")
@@ -457,6 +468,7 @@ class _LogModel:
         self.std_counts, self.rand_counts = user_interaction_counts(cfg)
         self.cat_cdf = _zipf_cdf(cfg.catalogue_size, cfg.zipf_exponent)
         self.head_cdf = _zipf_cdf(cfg.head_size, cfg.zipf_exponent)
+        self.topic_cdf = _zipf_cdf(cfg.catalogue_size // max(1, cfg.session_topics), cfg.zipf_exponent)
         self.pool = _random_pool(cfg)
 
     def user_chunks(self) -> Iterator[Tuple[int, int, int]]:
@@ -488,9 +500,16 @@ class _LogModel:
             comm = rng.integers(0, cfg.num_communities, size=n)
         in_comm = rng.random(n) < cfg.in_community_prob
         u = rng.random(n)
+        rank = _zipf_draw(self.cat_cdf, u)
+        if cfg.session_topics:
+            # Each session has a topic; its fresh in-community draws come from that topic with topic_prob.
+            k = cfg.session_topics
+            sess_topic = rng.integers(0, k, size=n)[np.maximum.accumulate(np.where(sess_start, np.arange(n), 0))]
+            on_topic = rng.random(n) < cfg.topic_prob
+            rank = np.where(on_topic, sess_topic + k * _zipf_draw(self.topic_cdf, u), rank)
         slot = np.where(
             in_comm,
-            cfg.head_size + comm * cfg.catalogue_size + _zipf_draw(self.cat_cdf, u),
+            cfg.head_size + comm * cfg.catalogue_size + rank,
             _zipf_draw(self.head_cdf, u),
         )
         # Successor transitions: item t = succ^k(fresh item at the start of its run of k follow steps).
@@ -666,6 +685,13 @@ def _exposure_weight(cfg: SynthConfig, slot: np.ndarray) -> np.ndarray:
     rank = np.where(comm == -1, slot, (slot - cfg.head_size) % cfg.catalogue_size) + 1.0
     w = np.where(comm == -1, (1 - cfg.in_community_prob) / head_norm,
                  cfg.in_community_prob / cfg.num_communities / cat_norm) * rank ** -cfg.zipf_exponent
+    if cfg.session_topics:  # a share topic_prob of the catalogue draws is Zipf inside a uniform topic instead
+        k, per_topic = cfg.session_topics, cfg.catalogue_size // cfg.session_topics
+        place = (rank - 1) // k + 1
+        topic_norm = (np.arange(1, per_topic + 1, dtype=np.float64) ** -cfg.zipf_exponent).sum()
+        topical = np.where(place <= per_topic, place ** -cfg.zipf_exponent / topic_norm / k, 0.0)
+        w = np.where(comm == -1, w, (1 - cfg.topic_prob) * w + cfg.topic_prob * cfg.in_community_prob
+                     / cfg.num_communities * topical)
     return np.where(comm == -2, 0.0, w)
 
 
@@ -823,30 +849,46 @@ class NextItemOracle:
     Given the items a sample reads (``history``, oldest first), the generator draws the next item of a user of
     community c as the fixed successor of the last item with probability ``P_follow = (1 - 1/L) successor_prob``
     (L = ``mean_session_length``: the next item continues the session), else fresh: with ``in_community_prob``
-    from c's catalogue, else from the head, Zipf inside either. The oracle scores every item by that probability,
-    with c the most frequent community among the history's items (its catalogue items; a uniform mixture over the
-    communities when the history holds none, or when the config has ``communities`` off). It ignores the
-    random-policy log's exposures (uniform over ``random_pool_size`` items: below the probability of the 50th item
-    here) and does not see time gaps (neither do the models). No learned ranker reading the same items can expect
-    to beat it; ranks count the items with a strictly higher probability, as the evaluation does.
+    from c's catalogue, else from the head, Zipf inside either. With ``session_topics`` K > 0 a fresh
+    in-community draw comes with ``topic_prob`` from the session's topic (ranks ``z, z + K, ...`` of the
+    catalogue, Zipf inside): the session's topic is hidden, and the oracle takes its posterior from the history by
+    the forward recursion of the generator's session process (a new session, with a uniform new topic, before each
+    item with probability 1/L; else the successor with ``successor_prob``, else a fresh draw in the current topic)
+    over the last ``TOPIC_WINDOW`` items; a new session's topic is uniform, so the next item's fresh part is
+    ``(1 - 1/L)(1 - successor_prob) P(z | history) + 1 / (L K)`` over the topics z.
+    The oracle scores every item by that probability, with c the most frequent community among the history's
+    items (its catalogue items; a uniform mixture over the communities when the history holds none, or when the
+    config has ``communities`` off). It ignores the random-policy log's exposures (uniform over
+    ``random_pool_size`` items: below the probability of the 50th item here) and does not see time gaps (neither
+    do the models). No learned ranker reading the same items can expect to beat it; ranks count the items with a
+    strictly higher probability, as the evaluation does.
 
     Item ids are video ids (the gr ingest's ``item`` table, ``to_vocab`` leaves them unchanged)."""
+
+    TOPIC_WINDOW = 64  # a session outlives 64 items with probability (1 - 1/L) ** 64 (2e-4 at L = 8)
 
     def __init__(self, cfg: SynthConfig):
         self.cfg = cfg
         self.layout = _Layout.build(cfg)
-        p_follow = (1.0 - 1.0 / cfg.mean_session_length) * cfg.successor_prob
-        p_fresh = 1.0 - p_follow
+        self.p_new = 1.0 / cfg.mean_session_length
+        p_follow = (1.0 - self.p_new) * cfg.successor_prob
         self.p_follow = p_follow
+        p_fresh = 1.0 - p_follow
         self.head_p = p_fresh * (1.0 - cfg.in_community_prob) * np.diff(_zipf_cdf(cfg.head_size, cfg.zipf_exponent),
                                                                           prepend=0.0)
-        self.cat_p = p_fresh * cfg.in_community_prob * np.diff(_zipf_cdf(cfg.catalogue_size, cfg.zipf_exponent),
-                                                               prepend=0.0)
-        # ascending, to count the items above a probability: the head, one catalogue, one catalogue's share of the
-        # uniform mixture over the communities
         self._head_asc = np.sort(self.head_p)
-        self._cat_asc = np.sort(self.cat_p)
-        self._mixed_asc = self._cat_asc / cfg.num_communities
+        # A fresh in-community draw of catalogue rank r: (1 - topic_prob) of the catalogue's Zipf, plus topic_prob
+        # of its topic's Zipf at place r // K when the draw's topic is r's (the ranks past K * (C // K) are in none).
+        k = cfg.session_topics
+        self.cat_zipf = cfg.in_community_prob * np.diff(_zipf_cdf(cfg.catalogue_size, cfg.zipf_exponent), prepend=0.0)
+        if k:
+            per_topic = cfg.catalogue_size // k
+            ranks = np.arange(cfg.catalogue_size)
+            self.rank_topic = np.where(ranks < k * per_topic, ranks % k, -1)
+            topic_zipf = np.diff(_zipf_cdf(per_topic, cfg.zipf_exponent), prepend=0.0)
+            self.topic_zipf = np.where(self.rank_topic >= 0, cfg.in_community_prob * cfg.topic_prob
+                                       * topic_zipf[np.minimum(ranks // k, per_topic - 1)], 0.0)
+            self.cat_zipf = self.cat_zipf * (1.0 - cfg.topic_prob)
 
     def _community(self, history_slots: np.ndarray) -> Optional[int]:
         if not self.cfg.communities:
@@ -855,34 +897,72 @@ class NextItemOracle:
         comm = comm[comm >= 0]
         return int(np.bincount(comm).argmax()) if len(comm) else None
 
-    def _fresh(self, slots: np.ndarray, community: Optional[int]) -> np.ndarray:
+    def _topic_posterior(self, hs: np.ndarray, community: Optional[int]) -> np.ndarray:
+        """P(the current session's topic | the history's last TOPIC_WINDOW slots), by the forward recursion."""
+        cfg, k = self.cfg, self.cfg.session_topics
+        hs = hs[-self.TOPIC_WINDOW:]
+        comm = _slot_community(cfg, hs)
+        rank = (hs - cfg.head_size) % cfg.catalogue_size
+        # P(item | fresh draw, topic z), up to the factors every z shares; items of another community (or, with no
+        # community known, of any) carry nothing about z.
+        topical = (comm == community) & (comm >= 0)
+        emit = np.ones((len(hs), k))
+        emit[topical] = self.cat_zipf[rank[topical], None]
+        t = np.flatnonzero(topical & (self.rank_topic[rank] >= 0))
+        emit[t, self.rank_topic[rank[t]]] += self.topic_zipf[rank[t]]
+        scale = np.where(topical, 1.0, 0.0)  # emit's unit: item probability on topical rows, relative elsewhere
+        follows = np.r_[False, hs[1:] == _successor(cfg, hs[:-1])]
+        post = np.full(k, 1.0 / k)
+        for i in range(len(hs)):
+            e = emit[i]
+            if i == 0:
+                post = post * e
+            elif scale[i] == 0.0:
+                continue  # a head item or another community's: the same fresh probability under every topic
+            else:
+                stay = (1.0 - self.p_new) * post * (cfg.successor_prob * follows[i] + (1.0 - cfg.successor_prob) * e)
+                post = stay + self.p_new / k * e
+            post = post / post.sum()
+        return post
+
+    def _context(self, history: np.ndarray):
+        """(community, the last item's successor slot as a 1-element array, fresh probability of every
+        catalogue rank of that community: per-community when the community is unknown)."""
+        hs = self.layout.video_to_slot(np.asarray(history, dtype=np.int64))
+        community = self._community(hs)
+        fresh = 1.0 - self.p_follow
+        cat = fresh * self.cat_zipf
+        if self.cfg.session_topics:
+            k = self.cfg.session_topics
+            post = self._topic_posterior(hs, community) if community is not None else np.full(k, 1.0 / k)
+            w = (1.0 - self.p_new) * (1.0 - self.cfg.successor_prob) * post + self.p_new / k  # sums to P_fresh
+            cat = cat + np.where(self.rank_topic >= 0, self.topic_zipf * w[np.maximum(self.rank_topic, 0)], 0.0)
+        if community is None:
+            cat = cat / self.cfg.num_communities
+        return community, _successor(self.cfg, hs[-1:]), cat
+
+    def _fresh(self, slots: np.ndarray, context) -> np.ndarray:
+        community, _, cat = context
         cfg = self.cfg
         comm = _slot_community(cfg, slots)
         out = np.zeros(len(slots), dtype=np.float64)
         head = comm == -1
         out[head] = self.head_p[slots[head]]
-        cat = comm >= 0 if community is None else comm == community
-        scale = 1.0 / cfg.num_communities if community is None else 1.0
-        out[cat] = scale * self.cat_p[(slots[cat] - cfg.head_size) % cfg.catalogue_size]
+        sel = comm >= 0 if community is None else comm == community
+        out[sel] = cat[(slots[sel] - cfg.head_size) % cfg.catalogue_size]
         return out
 
-    def _count_above(self, p: float, community: Optional[int]) -> int:
+    def _count_above(self, p: float, context) -> int:
         """Items whose fresh-draw probability exceeds ``p``."""
+        community, _, cat = context
         head = len(self._head_asc) - int(np.searchsorted(self._head_asc, p, side="right"))
-        if community is None:
-            return head + self.cfg.num_communities * (len(self._mixed_asc) - int(np.searchsorted(
-                self._mixed_asc, p, side="right")))
-        return head + len(self._cat_asc) - int(np.searchsorted(self._cat_asc, p, side="right"))
-
-    def _context(self, history: np.ndarray) -> Tuple[Optional[int], np.ndarray]:
-        """(the history's community, the slot of its last item's successor as a 1-element array)."""
-        hs = self.layout.video_to_slot(np.asarray(history, dtype=np.int64))
-        return self._community(hs), _successor(self.cfg, hs[-1:])
+        per_catalogue = int((cat > p).sum())
+        return head + (self.cfg.num_communities * per_catalogue if community is None else per_catalogue)
 
     def _probabilities(self, context, items: np.ndarray) -> np.ndarray:
-        community, succ = context
+        succ = context[1]
         slots = self.layout.video_to_slot(np.asarray(items, dtype=np.int64))
-        return self._fresh(slots, community) + self.p_follow * (slots == succ[0])
+        return self._fresh(slots, context) + self.p_follow * (slots == succ[0])
 
     def probabilities(self, history: np.ndarray, items: np.ndarray) -> np.ndarray:
         """P(next item = each of ``items`` | the history), as the generator draws it (see the class docstring)."""
@@ -894,9 +974,9 @@ class NextItemOracle:
         pt = float(self._probabilities(context, np.array([target]))[0])
         if negatives is not None:
             return int((self._probabilities(context, negatives) > pt).sum())
-        community, succ = context
-        fresh_succ = float(self._fresh(succ, community)[0])
-        above = self._count_above(pt, community) - int(fresh_succ > pt)  # the successor, counted by its full p
+        succ = context[1]
+        fresh_succ = float(self._fresh(succ, context)[0])
+        above = self._count_above(pt, context) - int(fresh_succ > pt)  # the successor, counted by its full p
         return above + int(fresh_succ + self.p_follow > pt)
 
 

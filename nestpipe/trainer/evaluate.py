@@ -162,7 +162,8 @@ def evaluate_next_item(cfg, man, full, model, max_batches, split="eval", full_ca
     if oracle is not None:
         res["generator_oracle"] = {**_rank_metrics(np.concatenate(ceiling)), "note": (
             "the generator's own next-item probabilities (nestpipe.datasets.synth.NextItemOracle): the successor "
-            "of the last input item, then the fresh-draw popularity in the input's community")}
+            "of the last input item, then the fresh-draw popularity in the input's community (with session topics, "
+            "weighted by the topic's posterior given the input)")}
     return res
 
 

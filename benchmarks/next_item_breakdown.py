@@ -7,9 +7,10 @@ of the previous one (probability ``successor_prob`` inside a session) or fresh f
 popular head (docs/synthetic-data.md). This scores the trained run (full catalogue, the protocol of ``nestpipe
 eval``), the successor counting model and the generator oracle on the same samples, and prints HR@1, HR@10 and
 NDCG@10 for the samples whose target is the last input item's successor -- split by how often the counting model
-saw that transition in training (the pairs a model can memorise) -- and for the fresh draws. A model that trails
-the counting model on successors but not on fresh draws is short of memorising transitions, not of modelling
-interests.
+saw that transition in training (the pairs a model can memorise) -- and for the fresh draws, split by where they
+come from (``NextItemOracle.target_kind``: the popular head, the history's community, elsewhere). A model that
+trails the counting model on successors but not on fresh draws is short of memorising transitions, not of modelling
+interests; one that trails it on head items ranks the items every community shares too low.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from nestpipe.trainer.run_files import run_manifest
 
 
 def ranks_and_kinds(run: str, split: str, max_batches=None):
-    """Per sample: the model's, the counting model's and the oracle's rank of the target; whether the target is the
-    last input item's successor; how often that (last, target) transition occurs in the training split."""
+    """Per sample: the model's, the counting model's and the oracle's rank of the target; what the target is
+    (``NextItemOracle.target_kind``); how often that (last, target) transition occurs in the training split."""
     cfg = load_run_config(run)
     man, cfg.shards = run_manifest(run, cfg, None, need_data=True)
     oracle = ev._next_item_oracle(cfg.shards)
@@ -38,7 +39,7 @@ def ranks_and_kinds(run: str, split: str, max_batches=None):
     items = torch.nn.functional.normalize(model.candidates(full["embedding.item.weight"].float()), dim=-1)
     counts = ev.fit_next_item_baselines(cfg.shards, vocab)["successor_counts"]
     ranks = {"model": [], "successor_counts": [], "generator_oracle": []}
-    successor, seen = [], []
+    kinds, seen = [], []
     with torch.no_grad():
         for rec, keep, inputs, target, _ in ev.next_item_examples(cfg.shards, vocab, max_batches, 0, cfg.seed, split):
             q = ev.next_item_queries(cfg, man, full, model, rec, keep, split)
@@ -47,11 +48,10 @@ def ranks_and_kinds(run: str, split: str, max_batches=None):
             ranks["successor_counts"].append(ev.baseline_ranks({"c": counts}, inputs, target, None)["c"])
             ranks["generator_oracle"].append(ev.baseline_ranks({"o": oracle}, inputs, target, None)["o"])
             for h, t in zip(inputs, target):
-                _, succ_slot = oracle._context(h)
-                successor.append(bool(oracle.layout.video_to_slot(np.array([t]))[0] == succ_slot[0]))
+                kinds.append(oracle.target_kind(h, int(t)))
                 followers, n = counts._successors(int(h[-1]))
                 seen.append(int(n[followers == t].sum()))
-    return {k: np.concatenate(v) for k, v in ranks.items()}, np.array(successor), np.array(seen)
+    return {k: np.concatenate(v) for k, v in ranks.items()}, np.array(kinds), np.array(seen)
 
 
 def figures(r: np.ndarray) -> dict:
@@ -66,10 +66,12 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batches", type=int, default=None)
     ap.add_argument("--json", default="", help="also write the figures to this file")
     args = ap.parse_args(argv)
-    ranks, succ, seen = ranks_and_kinds(args.run, args.split, args.max_batches)
+    ranks, kinds, seen = ranks_and_kinds(args.run, args.split, args.max_batches)
+    succ = kinds == "successor"
     groups = {"all": np.ones_like(succ), "successor": succ, "successor, transition seen >= 2x": succ & (seen >= 2),
               "successor, seen once": succ & (seen == 1), "successor, never seen": succ & (seen == 0),
-              "fresh draw": ~succ}
+              "fresh draw": ~succ, "fresh: head": kinds == "head", "fresh: the history's community":
+              kinds == "community", "fresh: elsewhere": kinds == "elsewhere"}
     out = {g: {name: figures(r[mask]) for name, r in ranks.items()} for g, mask in groups.items()}
     print(f"{args.run}, {args.split} split: {len(succ)} samples, {succ.mean():.3f} of them the last item's successor")
     print(f"{'targets':34s} {'n':>6s}  " + "  ".join(f"{n + ' HR@1 / HR@10 / NDCG@10':>46s}" for n in ranks))

@@ -360,3 +360,17 @@ def test_session_topics_are_planted_and_the_oracle_reads_them(tmp_path):
     share, chance = same_topic_share(cfg0, u0, v0)
     assert abs(share - chance) < 0.03, (share, chance)
     assert abs(hit_rate(synth.NextItemOracle(cfg0), u0, v0) - hit_rate(plain, u0, v0)) < 0.01
+
+
+def test_oracle_target_kind_names_how_the_generator_drew_the_target():
+    oracle, cfg = _oracle()
+    layout = synth._Layout.build(cfg)
+    history = synth.community_catalogue(cfg, 3)[[5, 9, 40]]
+    succ = int(layout.slot_to_video(synth._successor(cfg, layout.video_to_slot(history[-1:])))[0])
+    assert oracle.target_kind(history, succ) == "successor"
+    assert oracle.target_kind(history, int(synth.head_catalogue(cfg)[0])) == "head"
+    assert oracle.target_kind(history, int(synth.community_catalogue(cfg, 3)[100])) == "community"
+    assert oracle.target_kind(history, int(synth.community_catalogue(cfg, 4)[0])) == "elsewhere"
+    # the successor of an earlier item is a fresh draw as far as the last step goes
+    earlier = int(layout.slot_to_video(synth._successor(cfg, layout.video_to_slot(history[:1])))[0])
+    assert earlier != succ and oracle.target_kind(history, earlier) == "community"

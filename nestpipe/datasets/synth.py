@@ -968,6 +968,18 @@ class NextItemOracle:
         """P(next item = each of ``items`` | the history), as the generator draws it (see the class docstring)."""
         return self._probabilities(self._context(history), items)
 
+    def target_kind(self, history: np.ndarray, target: int) -> str:
+        """How the generator can have drawn ``target`` after ``history``: ``"successor"`` (the last item's fixed
+        successor), else a fresh draw from ``"head"``, from ``"community"`` (the history's community's catalogue)
+        or from ``"elsewhere"`` (another catalogue: an exposure of the random-policy log, or a guess of the
+        community gone wrong)."""
+        community, succ, _ = self._context(history)
+        slot = self.layout.video_to_slot(np.array([target], dtype=np.int64))
+        if slot[0] == succ[0]:
+            return "successor"
+        comm = int(_slot_community(self.cfg, slot)[0])
+        return "head" if comm == -1 else "community" if comm >= 0 and comm == community else "elsewhere"
+
     def rank(self, history: np.ndarray, target: int, negatives: Optional[np.ndarray] = None) -> int:
         """Items ranked strictly above ``target`` (among ``negatives`` when given, else the whole catalogue)."""
         context = self._context(history)

@@ -388,6 +388,18 @@ def _zipf_draw(cdf: np.ndarray, u: np.ndarray) -> np.ndarray:
     return np.minimum(np.searchsorted(cdf, u, side="right"), len(cdf) - 1)
 
 
+def _topic_zipf(cfg: SynthConfig) -> Tuple[np.ndarray, np.ndarray]:
+    """Per in-catalogue rank 0 .. catalogue_size - 1: its session topic (``rank % session_topics``; -1 for the few
+    ranks past ``K * (catalogue_size // K)``, which no topic holds) and its probability in a draw from that topic
+    (Zipf over the topic's ranks ``z, z + K, ...``; 0 where no topic holds it)."""
+    k = cfg.session_topics
+    per_topic = cfg.catalogue_size // k
+    ranks = np.arange(cfg.catalogue_size)
+    topic = np.where(ranks < k * per_topic, ranks % k, -1)
+    in_topic = np.diff(_zipf_cdf(per_topic, cfg.zipf_exponent), prepend=0.0)
+    return topic, np.where(topic >= 0, in_topic[np.minimum(ranks // k, per_topic - 1)], 0.0)
+
+
 def _successor(cfg: SynthConfig, slot: np.ndarray) -> np.ndarray:
     """Fixed successor of each slot: 1..successor_max_offset ranks further down its own catalogue (wrapping)."""
     off = 1 + (_hash_u64(slot, 31 + cfg.seed * 131) % np.uint64(max(1, cfg.successor_max_offset))).astype(np.int64)
@@ -468,7 +480,8 @@ class _LogModel:
         self.std_counts, self.rand_counts = user_interaction_counts(cfg)
         self.cat_cdf = _zipf_cdf(cfg.catalogue_size, cfg.zipf_exponent)
         self.head_cdf = _zipf_cdf(cfg.head_size, cfg.zipf_exponent)
-        self.topic_cdf = _zipf_cdf(cfg.catalogue_size // max(1, cfg.session_topics), cfg.zipf_exponent)
+        self.topic_cdf = (_zipf_cdf(cfg.catalogue_size // cfg.session_topics, cfg.zipf_exponent)
+                          if cfg.session_topics else None)
         self.pool = _random_pool(cfg)
 
     def user_chunks(self) -> Iterator[Tuple[int, int, int]]:
@@ -686,10 +699,8 @@ def _exposure_weight(cfg: SynthConfig, slot: np.ndarray) -> np.ndarray:
     w = np.where(comm == -1, (1 - cfg.in_community_prob) / head_norm,
                  cfg.in_community_prob / cfg.num_communities / cat_norm) * rank ** -cfg.zipf_exponent
     if cfg.session_topics:  # a share topic_prob of the catalogue draws is Zipf inside a uniform topic instead
-        k, per_topic = cfg.session_topics, cfg.catalogue_size // cfg.session_topics
-        place = (rank - 1) // k + 1
-        topic_norm = (np.arange(1, per_topic + 1, dtype=np.float64) ** -cfg.zipf_exponent).sum()
-        topical = np.where(place <= per_topic, place ** -cfg.zipf_exponent / topic_norm / k, 0.0)
+        _, in_topic = _topic_zipf(cfg)
+        topical = in_topic[(slot - cfg.head_size) % cfg.catalogue_size] / cfg.session_topics
         w = np.where(comm == -1, w, (1 - cfg.topic_prob) * w + cfg.topic_prob * cfg.in_community_prob
                      / cfg.num_communities * topical)
     return np.where(comm == -2, 0.0, w)
@@ -879,15 +890,10 @@ class NextItemOracle:
         self._head_asc = np.sort(self.head_p)
         # A fresh in-community draw of catalogue rank r: (1 - topic_prob) of the catalogue's Zipf, plus topic_prob
         # of its topic's Zipf at place r // K when the draw's topic is r's (the ranks past K * (C // K) are in none).
-        k = cfg.session_topics
         self.cat_zipf = cfg.in_community_prob * np.diff(_zipf_cdf(cfg.catalogue_size, cfg.zipf_exponent), prepend=0.0)
-        if k:
-            per_topic = cfg.catalogue_size // k
-            ranks = np.arange(cfg.catalogue_size)
-            self.rank_topic = np.where(ranks < k * per_topic, ranks % k, -1)
-            topic_zipf = np.diff(_zipf_cdf(per_topic, cfg.zipf_exponent), prepend=0.0)
-            self.topic_zipf = np.where(self.rank_topic >= 0, cfg.in_community_prob * cfg.topic_prob
-                                       * topic_zipf[np.minimum(ranks // k, per_topic - 1)], 0.0)
+        if cfg.session_topics:
+            self.rank_topic, in_topic = _topic_zipf(cfg)
+            self.topic_zipf = cfg.in_community_prob * cfg.topic_prob * in_topic
             self.cat_zipf = self.cat_zipf * (1.0 - cfg.topic_prob)
 
     def _community(self, history_slots: np.ndarray) -> Optional[int]:
@@ -910,14 +916,13 @@ class NextItemOracle:
         emit[topical] = self.cat_zipf[rank[topical], None]
         t = np.flatnonzero(topical & (self.rank_topic[rank] >= 0))
         emit[t, self.rank_topic[rank[t]]] += self.topic_zipf[rank[t]]
-        scale = np.where(topical, 1.0, 0.0)  # emit's unit: item probability on topical rows, relative elsewhere
         follows = np.r_[False, hs[1:] == _successor(cfg, hs[:-1])]
         post = np.full(k, 1.0 / k)
         for i in range(len(hs)):
             e = emit[i]
             if i == 0:
                 post = post * e
-            elif scale[i] == 0.0:
+            elif not topical[i]:
                 continue  # a head item or another community's: the same fresh probability under every topic
             else:
                 stay = (1.0 - self.p_new) * post * (cfg.successor_prob * follows[i] + (1.0 - cfg.successor_prob) * e)
@@ -973,10 +978,11 @@ class NextItemOracle:
         successor), else a fresh draw from ``"head"``, from ``"community"`` (the history's community's catalogue)
         or from ``"elsewhere"`` (another catalogue: an exposure of the random-policy log, or a guess of the
         community gone wrong)."""
-        community, succ, _ = self._context(history)
+        hs = self.layout.video_to_slot(np.asarray(history, dtype=np.int64))
         slot = self.layout.video_to_slot(np.array([target], dtype=np.int64))
-        if slot[0] == succ[0]:
+        if slot[0] == _successor(self.cfg, hs[-1:])[0]:
             return "successor"
+        community = self._community(hs)
         comm = int(_slot_community(self.cfg, slot)[0])
         return "head" if comm == -1 else "community" if comm >= 0 and comm == community else "elsewhere"
 

@@ -10,7 +10,9 @@ NDCG@10 for the samples whose target is the last input item's successor -- split
 saw that transition in training (the pairs a model can memorise) -- and for the fresh draws, split by where they
 come from (``NextItemOracle.target_kind``: the popular head, the history's community, elsewhere). A model that
 trails the counting model on successors but not on fresh draws is short of memorising transitions, not of modelling
-interests; one that trails it on head items ranks the items every community shares too low.
+interests; one that trails it on head items ranks the items every community shares too low. For the first
+``--top-samples`` samples it also prints what the model's and the oracle's top 10 hold (by the same kinds) and where
+each ranks the most popular head item.
 """
 
 from __future__ import annotations
@@ -21,14 +23,20 @@ import json
 import numpy as np
 import torch
 
+from nestpipe.datasets.synth import head_catalogue
 from nestpipe.trainer import evaluate as ev
 from nestpipe.trainer.config import load_run_config
 from nestpipe.trainer.run_files import run_manifest
 
 
-def ranks_and_kinds(run: str, split: str, max_batches=None):
+TOP_KINDS = ("successor", "head", "community", "elsewhere")
+
+
+def ranks_and_kinds(run: str, split: str, max_batches=None, top_samples: int = 256):
     """Per sample: the model's, the counting model's and the oracle's rank of the target; what the target is
-    (``NextItemOracle.target_kind``); how often that (last, target) transition occurs in the training split."""
+    (``NextItemOracle.target_kind``); how often that (last, target) transition occurs in the training split. For
+    the first ``top_samples`` samples, per ranker (model, oracle): the kinds of its top 10 items (counts in
+    ``TOP_KINDS`` order) and its rank of the most popular head item."""
     cfg = load_run_config(run)
     man, cfg.shards = run_manifest(run, cfg, None, need_data=True)
     oracle = ev._next_item_oracle(cfg.shards)
@@ -40,6 +48,8 @@ def ranks_and_kinds(run: str, split: str, max_batches=None):
     counts = ev.fit_next_item_baselines(cfg.shards, vocab)["successor_counts"]
     ranks = {"model": [], "successor_counts": [], "generator_oracle": []}
     kinds, seen = [], []
+    top = {"model": [], "generator_oracle": []}
+    most_popular_head = int(head_catalogue(oracle.cfg)[0])
     with torch.no_grad():
         for rec, keep, inputs, target, _ in ev.next_item_examples(cfg.shards, vocab, max_batches, 0, cfg.seed, split):
             q = ev.next_item_queries(cfg, man, full, model, rec, keep, split)
@@ -47,11 +57,17 @@ def ranks_and_kinds(run: str, split: str, max_batches=None):
             ranks["model"].append((scores > scores.gather(1, torch.from_numpy(target)[:, None])).sum(1).numpy())
             ranks["successor_counts"].append(ev.baseline_ranks({"c": counts}, inputs, target, None)["c"])
             ranks["generator_oracle"].append(ev.baseline_ranks({"o": oracle}, inputs, target, None)["o"])
-            for h, t in zip(inputs, target):
+            for i, (h, t) in enumerate(zip(inputs, target)):
                 kinds.append(oracle.target_kind(h, int(t)))
                 followers, n = counts._successors(int(h[-1]))
                 seen.append(int(n[followers == t].sum()))
-    return {k: np.concatenate(v) for k, v in ranks.items()}, np.array(kinds), np.array(seen)
+                if len(top["model"]) < top_samples:
+                    s, p = scores[i].numpy(), oracle.probabilities(h, np.arange(vocab))
+                    for name, v in (("model", s), ("generator_oracle", p)):
+                        ten = [oracle.target_kind(h, int(x)) for x in np.argsort(-v, kind="stable")[:10]]
+                        top[name].append([ten.count(k) for k in TOP_KINDS] + [int((v > v[most_popular_head]).sum())])
+    return ({k: np.concatenate(v) for k, v in ranks.items()}, np.array(kinds), np.array(seen),
+            {k: np.array(v).reshape(-1, len(TOP_KINDS) + 1) for k, v in top.items()})
 
 
 def figures(r: np.ndarray) -> dict:
@@ -64,9 +80,11 @@ def main(argv=None) -> int:
     ap.add_argument("run", help="a trained gr run directory (hstu or sasrec)")
     ap.add_argument("--split", default="valid", choices=["eval", "valid"])
     ap.add_argument("--max-batches", type=int, default=None)
+    ap.add_argument("--top-samples", type=int, default=256,
+                    help="samples whose top 10 (model and oracle) are broken down by kind (0: none)")
     ap.add_argument("--json", default="", help="also write the figures to this file")
     args = ap.parse_args(argv)
-    ranks, kinds, seen = ranks_and_kinds(args.run, args.split, args.max_batches)
+    ranks, kinds, seen, top = ranks_and_kinds(args.run, args.split, args.max_batches, args.top_samples)
     succ = kinds == "successor"
     groups = {"all": np.ones_like(succ), "successor": succ, "successor, transition seen >= 2x": succ & (seen >= 2),
               "successor, seen once": succ & (seen == 1), "successor, never seen": succ & (seen == 0),
@@ -79,9 +97,18 @@ def main(argv=None) -> int:
         n = row["model"]["samples"]
         print(f"{g:34s} {n:6d}  " + "  ".join(f"{row[k]['HR@1']:>20.3f} / {row[k]['HR@10']:.3f} / {row[k]['NDCG@10']:.4f}"
                                               for k in ranks))
+    top_figures = {name: {"samples": int(len(t)), **{f"top10 {k}": float(t[:, j].mean()) for j, k in
+                                                      enumerate(TOP_KINDS)},
+                          "most popular head item, median rank": float(np.median(t[:, -1])) if len(t) else None}
+                   for name, t in top.items()}
+    for name, f in top_figures.items():
+        if f["samples"]:
+            print(f"{name}, first {f['samples']} samples: the top 10 holds " + ", ".join(
+                f"{f[f'top10 {k}']:.2f} {k}" for k in TOP_KINDS) + f"; the most popular head item ranks "
+                f"{f['most popular head item, median rank']:.0f} (median: items above it)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"run": args.run, "split": args.split, "groups": out}, f, indent=1)
+            json.dump({"run": args.run, "split": args.split, "groups": out, "top10": top_figures}, f, indent=1)
     return 0
 
 

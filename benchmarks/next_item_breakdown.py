@@ -44,7 +44,7 @@ def ranks_and_kinds(run: str, split: str, max_batches=None, top_samples: int = 2
         raise SystemExit(f"{cfg.shards}: no synth_truth.json with the generator's config (synthetic data only)")
     full, model = ev.load_trained(run, cfg, man)
     vocab = man.tables["item"].vocab
-    items = torch.nn.functional.normalize(model.candidates(full["embedding.item.weight"].float()), dim=-1)
+    items = ev.next_item_candidates(model, full["embedding.item.weight"].float())
     counts = ev.fit_next_item_baselines(cfg.shards, vocab)["successor_counts"]
     ranks = {"model": [], "successor_counts": [], "generator_oracle": []}
     kinds, seen = [], []

@@ -5,6 +5,8 @@ states."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -16,9 +18,9 @@ D, L = 16, 12
 
 
 def _model(name):
-    m = (HSTU(HSTUConfig(num_layers=2, num_heads=2, linear_dim=8, transition=0.0), D, ["action", "item"], L)
+    m = (HSTU(HSTUConfig(num_layers=2, num_heads=2, linear_dim=8, transition=0.0, item_bias=0.0), D, ["action", "item"], L)
          if name == "hstu"
-         else SASRec(SASRecConfig(num_layers=2, num_heads=2, transition=0.0), D, ["action", "item"], L))
+         else SASRec(SASRecConfig(num_layers=2, num_heads=2, transition=0.0, item_bias=0.0), D, ["action", "item"], L))
     init_parameters(m, torch.Generator().manual_seed(0))
     with torch.no_grad():
         m.pos.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
@@ -353,5 +355,69 @@ def test_transition_term_adds_the_last_items_from_to_cosine(name):
     from nestpipe.trainer.models.common import sequential_table_widths
     assert sequential_table_widths(m.cfg) == {"item": 4}
     changed = {**emb, "item": emb["item"].clone()}
+    changed["item"][:, 2 * D:] += 1.0
+    torch.testing.assert_close(m.encode(m.token_inputs(changed), lengths), hidden, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["hstu", "sasrec"])
+def test_item_bias_adds_each_candidates_offset_to_every_logit(name):
+    """``item_bias = s``: item rows ``[input | output | bias columns]``; every logit of candidate ``c`` (the target,
+    the shared negatives, the in-batch and the history negatives) is ``cos(hidden, output_c) / temperature + s a_c``
+    (``a_c`` the first bias column), beside the logQ terms. Checked against that written out; negative controls:
+    the offsets on the target alone, or none, give other losses. The bias's gradient reaches the first bias column
+    only, and the tokens never read the bias columns."""
+    from nestpipe.trainer.models.common import ITEM_BIAS_COLUMNS, sequential_table_widths
+
+    s, temp, V, K = 0.8, 0.1, 1000, 6
+    m = _model(name)
+    m.cfg = type(m.cfg)(**{**m.cfg.__dict__, "item_bias": s, "history_negatives": True, "in_batch_negatives": 1000,
+                           "logq_correction": True, "temperature": temp, "num_random_negatives": K})
+    m.item_bias, m.num_items = s, V
+    assert sequential_table_widths(m.cfg) == {"item": (2, ITEM_BIAS_COLUMNS)}
+    width = 2 * D + ITEM_BIAS_COLUMNS
+    g = torch.Generator().manual_seed(12)
+    table = torch.randn(20, width, generator=g, dtype=torch.float64)
+    table[:, 2 * D] = torch.randn(20, generator=g, dtype=torch.float64) * 2  # offsets of a few logits
+    lengths = torch.tensor([5, 4])
+    ids = torch.tensor([3, 7, 3, 9, 7, 4, 9, 4, 7])  # repeats: history and in-batch negatives dedupe by id
+    neg_ids = torch.tensor([11, 9, 12, 13, 14, 15])  # 9 is a target of some positions (masked there)
+    item = table[ids].clone().requires_grad_(True)
+    emb = {"item": item, "action": torch.randn(len(ids), D, generator=g, dtype=torch.float64),
+           "item#neg": table[neg_ids]}
+    feats = {"lengths": lengths, "item_ids": ids, "neg_ids": neg_ids}
+    loss = m(emb, feats)
+    hidden = m.encode(m.token_inputs(emb), lengths).detach()
+    unit = lambda x: torch.nn.functional.normalize(x, dim=-1)
+    w = math.log(V / K)
+    starts = [0, 5]
+    q_tok = [p for st, n in zip(starts, lengths.tolist()) for p in range(st, st + n - 1)]
+
+    def reference(offsets=True, negatives_too=True):
+        def logit(p, item_id, extra=0.0, is_target=False):
+            row = table[item_id]
+            b = s * row[2 * D] if offsets and (is_target or negatives_too) else 0.0
+            return unit(hidden[p]) @ unit(row[D:2 * D]) / temp + b + extra
+
+        out = []
+        for st, n in zip(starts, lengths.tolist()):
+            per = []
+            for p in range(st, st + n - 1):
+                t = int(ids[p + 1])
+                ls = [logit(p, t, is_target=True)]
+                ls += [logit(p, int(j), w) for j in neg_ids if int(j) != t]
+                ls += [logit(p, j) for j in sorted({int(ids[q + 1]) for q in q_tok}) if j != t]
+                ls += [logit(p, j) for j in sorted({int(x) for x in ids[st:p + 1]}) if j != t]
+                ls = torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in ls])
+                per.append(torch.logsumexp(ls, 0) - ls[0])
+            out.append(torch.stack(per).mean())
+        return torch.stack(out)
+
+    torch.testing.assert_close(loss.detach(), reference())
+    assert not torch.allclose(loss.detach(), reference(negatives_too=False))
+    assert not torch.allclose(loss.detach(), reference(offsets=False))
+    loss.sum().backward()
+    assert item.grad[:, 2 * D].abs().sum() > 0
+    assert item.grad[:, 2 * D + 1:].abs().sum() == 0
+    changed = {**emb, "item": item.detach().clone()}
     changed["item"][:, 2 * D:] += 1.0
     torch.testing.assert_close(m.encode(m.token_inputs(changed), lengths), hidden, rtol=0, atol=0)

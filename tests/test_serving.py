@@ -41,7 +41,7 @@ def run(tmp_path_factory):
     out = str(base / "run")
     write_run(out, shards, "hstu", "off", 4, {"hstu": {"num_layers": 2, "num_random_negatives": 16,
                                                        "relative_bias": True, "time_bias": True,
-                                                       "transition": 0.5},
+                                                       "transition": 0.5, "item_bias": 0.7},
                                               "pipe": {"gantt_steps": 0}})
     p = run_plan([{"run": out}], 1, str(base / "plan.json"))
     assert p.returncode == 0, p.stderr[-3000:]
@@ -129,13 +129,19 @@ def test_time_bias_cached_prefix_equals_a_full_recompute_and_reads_the_times(run
         _close(scores, ranker.full_scores(spread, cands))
 
 
-def test_scores_add_the_transition_term_of_the_last_event(run):
-    """The run has ``hstu.transition = 0.5``: a score is ``(cos(hidden, output_c) + w cos(from_last, to_c)) /
-    temperature``, ``from`` read from the window's last event's item (the training objective's query).
-    Control: the same formula with the first event's item gives other scores."""
+def test_scores_add_the_transition_term_of_the_last_event_and_the_item_bias(run):
+    """The run has ``hstu.transition = 0.5`` and ``hstu.item_bias = 0.7``: a score is ``(cos(hidden, output_c) +
+    w cos(from_last, to_c)) / temperature + s a_c``, ``from`` read from the window's last event's item (the training
+    objective's query), ``a_c`` the first of the candidate's bias columns; evaluation's candidates and query
+    (``next_item_candidates``) give the same scores. Controls: the same formula with the first event's item, or
+    without the offsets, gives other scores."""
+    from nestpipe.trainer.evaluate import next_item_candidates
+    from nestpipe.trainer.models.common import ITEM_BIAS_COLUMNS
+
     ranker = Ranker.from_run(run)
-    model, w = ranker.model, 0.5
-    assert model.transition == w and ranker.tables["item"].shape[1] == 4 * model.dim
+    model, w, s = ranker.model, 0.5, 0.7
+    assert model.transition == w and model.item_bias == s
+    assert ranker.tables["item"].shape[1] == 4 * model.dim + ITEM_BIAS_COLUMNS
     rng = np.random.default_rng(9)
     events = ranker._events(_events(rng, 5))
     cands = list(range(0, 300, 5))
@@ -147,14 +153,20 @@ def test_scores_add_the_transition_term_of_the_last_event(run):
     unit = lambda x: torch.nn.functional.normalize(x, dim=-1)
     cand_rows = table[torch.tensor(cands)]
 
-    def formula(frm_row):
+    def formula(frm_row, offsets=True):
         cos = unit(cand_rows[:, d:2 * d]) @ unit(hidden)
-        return (cos + w * unit(cand_rows[:, 3 * d:]) @ unit(frm_row[2 * d:3 * d])) / model.cfg.temperature
+        score = (cos + w * unit(cand_rows[:, 3 * d:4 * d]) @ unit(frm_row[2 * d:3 * d])) / model.cfg.temperature
+        return score + s * cand_rows[:, 4 * d] if offsets else score
 
     got = ranker.full_scores(events, cands)
     _close(got, formula(rows["item"][-1]).detach().numpy())
     with pytest.raises(AssertionError):
         _close(got, formula(rows["item"][0]).detach().numpy())
+    with pytest.raises(AssertionError):
+        _close(got, formula(rows["item"][-1], offsets=False).detach().numpy())
+    query = unit(model.queries(hidden[None], rows["item"][-1:]))
+    evaluated = next_item_candidates(model, cand_rows) @ torch.cat([query, query.new_ones(1, 1)], dim=1)[0]
+    _close(got, evaluated.detach().numpy())
 
 
 def test_eviction_recomputes_the_same_scores(run):

@@ -92,9 +92,9 @@ def test_train_eval_export_and_errors(gr, tmp_path):
     p = run("export", "--run", out, "--out", str(tmp_path / "m.pt"))
     assert p.returncode == 0, p.stderr[-3000:]
     d = torch.load(str(tmp_path / "m.pt"), weights_only=True)
-    # hstu defaults output_embedding=untied and transition=0.3: every item row is [input | output | from | to],
-    # four dims of 16
-    assert d["embedding.item.weight"].shape == (300, 64) and "optim.dense.pos.exp_avg" in d
+    # hstu defaults output_embedding=untied, transition=0.3 and item_bias=0.5: every item row is
+    # [input | output | from | to | bias], four dims of 16 and the bias's four columns
+    assert d["embedding.item.weight"].shape == (300, 68) and "optim.dense.pos.exp_avg" in d
     _check_safetensors_export(out, tmp_path, d)
     # the run stands on its own: with its shards gone (moved), export still works from the manifest the run
     # kept; eval asks for --shards and checks that they are the run's (before: "no manifest" for both)
@@ -290,6 +290,24 @@ def test_config_of_an_earlier_run_with_retired_test_keys_loads_with_a_warning(tm
     assert cfg == TrainConfig()
     err = capsys.readouterr().err
     assert "ignoring debug_fail_step, pipe.debug_skip_dual_buffer_sync" in err and "testing_hooks" in err
+
+
+def test_config_of_a_run_from_before_the_item_options_loads_them_off(tmp_path):
+    """A run written before ``output_embedding``, ``transition`` and ``item_bias`` existed trained tied rows with
+    neither term: its config loads with those values (not today's defaults), so its tables keep their widths.
+    Control: the same document read as a new config takes the defaults."""
+    from nestpipe.trainer.config import TrainConfig, load_run_config
+
+    doc = TrainConfig().to_dict()
+    for section in ("hstu", "sasrec"):
+        for key in ("output_embedding", "transition", "item_bias"):
+            del doc[section][key]
+    (tmp_path / "config.json").write_text(json.dumps(doc))
+    cfg = load_run_config(str(tmp_path))
+    for section in (cfg.hstu, cfg.sasrec):
+        assert (section.output_embedding, section.transition, section.item_bias) == ("tied", 0.0, 0.0)
+    fresh = TrainConfig.from_dict(doc).hstu
+    assert (fresh.output_embedding, fresh.transition, fresh.item_bias) == ("untied", 0.3, 0.5)
 
 
 def test_help_config_lists_every_key():

@@ -3,7 +3,8 @@
 Scoring is ``nestpipe eval``'s: the user's history (the last ``max_seq_len`` events at most: the *window*) is read
 by the model, and a candidate's score is the cosine similarity of the last position's hidden state with the
 candidate's output embedding, plus with the transition term ``w`` times the cosine of the last event's ``from`` block
-with the candidate's ``to`` block, divided by the model's temperature (the training logit, without the logQ term).
+with the candidate's ``to`` block, divided by the model's temperature, plus with ``item_bias`` the candidate's learned
+offset (the training logit, without the logQ term).
 
 Why a prefix can be cached exactly: an HSTU layer computes every token's ``u, v, q, k`` from that token alone, a
 token attends to the tokens at or before it with ``SiLU(q . k / sqrt(d) + bias(i - j)) / max_seq_len`` (a constant
@@ -460,10 +461,13 @@ class Ranker:
         cand = np.asarray(list(candidates), dtype=np.int64)
         if cand.ndim != 1:
             raise ValueError("candidates must be a list of item ids")
-        rows = self.candidates.index_select(0, torch.from_numpy(to_vocab(cand, self.vocabs["item"])))
+        cand_idx = torch.from_numpy(to_vocab(cand, self.vocabs["item"]))
+        rows = self.candidates.index_select(0, cand_idx)
         last_row = self.tables["item"].index_select(0, torch.from_numpy(to_vocab(last_item, self.vocabs["item"])))
         q = F.normalize(self.model.queries(hidden[None], last_row)[0], dim=-1)
-        return (rows @ q / self.temperature).numpy()
+        scores = rows @ q / self.temperature
+        bias = self.model.candidate_bias(self.tables["item"].index_select(0, cand_idx))
+        return (scores if bias is None else scores + bias).numpy()
 
 
 def save_shared(run: str, shards: Optional[str] = None) -> str:

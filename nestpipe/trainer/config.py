@@ -298,8 +298,9 @@ def save_config(cfg: TrainConfig, path: str) -> None:
 def load_run_config(run: str) -> TrainConfig:
     path = os.path.join(run, "config.json")
     doc = read_json(path, "config.json", hint=f"is {run} the --out directory of `nestpipe train`?", expect=dict)
-    for section in ("hstu", "sasrec"):  # runs from before the options: tied item embeddings, no transition term
-        if isinstance(doc.get(section), dict):
+    for section in ("hstu", "sasrec"):  # runs from before the options: tied item embeddings, no transition term,
+        if isinstance(doc.get(section), dict):  # no item bias
             doc[section].setdefault("output_embedding", "tied")
             doc[section].setdefault("transition", 0.0)
+            doc[section].setdefault("item_bias", 0.0)
     return TrainConfig.from_dict(doc, where=path)

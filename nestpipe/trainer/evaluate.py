@@ -100,7 +100,8 @@ def next_item_baselines(shards: str, vocab: int, max_batches: Optional[int] = No
 
 
 def next_item_queries(cfg, man, full, model, rec, keep, split: str) -> torch.Tensor:
-    """The model's normalised query ``[kept samples, D]`` of one eval record: each kept sample's tokens but the last
+    """The model's normalised query ``[kept samples, D]`` (with ``item_bias`` a 1 appended: see
+    :func:`next_item_candidates`) of one eval record: each kept sample's tokens but the last
     (the protocol of :func:`next_item_examples`) encoded, the last position's hidden state."""
     off = table_offsets(rec, "item")
     lengths = np.diff(off)
@@ -118,14 +119,24 @@ def next_item_queries(cfg, man, full, model, rec, keep, split: str) -> torch.Ten
         times = torch.from_numpy(np.asarray(rec["time"])[idx].astype(np.int64))
     last = torch.cumsum(in_len, 0) - 1
     hidden = model.encode(model.token_inputs(emb), in_len, times).index_select(0, last)
-    return torch.nn.functional.normalize(model.queries(hidden, emb["item"].index_select(0, last)), dim=-1)
+    q = torch.nn.functional.normalize(model.queries(hidden, emb["item"].index_select(0, last)), dim=-1)
+    return torch.cat([q, q.new_ones(len(q), 1)], dim=1) if model.item_bias else q
+
+
+def next_item_candidates(model, item_rows: torch.Tensor) -> torch.Tensor:
+    """``[V, D']``: every item as a candidate, so that its dot product with a query of :func:`next_item_queries`
+    ranks as the training logit does: the unit candidate vector; with ``item_bias``, that over the score
+    temperature and the item's offset beside it (the query's last value is 1)."""
+    items = torch.nn.functional.normalize(model.candidates(item_rows), dim=-1)
+    bias = model.candidate_bias(item_rows)
+    return items if bias is None else torch.cat([items / model.score_temperature, bias[:, None]], dim=1)
 
 
 @torch.no_grad()
 def evaluate_next_item(cfg, man, full, model, max_batches, split="eval", full_catalog_max=2_000_000,
                   sampled_negatives=1000):
     vocab = man.tables["item"].vocab
-    items = torch.nn.functional.normalize(model.candidates(full["embedding.item.weight"].float()), dim=-1)
+    items = next_item_candidates(model, full["embedding.item.weight"].float())
     fitted = fit_next_item_baselines(cfg.shards, vocab)
     sampled = vocab > full_catalog_max
     oracle = _next_item_oracle(cfg.shards)

@@ -84,11 +84,16 @@ def _split(x: torch.Tensor, sizes: List[int]) -> List[torch.Tensor]:
     return list(torch.split(x, sizes))
 
 
-def table_dims(manifest: Manifest, cfg: EmbeddingConfig, widths: Optional[Dict[str, int]] = None) -> Dict[str, int]:
+def table_dims(manifest: Manifest, cfg: EmbeddingConfig, widths: Optional[Dict[str, object]] = None) -> Dict[str, int]:
     """Row width of every table: the embedding dim (``cfg.dim`` or the manifest's) times the table's number of
-    blocks in ``widths`` (the model's :attr:`ModelSpec.table_widths`; 1 where absent)."""
-    widths = widths or {}
-    return {t: int(cfg.dim or spec.dim) * int(widths.get(t, 1)) for t, spec in manifest.tables.items()}
+    blocks in ``widths`` (the model's :attr:`ModelSpec.table_widths`; 1 where absent), plus its extra columns where
+    ``widths`` gives ``(blocks, extra)``."""
+    out = {}
+    for t, spec in manifest.tables.items():
+        w = (widths or {}).get(t, 1)
+        blocks, extra = w if isinstance(w, tuple) else (w, 0)
+        out[t] = int(cfg.dim or spec.dim) * int(blocks) + int(extra)
+    return out
 
 
 @dataclasses.dataclass
@@ -248,7 +253,7 @@ class RouteInFlight:
 class ShardedEmbeddingCollection:
     def __init__(self, manifest: Manifest, cfg: EmbeddingConfig, seed: int, rank: int, world: int,
                  device: torch.device, negatives: bool = False, group=None, timer: Optional[StageTimer] = None,
-                 dtype: torch.dtype = torch.float32, widths: Optional[Dict[str, int]] = None, run_dir: str = ""):
+                 dtype: torch.dtype = torch.float32, widths: Optional[Dict[str, object]] = None, run_dir: str = ""):
         self.cfg, self.rank, self.world, self.device, self.group = cfg, rank, world, device, group
         self.dtype = dtype
         self.timer = timer or StageTimer()

@@ -59,20 +59,39 @@ TRANSITION_HELP = (
     "which is learned in its own factors beside the sequence encoder's query; 0: off (docs/trainer.md)")
 
 
-def sequential_table_widths(section) -> Dict[str, int]:
-    """Item rows are ``[input | output | from | to]``, the output block with ``untied`` output embeddings, the
-    transition blocks with a ``transition`` weight; other sequence tables one embedding dim."""
-    blocks = (2 if section.output_embedding == "untied" else 1) + (2 if section.transition else 0)
+ITEM_BIAS_HELP = (
+    "scale s of a learned per-item logit offset: every item row gains a few columns whose first value a adds "
+    "s x a to the item's logit as a candidate (unbounded, beside the cosines), so an item's popularity need not be "
+    "written into its direction; 0: off (docs/trainer.md)")
+
+# The item bias's columns at the end of an item row: the offset and three unused columns, so that row widths stay
+# multiples of 4 (the row alignment fbgemm's table-batched embedding kernels require).
+ITEM_BIAS_COLUMNS = 4
+
+
+def _item_blocks(section) -> int:
+    return (2 if section.output_embedding == "untied" else 1) + (2 if section.transition else 0)
+
+
+def sequential_table_widths(section) -> Dict[str, object]:
+    """Item rows are ``[input | output | from | to | bias]``, the output block with ``untied`` output embeddings,
+    the transition blocks with a ``transition`` weight (each block one embedding dim wide), the bias columns
+    (``ITEM_BIAS_COLUMNS``) with an ``item_bias`` scale; other sequence tables one embedding dim."""
+    blocks = _item_blocks(section)
+    if getattr(section, "item_bias", 0.0):
+        return {"item": (blocks, ITEM_BIAS_COLUMNS)}
     return {"item": blocks} if blocks > 1 else {}
 
 
 def sequential_token_dim(name: str, section, sequence_tables: List[str], dims: Dict[str, int]) -> int:
     """The token dim D of a sequential model: every sequence table's rows are D wide, the item table's
-    ``blocks x D``."""
-    blocks = sequential_table_widths(section)
-    dset = {dims[t] // blocks.get(t, 1) for t in sequence_tables}
-    if len(dset) != 1 or any(dims[t] % blocks.get(t, 1) for t in sequence_tables):
-        raise ValueError(f"{name} needs one embedding dim for all sequence tables (the item table {blocks.get('item', 1)}"
+    ``blocks x D`` (plus the item bias's columns)."""
+    shapes = {t: (w if isinstance(w, tuple) else (w, 0)) for t, w in sequential_table_widths(section).items()}
+    blocks = {t: shapes.get(t, (1, 0))[0] for t in sequence_tables}
+    inner = {t: dims[t] - shapes.get(t, (1, 0))[1] for t in sequence_tables}
+    dset = {inner[t] // blocks[t] for t in sequence_tables}
+    if len(dset) != 1 or any(inner[t] % blocks[t] for t in sequence_tables):
+        raise ValueError(f"{name} needs one embedding dim for all sequence tables (the item table {blocks['item']}"
                          f" times as wide with output_embedding={section.output_embedding!r}), got {dims}")
     return dset.pop()
 
@@ -110,6 +129,7 @@ class SequentialModel(nn.Module):
 
         self.untied = cfg.output_embedding == "untied"
         self.transition = float(cfg.transition)
+        self.item_bias = float(getattr(cfg, "item_bias", 0.0))
 
     def encode(self, emb: Dict[str, torch.Tensor], lengths: torch.Tensor,
                times: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -124,7 +144,7 @@ class SequentialModel(nn.Module):
 
     def token_inputs(self, emb: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The sequence tables' rows as token inputs (the input block of item rows wider than one dim)."""
-        if not (self.untied or self.transition):
+        if not (self.untied or self.transition or self.item_bias):
             return emb
         return {t: (e[:, :self.dim] if t == "item" else e) for t, e in emb.items() if t != NEG}
 
@@ -146,6 +166,13 @@ class SequentialModel(nn.Module):
         to = self._block(item_rows, 3 if self.untied else 2)
         return torch.cat([F.normalize(out, dim=-1), math.sqrt(self.transition) * F.normalize(to, dim=-1)], dim=1)
 
+    def candidate_bias(self, item_rows: torch.Tensor) -> Optional[torch.Tensor]:
+        """``[N]``: the items' logit offsets ``s x a`` (``a`` the first of the row's bias columns), added to the
+        scaled cosine in training, evaluation and serving; None without ``item_bias``."""
+        if not self.item_bias:
+            return None
+        return self.item_bias * item_rows[:, _item_blocks(self.cfg) * self.dim]
+
     def queries(self, hidden: torch.Tensor, item_rows: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[T, D]`` -> the queries scored against :meth:`candidates`; ``item_rows``: the item rows
         of the same tokens (each position's own item: the transition term's ``from`` block)."""
@@ -160,8 +187,11 @@ class SequentialModel(nn.Module):
         w = math.log(self.num_items / k) if self.cfg.logq_correction and k and self.num_items > k else 0.0
         hidden = self.queries(self.encode(self.token_inputs(emb), feats["lengths"], feats.get("times")), emb["item"])
         out = {"item": self.candidates(emb["item"]), NEG: self.candidates(emb[NEG])}
+        bias = None if not self.item_bias else {"item": self.candidate_bias(emb["item"]),
+                                                NEG: self.candidate_bias(emb[NEG])}
         return next_item_loss(hidden, out, feats, self.score_temperature, self.cfg.history_negatives, w,
-                              in_batch=self.cfg.in_batch_negatives, logit_dtype=NEGATIVE_DTYPES[self.cfg.negatives_dtype])
+                              in_batch=self.cfg.in_batch_negatives, logit_dtype=NEGATIVE_DTYPES[self.cfg.negatives_dtype],
+                              bias=bias)
 
 
 NEGATIVE_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
@@ -217,7 +247,8 @@ def padded_tokens(emb: Dict[str, torch.Tensor], tables: List[str], pos_table: to
 def next_item_loss(hidden: torch.Tensor, emb: Dict[str, torch.Tensor], feats: Dict[str, torch.Tensor],
                    temperature: float, history_negatives: bool = False,
                    sampled_log_weight: float = 0.0, in_batch: int = 0,
-                   logit_dtype: torch.dtype = None) -> torch.Tensor:
+                   logit_dtype: torch.dtype = None,
+                   bias: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
     """Per-sample loss ``[b]``: the mean over the sample's positions of the next-item sampled softmax (cosine
     similarity of the query and the candidate embeddings ``emb["item"]`` / ``emb[NEG]`` / ``temperature``; the
     target against the batch's shared negatives, negatives equal to the target masked). A per-sample mean, so the
@@ -246,13 +277,22 @@ def next_item_loss(hidden: torch.Tensor, emb: Dict[str, torch.Tensor], feats: Di
     pos_logit = (query * target).sum(-1, keepdim=True) / temperature
     q_rows, n_cols = _collisions(feats["item_ids"].index_select(0, q_idx + 1), feats["neg_ids"])
     q_scaled = query / temperature
+    token_bias = None
+    if bias is not None:  # one more column: the query's 1 against the candidate's offset
+        token_bias = bias["item"]
+        t_bias = token_bias.index_select(0, q_idx + 1)
+        pos_logit = pos_logit + t_bias[:, None]
+        q_scaled = torch.cat([q_scaled, q_scaled.new_ones(len(q_scaled), 1)], dim=1)
+        target = torch.cat([target, t_bias[:, None]], dim=1)
+        negs = torch.cat([negs, bias[NEG][:, None]], dim=1)
     neg_lse = SharedNegativesLSE.apply(q_scaled, negs, float(sampled_log_weight), q_rows, n_cols, logit_dtype)
     logits = [pos_logit, neg_lse[:, None]]
     if in_batch:
         logits.append(_in_batch_lse(q_scaled, target, feats["item_ids"].index_select(0, q_idx + 1), in_batch,
                                     logit_dtype)[:, None])
     if history_negatives:
-        logits.append(_history_lse(query, emb["item"], feats["item_ids"], lengths, q_idx, temperature)[:, None])
+        logits.append(_history_lse(query, emb["item"], feats["item_ids"], lengths, q_idx, temperature,
+                                   token_bias)[:, None])
     logits = torch.cat(logits, dim=1)
     token_loss = torch.logsumexp(logits, dim=1) - logits[:, 0]
     q_sample = sample.index_select(0, q_idx)
@@ -347,7 +387,7 @@ class SharedNegativesLSE(torch.autograd.Function):
 
 
 def _history_lse(query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor, lengths: torch.Tensor,
-                 q_idx: torch.Tensor, temperature: float) -> torch.Tensor:
+                 q_idx: torch.Tensor, temperature: float, token_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[Q]``: per query, the logsumexp of the history logits :func:`_history_logits` keeps (-1e9 entries where it
     keeps none, so the term vanishes from the token's softmax). Computed per bucket of samples whose lengths share a
     power-of-two ceiling, each padded to its own longest: a micro-batch pays about its own ``sum(L^2)``, not
@@ -374,6 +414,8 @@ def _history_lse(query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tenso
         is_q = j[None, :] < ls - 1  # the sample's queries: every position but its last
         q_row = row_of[tok].clamp(min=0)
         logit = (query[q_row] * is_q[..., None]) @ (normed[tok] * valid[..., None]).transpose(1, 2) / temperature
+        if token_bias is not None:
+            logit = logit + token_bias[tok][:, None, :]
         earlier = torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev), diagonal=-1)
         first = ~((ids[:, :, None] == ids[:, None, :]) & earlier).any(-1)  # no earlier position has the item
         target = torch.cat([ids[:, 1:], ids.new_full((len(members), 1), -2)], dim=1)  # query p's target: item p+1
@@ -385,7 +427,7 @@ def _history_lse(query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tenso
 
 
 def _history_logits(query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor, lengths: torch.Tensor,
-                    q_idx: torch.Tensor, temperature: float) -> torch.Tensor:
+                    q_idx: torch.Tensor, temperature: float, token_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[Q, n]`` logits of every query against its sample's items at positions up to its own, masked (-1e9) where
     the item is the query's target or repeats an earlier position of the sample. The definition of the history
     negatives, on the micro-batch padded to its longest sample: the reference :func:`_history_lse` is tested
@@ -397,6 +439,9 @@ def _history_logits(query: torch.Tensor, items: torch.Tensor, item_ids: torch.Te
     q_pad = query.new_zeros(b * n, d).index_copy(0, flat.index_select(0, q_idx), query).view(b, n, d)
     q_flat = flat.index_select(0, q_idx)
     logit = (q_pad @ items_pad.transpose(1, 2)).view(b * n, n).index_select(0, q_flat) / temperature
+    if token_bias is not None:
+        bias_pad = token_bias.new_zeros(b * n).index_copy(0, flat, token_bias).view(b, n)
+        logit = logit + bias_pad.index_select(0, sample.index_select(0, q_idx))
     ids = torch.full((b * n,), -1, dtype=item_ids.dtype, device=item_ids.device).index_copy(0, flat, item_ids)
     ids = ids.view(b, n)
     earlier = torch.tril(torch.ones(n, n, dtype=torch.bool, device=ids.device), diagonal=-1)

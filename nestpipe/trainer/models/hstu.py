@@ -35,7 +35,7 @@ from nestpipe.kernels.attention import hstu_attention, time_buckets
 from nestpipe.trainer.embedding.batch import NEG_SLOT, PreparedBatch
 from nestpipe.trainer.models.common import (IN_BATCH_HELP, NEGATIVE_DTYPES, NEGATIVES_DTYPE_HELP,
                                              OUTPUT_EMBEDDING_HELP, OUTPUT_EMBEDDINGS, SEQUENTIAL_TRAIN_DEFAULTS,
-                                             TRANSITION_HELP, SequentialModel, jagged_tokens, padded_tokens,
+                                             ITEM_BIAS_HELP, TRANSITION_HELP, SequentialModel, jagged_tokens, padded_tokens,
                                              sequential_table_widths, sequential_token_dim)
 from nestpipe.trainer.models.spec import ModelSpec
 from nestpipe.utils.options import opt
@@ -65,6 +65,7 @@ class HSTUConfig:
     output_embedding: str = opt("untied", help=OUTPUT_EMBEDDING_HELP, choices=OUTPUT_EMBEDDINGS)
     in_batch_negatives: int = opt(1024, help=IN_BATCH_HELP, minimum=0)
     transition: float = opt(0.3, help=TRANSITION_HELP, minimum=0)
+    item_bias: float = opt(0.5, help=ITEM_BIAS_HELP, minimum=0)
     negatives_dtype: str = opt("float32", help=NEGATIVES_DTYPE_HELP, choices=tuple(NEGATIVE_DTYPES))
     attention: str = opt(
         "jagged", help="jagged: the samples' tokens back to back, only the causal triangle of each computed "

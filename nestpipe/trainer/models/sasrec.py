@@ -22,7 +22,7 @@ from nestpipe.datasets.shards import Manifest
 from nestpipe.trainer.models import hstu
 from nestpipe.trainer.models.common import (IN_BATCH_HELP, NEGATIVE_DTYPES, NEGATIVES_DTYPE_HELP,
                                              OUTPUT_EMBEDDING_HELP, OUTPUT_EMBEDDINGS, SEQUENTIAL_TRAIN_DEFAULTS,
-                                             TRANSITION_HELP, SequentialModel, padded_tokens, sequential_table_widths,
+                                             ITEM_BIAS_HELP, TRANSITION_HELP, SequentialModel, padded_tokens, sequential_table_widths,
                                              sequential_token_dim)
 from nestpipe.trainer.models.spec import ModelSpec
 from nestpipe.utils.options import opt
@@ -47,6 +47,7 @@ class SASRecConfig:
     output_embedding: str = opt("untied", help=OUTPUT_EMBEDDING_HELP, choices=OUTPUT_EMBEDDINGS)
     in_batch_negatives: int = opt(1024, help=IN_BATCH_HELP, minimum=0)
     transition: float = opt(0.3, help=TRANSITION_HELP, minimum=0)
+    item_bias: float = opt(0.5, help=ITEM_BIAS_HELP, minimum=0)
     negatives_dtype: str = opt("float32", help=NEGATIVES_DTYPE_HELP, choices=tuple(NEGATIVE_DTYPES))
 
 

@@ -17,8 +17,8 @@ class ModelSpec:
     batch. ``shared_negatives``: the batch carries one key list of negatives served by the ``item`` store.
     ``config``: the dataclass of its ``nestpipe train`` config section (named like the model); ``help``: that
     section's one-line description. ``table_widths(cfg)``: tables whose rows the model reads as several
-    embedding-dim blocks, ``{table: blocks}`` (e.g. the item table holding an input and an output embedding);
-    every other table is one block wide. ``train_defaults``: this model's defaults for keys of the shared sections.
+    embedding-dim blocks, ``{table: blocks}`` (e.g. the item table holding an input and an output embedding), or
+    ``{table: (blocks, extra columns)}``; every other table is one block wide. ``train_defaults``: this model's defaults for keys of the shared sections.
     ``partition_invariant(cfg)``: whether the loss is a sum of per-sample terms whatever the micro-batch partition
     (False where a micro-batch's samples serve one another, e.g. as in-batch negatives): only then may
     ``pipe.micro_batching=auto`` train a batch as one micro-batch (the same gradient, summed in another order)."""
@@ -31,7 +31,7 @@ class ModelSpec:
     shared_negatives: bool
     config: type
     help: str
-    table_widths: Callable[..., Dict[str, int]] = lambda cfg: {}
+    table_widths: Callable[..., Dict[str, object]] = lambda cfg: {}
     partition_invariant: Callable[..., bool] = lambda cfg: True
     # keys of the shared sections this model trains best with, nested like the config (for example
     # ``{"optim": {"lr": 0.002}}``): the defaults when this model is chosen; the config file, flags and --set still

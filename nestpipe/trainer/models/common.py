@@ -277,19 +277,18 @@ def next_item_loss(hidden: torch.Tensor, emb: Dict[str, torch.Tensor], feats: Di
     pos_logit = (query * target).sum(-1, keepdim=True) / temperature
     q_rows, n_cols = _collisions(feats["item_ids"].index_select(0, q_idx + 1), feats["neg_ids"])
     q_scaled = query / temperature
-    token_bias = None
-    if bias is not None:  # one more column: the query's 1 against the candidate's offset
+    token_bias = t_bias = None
+    neg_weight = float(sampled_log_weight)
+    if bias is not None:  # the candidates' offsets: per-column weights of the negatives' logsumexps (with gradient)
         token_bias = bias["item"]
         t_bias = token_bias.index_select(0, q_idx + 1)
         pos_logit = pos_logit + t_bias[:, None]
-        q_scaled = torch.cat([q_scaled, q_scaled.new_ones(len(q_scaled), 1)], dim=1)
-        target = torch.cat([target, t_bias[:, None]], dim=1)
-        negs = torch.cat([negs, bias[NEG][:, None]], dim=1)
-    neg_lse = SharedNegativesLSE.apply(q_scaled, negs, float(sampled_log_weight), q_rows, n_cols, logit_dtype)
+        neg_weight = bias[NEG] + neg_weight
+    neg_lse = SharedNegativesLSE.apply(q_scaled, negs, neg_weight, q_rows, n_cols, logit_dtype)
     logits = [pos_logit, neg_lse[:, None]]
     if in_batch:
         logits.append(_in_batch_lse(q_scaled, target, feats["item_ids"].index_select(0, q_idx + 1), in_batch,
-                                    logit_dtype)[:, None])
+                                    logit_dtype, t_bias)[:, None])
     if history_negatives:
         logits.append(_history_lse(query, emb["item"], feats["item_ids"], lengths, q_idx, temperature,
                                    token_bias)[:, None])
@@ -318,7 +317,7 @@ def _collisions(targets: torch.Tensor, neg_ids: torch.Tensor) -> Tuple[torch.Ten
 
 
 def _in_batch_lse(q_scaled: torch.Tensor, targets: torch.Tensor, target_ids: torch.Tensor, limit: int,
-                  logit_dtype: torch.dtype = None) -> torch.Tensor:
+                  logit_dtype: torch.dtype = None, target_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[Q]``: per query, the logsumexp over the in-batch negatives of ``q . t_j - log(N x c_j / Q)``, the query's
     own target item left out.
 
@@ -337,6 +336,8 @@ def _in_batch_lse(q_scaled: torch.Tensor, targets: torch.Tensor, target_ids: tor
     _, inv, counts = torch.unique(target_ids, return_inverse=True, return_counts=True)
     freq = counts.index_select(0, inv.index_select(0, pick)).to(q_scaled.dtype)  # c_j of every sampled row
     weight = -torch.log(freq * (n / n_q))
+    if target_bias is not None:  # the sampled targets' offsets (item_bias), beside the correction
+        weight = weight + target_bias.index_select(0, pick)
     rows, cols = _collisions(target_ids, ids)
     return SharedNegativesLSE.apply(q_scaled, targets.index_select(0, pick), weight, rows, cols, logit_dtype)
 
@@ -345,7 +346,8 @@ class SharedNegativesLSE(torch.autograd.Function):
     """``logsumexp_j(q_i . n_j + w_j)`` per query row over the batch's shared negatives, the pairs ``(rows, cols)``
     left out; ``w`` one number for every column or one per column (``[K]``); one ``[Q, K]`` buffer, exponentiated
     in place and kept for the backward. ``logit_dtype`` (bfloat16): the two GEMMs of the forward and the backward
-    take their operands in that dtype; the buffer, the sums and the gradients stay in the inputs' dtype.
+    take their operands in that dtype; the buffer, the sums and the gradients stay in the inputs' dtype. A ``[K]``
+    ``w`` that requires grad (learned offsets) gets the column sums of ``softmax * g``.
 
     Written by hand because the composed ops (matmul, add, masked fill, max, subtract, exp, sum, and their backward)
     stream the ``[Q, K]`` logits through memory a dozen times; this takes five passes and two matmuls, the gradient
@@ -380,10 +382,11 @@ class SharedNegativesLSE(torch.autograd.Function):
             g16, q, negs = g.to(low), q.to(low), negs.to(low)
             grad_q = (g16 @ negs).to(g.dtype) if ctx.needs_input_grad[0] else None
             grad_negs = (g16.t() @ q).to(g.dtype) if ctx.needs_input_grad[1] else None
-            return grad_q, grad_negs, None, None, None, None
-        grad_q = g @ negs if ctx.needs_input_grad[0] else None
-        grad_negs = g.t() @ q if ctx.needs_input_grad[1] else None
-        return grad_q, grad_negs, None, None, None, None
+        else:
+            grad_q = g @ negs if ctx.needs_input_grad[0] else None
+            grad_negs = g.t() @ q if ctx.needs_input_grad[1] else None
+        grad_w = g.sum(0) if ctx.needs_input_grad[2] else None
+        return grad_q, grad_negs, grad_w, None, None, None
 
 
 def _history_lse(query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor, lengths: torch.Tensor,

@@ -67,20 +67,23 @@ def _train(shards: str, run: str, model: str, epochs: int, nproc: int) -> None:
 def run(args) -> int:
 
     t0 = time.time()
+    stages = _Stages()
     raw = os.path.join(args.out, "raw")
     if not os.path.exists(os.path.join(raw, "user_features_27k.csv")):
         _log(f"generating {args.scale} synthetic KuaiRand data in {raw}")
         generate(raw, scale=args.scale, seed=args.seed)
+    stages.done("synth")
     for task, opts in DEMO_INGEST.items():
         out = os.path.join(args.out, f"shards-{task}")
         _log(f"ingest --task {task} -> {out}")
         ingest(IngestConfig(raw=raw, out=out, task=task, seed=args.seed, workers=args.workers, **opts))
+        stages.done(f"ingest {task}")
         rep = shard_report(out)
         print(format_report(rep), flush=True)
         if not rep["ok"]:
             return 1
     if args.skip_training:
-        _log(f"done in {time.time() - t0:.1f} s")
+        _log(f"done in {time.time() - t0:.1f} s ({stages})")
         return 0
 
 
@@ -88,8 +91,10 @@ def run(args) -> int:
     for model, task, epochs in (("hstu", "gr", args.hstu_epochs), ("dlrm", "ctr", args.dlrm_epochs)):
         run_dir = os.path.join(args.out, model)
         _train(os.path.join(args.out, f"shards-{task}"), run_dir, model, epochs, args.nproc_per_node)
+        stages.done(f"train {model}")
         _log(f"nestpipe eval --run {run_dir}")
         ev = evaluate_run(run_dir)  # also writes RUN/eval.json
+        stages.done(f"eval {model}")
         metrics = read_json(os.path.join(run_dir, "metrics.json"), "metrics")
         summary[model] = {"eval": ev, "samples_per_s": metrics.get("samples_per_s")}
     print("\n== NestPipe demo results ==")
@@ -110,5 +115,20 @@ def run(args) -> int:
         print(f"            the data's Bayes ceiling (the generator's own click probabilities): AUC "
               f"{d['bayes_ceiling']['AUC']:.4f}, logloss {d['bayes_ceiling']['logloss']:.4f}")
     print(f"runs, traces (trace.json, timeline.png) and metrics are under {args.out}/hstu and {args.out}/dlrm")
-    _log(f"done in {time.time() - t0:.1f} s")
+    _log(f"done in {time.time() - t0:.1f} s ({stages})")
     return 0
+
+
+class _Stages:
+    """Seconds per stage of the demo, in order (a stage that had nothing to do shows its few milliseconds)."""
+
+    def __init__(self):
+        self.last, self.seconds = time.time(), []
+
+    def done(self, name: str) -> None:
+        now = time.time()
+        self.seconds.append((name, now - self.last))
+        self.last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds)

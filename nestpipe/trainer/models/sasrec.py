@@ -41,7 +41,8 @@ class SASRecConfig:
                                      minimum=0)
     temperature: float = opt(0.1, help="softmax temperature of the sampled softmax", minimum=0)
     history_negatives: bool = opt(
-        True, help="each position's own prefix items (other than its target) join its negatives (docs/trainer.md)")
+        False, help="each position's own prefix items (other than its target) join its negatives; off by default "
+        "since the item bias (docs/trainer.md)")
     logq_correction: bool = opt(
         True, help="weigh each uniform negative as V / K catalog items (log(V / K) added to its logit)")
     output_embedding: str = opt("untied", help=OUTPUT_EMBEDDING_HELP, choices=OUTPUT_EMBEDDINGS)

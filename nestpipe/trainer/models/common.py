@@ -263,7 +263,9 @@ def next_item_loss(hidden: torch.Tensor, emb: Dict[str, torch.Tensor], feats: Di
 
     ``in_batch``: up to this many of the micro-batch's targets serve as further negatives of every position
     (:func:`_in_batch_negatives`: a frequency-proportional sample, the logQ-corrected logit of each, the position's
-    own target masked). ``logit_dtype`` (e.g. bfloat16): the query x negative GEMMs in that dtype."""
+    own target masked). ``logit_dtype`` (e.g. bfloat16): the query x negative GEMMs in that dtype. ``bias``: the
+    candidates' learned logit offsets (``item_bias``: ``{"item": [tokens], NEG: [K]}``), added to the target's logit
+    and to every negative's, the in-batch and history negatives' included."""
     lengths = feats["lengths"]
     b = len(lengths)
     sample = torch.repeat_interleave(torch.arange(b, device=lengths.device), lengths)

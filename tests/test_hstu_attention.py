@@ -15,6 +15,7 @@ import torch
 
 from nestpipe.kernels import attention as A
 from nestpipe.kernels import attention_cpu, select
+from nestpipe.trainer.models.common import sequential_table_widths
 from nestpipe.trainer.models.hstu import HSTU, HSTUConfig
 
 LENGTH_MIXES = {
@@ -227,8 +228,10 @@ def test_hstu_model_jagged_equals_padded(cpu_path, relative_bias, time_bias):
     lengths = torch.tensor([1, 5, 31, 0, 9])
     t = int(lengths.sum())
     g = torch.Generator().manual_seed(1)
-    emb = {"item": torch.randn(t, 32, generator=g), "action": torch.randn(t, 16, generator=g),
-           "item#neg": torch.randn(40, 32, generator=g)}
+    blocks, extra = sequential_table_widths(cfg)["item"]  # the default item rows: [input | output | from | to | bias]
+    width = 16 * blocks + extra
+    emb = {"item": torch.randn(t, width, generator=g), "action": torch.randn(t, 16, generator=g),
+           "item#neg": torch.randn(40, width, generator=g)}
     feats = {"lengths": lengths, "item_ids": torch.randint(0, 1000, (t,), generator=g),
              "neg_ids": torch.randint(0, 1000, (40,), generator=g)}
     if time_bias:

@@ -78,7 +78,7 @@ def sequential_table_widths(section) -> Dict[str, object]:
     the transition blocks with a ``transition`` weight (each block one embedding dim wide), the bias columns
     (``ITEM_BIAS_COLUMNS``) with an ``item_bias`` scale; other sequence tables one embedding dim."""
     blocks = _item_blocks(section)
-    if getattr(section, "item_bias", 0.0):
+    if section.item_bias:
         return {"item": (blocks, ITEM_BIAS_COLUMNS)}
     return {"item": blocks} if blocks > 1 else {}
 
@@ -129,7 +129,7 @@ class SequentialModel(nn.Module):
 
         self.untied = cfg.output_embedding == "untied"
         self.transition = float(cfg.transition)
-        self.item_bias = float(getattr(cfg, "item_bias", 0.0))
+        self.item_bias = float(cfg.item_bias)
 
     def encode(self, emb: Dict[str, torch.Tensor], lengths: torch.Tensor,
                times: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -432,7 +432,7 @@ def _history_lse(query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tenso
 
 
 def _history_logits(query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor, lengths: torch.Tensor,
-                    q_idx: torch.Tensor, temperature: float, token_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    q_idx: torch.Tensor, temperature: float) -> torch.Tensor:
     """``[Q, n]`` logits of every query against its sample's items at positions up to its own, masked (-1e9) where
     the item is the query's target or repeats an earlier position of the sample. The definition of the history
     negatives, on the micro-batch padded to its longest sample: the reference :func:`_history_lse` is tested
@@ -444,9 +444,6 @@ def _history_logits(query: torch.Tensor, items: torch.Tensor, item_ids: torch.Te
     q_pad = query.new_zeros(b * n, d).index_copy(0, flat.index_select(0, q_idx), query).view(b, n, d)
     q_flat = flat.index_select(0, q_idx)
     logit = (q_pad @ items_pad.transpose(1, 2)).view(b * n, n).index_select(0, q_flat) / temperature
-    if token_bias is not None:
-        bias_pad = token_bias.new_zeros(b * n).index_copy(0, flat, token_bias).view(b, n)
-        logit = logit + bias_pad.index_select(0, sample.index_select(0, q_idx))
     ids = torch.full((b * n,), -1, dtype=item_ids.dtype, device=item_ids.device).index_copy(0, flat, item_ids)
     ids = ids.view(b, n)
     earlier = torch.tril(torch.ones(n, n, dtype=torch.bool, device=ids.device), diagonal=-1)

@@ -33,9 +33,9 @@ from torch import nn
 from nestpipe.datasets.shards import Manifest
 from nestpipe.kernels.attention import hstu_attention, time_buckets
 from nestpipe.trainer.embedding.batch import NEG_SLOT, PreparedBatch
-from nestpipe.trainer.models.common import (IN_BATCH_HELP, NEGATIVE_DTYPES, NEGATIVES_DTYPE_HELP,
+from nestpipe.trainer.models.common import (IN_BATCH_HELP, ITEM_BIAS_HELP, NEGATIVE_DTYPES, NEGATIVES_DTYPE_HELP,
                                              OUTPUT_EMBEDDING_HELP, OUTPUT_EMBEDDINGS, SEQUENTIAL_TRAIN_DEFAULTS,
-                                             ITEM_BIAS_HELP, TRANSITION_HELP, SequentialModel, jagged_tokens, padded_tokens,
+                                             TRANSITION_HELP, SequentialModel, jagged_tokens, padded_tokens,
                                              sequential_table_widths, sequential_token_dim)
 from nestpipe.trainer.models.spec import ModelSpec
 from nestpipe.utils.options import opt

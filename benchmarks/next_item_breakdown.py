@@ -12,7 +12,10 @@ come from (``NextItemOracle.target_kind``: the popular head, the history's commu
 trails the counting model on successors but not on fresh draws is short of memorising transitions, not of modelling
 interests; one that trails it on head items ranks the items every community shares too low. For the first
 ``--top-samples`` samples it also prints what the model's and the oracle's top 10 hold (by the same kinds) and where
-each ranks the most popular head item.
+each ranks the most popular head item. With session topics (``nestpipe synth --set session_topics=K``) it also
+prints, for those of the samples whose current session's topic the oracle is sure of (posterior >= 0.9), the share
+of each ranker's top 10 among the history's community's catalogue that lies in that topic (chance: 1 / K): whether
+the model reads the session's topic from its items at all.
 """
 
 from __future__ import annotations
@@ -30,13 +33,16 @@ from nestpipe.trainer.run_files import run_manifest
 
 
 TOP_KINDS = ("successor", "head", "community", "elsewhere")
+TOPIC_SURE = 0.9  # the oracle's posterior of the session's topic above which a sample counts in topic recognition
 
 
 def ranks_and_kinds(run: str, split: str, max_batches=None, top_samples: int = 256):
     """Per sample: the model's, the counting model's and the oracle's rank of the target; what the target is
     (``NextItemOracle.target_kind``); how often that (last, target) transition occurs in the training split. For
     the first ``top_samples`` samples, per ranker (model, oracle): the kinds of its top 10 items (counts in
-    ``TOP_KINDS`` order) and its rank of the most popular head item."""
+    ``TOP_KINDS`` order) and its rank of the most popular head item; with session topics, per ranker, the share
+    of its top 10 community items in the session's topic (the samples whose topic the oracle is sure of), and the
+    number of topics K (0: none)."""
     cfg = load_run_config(run)
     man, cfg.shards = run_manifest(run, cfg, None, need_data=True)
     oracle = ev._next_item_oracle(cfg.shards)
@@ -49,6 +55,8 @@ def ranks_and_kinds(run: str, split: str, max_batches=None, top_samples: int = 2
     ranks = {"model": [], "successor_counts": [], "generator_oracle": []}
     kinds, seen = [], []
     top = {"model": [], "generator_oracle": []}
+    in_topic = {"model": [], "generator_oracle": []}
+    item_comm, item_topic = oracle.item_topics(np.arange(vocab))
     most_popular_head = int(head_catalogue(oracle.cfg)[0])
     with torch.no_grad():
         for rec, keep, inputs, target, _ in ev.next_item_examples(cfg.shards, vocab, max_batches, 0, cfg.seed, split):
@@ -66,8 +74,15 @@ def ranks_and_kinds(run: str, split: str, max_batches=None, top_samples: int = 2
                     for name, v in (("model", s), ("generator_oracle", p)):
                         ten = [oracle.target_kind(h, int(x)) for x in np.argsort(-v, kind="stable")[:10]]
                         top[name].append([ten.count(k) for k in TOP_KINDS] + [int((v > v[most_popular_head]).sum())])
+                    community, post = oracle.session_topic(h)
+                    if post is not None and post.max() >= TOPIC_SURE:
+                        topical = np.flatnonzero((item_comm == community) & (item_topic >= 0))
+                        for name, v in (("model", s), ("generator_oracle", p)):
+                            ten = topical[np.argsort(-v[topical], kind="stable")[:10]]
+                            in_topic[name].append(float(np.mean(item_topic[ten] == post.argmax())))
     return ({k: np.concatenate(v) for k, v in ranks.items()}, np.array(kinds), np.array(seen),
-            {k: np.array(v).reshape(-1, len(TOP_KINDS) + 1) for k, v in top.items()})
+            {k: np.array(v).reshape(-1, len(TOP_KINDS) + 1) for k, v in top.items()},
+            {k: np.array(v) for k, v in in_topic.items()}, oracle.cfg.session_topics)
 
 
 def figures(r: np.ndarray) -> dict:
@@ -84,7 +99,7 @@ def main(argv=None) -> int:
                     help="samples whose top 10 (model and oracle) are broken down by kind (0: none)")
     ap.add_argument("--json", default="", help="also write the figures to this file")
     args = ap.parse_args(argv)
-    ranks, kinds, seen, top = ranks_and_kinds(args.run, args.split, args.max_batches, args.top_samples)
+    ranks, kinds, seen, top, in_topic, topics = ranks_and_kinds(args.run, args.split, args.max_batches, args.top_samples)
     succ = kinds == "successor"
     groups = {"all": np.ones_like(succ), "successor": succ, "successor, transition seen >= 2x": succ & (seen >= 2),
               "successor, seen once": succ & (seen == 1), "successor, never seen": succ & (seen == 0),
@@ -106,9 +121,17 @@ def main(argv=None) -> int:
             print(f"{name}, first {f['samples']} samples: the top 10 holds " + ", ".join(
                 f"{f[f'top10 {k}']:.2f} {k}" for k in TOP_KINDS) + f"; the most popular head item ranks "
                 f"{f['most popular head item, median rank']:.0f} (median: items above it)")
+    topic_figures = {name: {"samples": int(len(t)), "top10 share in the topic": float(t.mean()), "chance": 1 / topics}
+                     for name, t in in_topic.items() if len(t)}
+    if topic_figures:
+        print(f"topic recognition, the {topic_figures['model']['samples']} of them whose session topic the oracle "
+              f"puts at >= {TOPIC_SURE}: share of the top 10 community items in that topic " + ", ".join(
+                  f"{name} {f['top10 share in the topic']:.3f}" for name, f in topic_figures.items())
+              + f" (chance {1 / topics:.3f})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"run": args.run, "split": args.split, "groups": out, "top10": top_figures}, f, indent=1)
+            json.dump({"run": args.run, "split": args.split, "groups": out, "top10": top_figures,
+                       "topic_recognition": topic_figures}, f, indent=1)
     return 0
 
 

@@ -362,6 +362,25 @@ def test_session_topics_are_planted_and_the_oracle_reads_them(tmp_path):
     assert abs(hit_rate(synth.NextItemOracle(cfg0), u0, v0) - hit_rate(plain, u0, v0)) < 0.01
 
 
+def test_oracle_names_each_items_topic_and_the_sessions_topic():
+    """``item_topics``: a catalogue item's topic is its in-catalogue rank mod K, head items have none;
+    ``session_topic``: a history of one topic's items puts that topic's posterior above 0.9. Negative controls:
+    another topic's items move the posterior there; without session topics no item has a topic and there is no
+    posterior; a history of head items only has no community."""
+    oracle, cfg = _oracle(session_topics=8, topic_prob=0.8)
+    cat, head = synth.community_catalogue(cfg, 3), synth.head_catalogue(cfg)
+    comm, topic = oracle.item_topics(np.r_[cat[:40], head[:5]])
+    assert (comm[:40] == 3).all() and (topic[:40] == np.arange(40) % 8).all()
+    assert (comm[40:] == -1).all() and (topic[40:] == -1).all()
+    for z in (5, 2):
+        community, post = oracle.session_topic(cat[[z + 8, z, z + 24, z + 8, z + 16]])
+        assert community == 3 and post.sum() == pytest.approx(1.0) and int(post.argmax()) == z and post.max() > 0.9
+    plain, _ = _oracle()
+    assert (plain.item_topics(cat[:40])[1] == -1).all()
+    assert plain.session_topic(cat[[5, 13, 29]]) == (3, None)
+    assert oracle.session_topic(head[:4]) == (None, None)
+
+
 def test_oracle_target_kind_names_how_the_generator_drew_the_target():
     oracle, cfg = _oracle()
     layout = synth._Layout.build(cfg)

@@ -973,6 +973,26 @@ class NextItemOracle:
         """P(next item = each of ``items`` | the history), as the generator draws it (see the class docstring)."""
         return self._probabilities(self._context(history), items)
 
+    def session_topic(self, history: np.ndarray) -> Tuple[Optional[int], Optional[np.ndarray]]:
+        """``(community, P(the current session's topic | history))`` as the oracle infers them (the posterior over
+        the K topics; None without session topics or when the history holds no community item)."""
+        hs = self.layout.video_to_slot(np.asarray(history, dtype=np.int64))
+        community = self._community(hs)
+        if not self.cfg.session_topics or community is None:
+            return community, None
+        return community, self._topic_posterior(hs, community)
+
+    def item_topics(self, items: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """``(community, topic)`` of each item: the catalogue that holds it (-1 head, -2 cold) and its session topic
+        in that catalogue (in-catalogue rank mod K; -1 for head and cold items, the few ranks no topic holds, and
+        every item without session topics)."""
+        slots = self.layout.video_to_slot(np.asarray(items, dtype=np.int64))
+        comm = _slot_community(self.cfg, slots)
+        if not self.cfg.session_topics:
+            return comm, np.full(len(slots), -1, dtype=np.int64)
+        rank = (slots - self.cfg.head_size) % self.cfg.catalogue_size
+        return comm, np.where(comm >= 0, self.rank_topic[rank], -1)
+
     def target_kind(self, history: np.ndarray, target: int) -> str:
         """How the generator can have drawn ``target`` after ``history``: ``"successor"`` (the last item's fixed
         successor), else a fresh draw from ``"head"``, from ``"community"`` (the history's community's catalogue)

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from nestpipe.trainer import testing_hooks
 from nestpipe.datasets.shards import Manifest
-from nestpipe.trainer.embedding.config import EmbeddingConfig
+from nestpipe.trainer.embedding.config import EmbeddingConfig, row_shape
 from nestpipe.trainer.embedding.batch import NEG_SLOT, PreparedBatch
 from nestpipe.trainer.embedding.reduction_based import ReductionBased
 from nestpipe.trainer.embedding.replicated import ReplicatedTable, owner_bounds, owner_order
@@ -90,9 +90,8 @@ def table_dims(manifest: Manifest, cfg: EmbeddingConfig, widths: Optional[Dict[s
     ``widths`` gives ``(blocks, extra)``."""
     out = {}
     for t, spec in manifest.tables.items():
-        w = (widths or {}).get(t, 1)
-        blocks, extra = w if isinstance(w, tuple) else (w, 0)
-        out[t] = int(cfg.dim or spec.dim) * int(blocks) + int(extra)
+        blocks, extra = row_shape((widths or {}).get(t, 1))
+        out[t] = int(cfg.dim or spec.dim) * blocks + extra
     return out
 
 

@@ -5,7 +5,7 @@ package is built from. Checked with the rest of the config at load time (:func:`
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple, Union
 
 from nestpipe.utils.options import opt
 
@@ -63,3 +63,10 @@ class EmbeddingConfig:
         "rowwise_adagrad", help="sharded tables' optimizer: rowwise_adagrad, or rowwise_adagrad_2dsp (2D sparse "
         "parallelism's momentum-scaled variant: accumulator divided by world / sparse_groups)",
         choices=("rowwise_adagrad", "rowwise_adagrad_2dsp"))
+
+
+def row_shape(width: Union[int, Tuple[int, int]]) -> Tuple[int, int]:
+    """A table's entry in a model's ``table_widths`` as ``(embedding-dim blocks, extra columns)``: ``n`` is ``n``
+    blocks and no extra column, ``(n, e)`` is ``n`` blocks and ``e`` columns after them."""
+    blocks, extra = width if isinstance(width, tuple) else (width, 0)
+    return int(blocks), int(extra)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nestpipe.trainer.embedding.batch import NEG_SLOT as NEG  # the slot of the batch's shared negatives
+from nestpipe.trainer.embedding.config import row_shape
 
 
 @torch.no_grad()
@@ -86,7 +87,7 @@ def sequential_table_widths(section) -> Dict[str, object]:
 def sequential_token_dim(name: str, section, sequence_tables: List[str], dims: Dict[str, int]) -> int:
     """The token dim D of a sequential model: every sequence table's rows are D wide, the item table's
     ``blocks x D`` (plus the item bias's columns)."""
-    shapes = {t: (w if isinstance(w, tuple) else (w, 0)) for t, w in sequential_table_widths(section).items()}
+    shapes = {t: row_shape(w) for t, w in sequential_table_widths(section).items()}
     blocks = {t: shapes.get(t, (1, 0))[0] for t in sequence_tables}
     inner = {t: dims[t] - shapes.get(t, (1, 0))[1] for t in sequence_tables}
     dset = {inner[t] // blocks[t] for t in sequence_tables}

@@ -12,7 +12,9 @@ come from (``NextItemOracle.target_kind``: the popular head, the history's commu
 trails the counting model on successors but not on fresh draws is short of memorising transitions, not of modelling
 interests; one that trails it on head items ranks the items every community shares too low. For the first
 ``--top-samples`` samples it also prints what the model's and the oracle's top 10 hold (by the same kinds) and where
-each ranks the most popular head item. With session topics (``nestpipe synth --set session_topics=K``) it also
+each ranks the most popular head item, and the oracle's HR@10 with the successors of transitions never seen in
+training nor earlier in the sample's own history counted as misses (what the data can teach: no learner knows
+those successors). With session topics (``nestpipe synth --set session_topics=K``) it also
 prints, for those of the samples whose current session's topic the oracle is sure of (posterior >= 0.9), the share
 of each ranker's top 10 among the history's community's catalogue that lies in that topic (chance: 1 / K): whether
 the model reads the session's topic from its items at all.
@@ -38,11 +40,11 @@ TOPIC_SURE = 0.9  # the oracle's posterior of the session's topic above which a 
 
 def ranks_and_kinds(run: str, split: str, max_batches=None, top_samples: int = 256):
     """Per sample: the model's, the counting model's and the oracle's rank of the target; what the target is
-    (``NextItemOracle.target_kind``); how often that (last, target) transition occurs in the training split. For
-    the first ``top_samples`` samples, per ranker (model, oracle): the kinds of its top 10 items (counts in
-    ``TOP_KINDS`` order) and its rank of the most popular head item; with session topics, per ranker, the share
-    of its top 10 community items in the session's topic (the samples whose topic the oracle is sure of), and the
-    number of topics K (0: none)."""
+    (``NextItemOracle.target_kind``); how often that (last, target) transition occurs in the training split;
+    whether the sample's own history already holds that pair. For the first ``top_samples`` samples, per ranker
+    (model, oracle): the kinds of its top 10 items (counts in ``TOP_KINDS`` order) and its rank of the most popular
+    head item; with session topics, per ranker, the share of its top 10 community items in the session's topic
+    (the samples whose topic the oracle is sure of). Last, the number of topics K (0: none)."""
     cfg = load_run_config(run)
     man, cfg.shards = run_manifest(run, cfg, None, need_data=True)
     oracle = ev._next_item_oracle(cfg.shards)
@@ -53,7 +55,7 @@ def ranks_and_kinds(run: str, split: str, max_batches=None, top_samples: int = 2
     items = ev.next_item_candidates(model, full["embedding.item.weight"].float())
     counts = ev.fit_next_item_baselines(cfg.shards, vocab)["successor_counts"]
     ranks = {"model": [], "successor_counts": [], "generator_oracle": []}
-    kinds, seen = [], []
+    kinds, seen, seen_here = [], [], []
     top = {"model": [], "generator_oracle": []}
     in_topic = {"model": [], "generator_oracle": []}
     item_comm, item_topic = oracle.item_topics(np.arange(vocab))
@@ -69,6 +71,7 @@ def ranks_and_kinds(run: str, split: str, max_batches=None, top_samples: int = 2
                 kinds.append(oracle.target_kind(h, int(t)))
                 followers, n = counts._successors(int(h[-1]))
                 seen.append(int(n[followers == t].sum()))
+                seen_here.append(bool(np.any((h[:-1] == h[-1]) & (h[1:] == t))))
                 if len(top["model"]) < top_samples:
                     s, p = scores[i].numpy(), oracle.probabilities(h, np.arange(vocab))
                     for name, v in (("model", s), ("generator_oracle", p)):
@@ -80,7 +83,7 @@ def ranks_and_kinds(run: str, split: str, max_batches=None, top_samples: int = 2
                         for name, v in (("model", s), ("generator_oracle", p)):
                             ten = topical[np.argsort(-v[topical], kind="stable")[:10]]
                             in_topic[name].append(float(np.mean(item_topic[ten] == post.argmax())))
-    return ({k: np.concatenate(v) for k, v in ranks.items()}, np.array(kinds), np.array(seen),
+    return ({k: np.concatenate(v) for k, v in ranks.items()}, np.array(kinds), np.array(seen), np.array(seen_here),
             {k: np.array(v).reshape(-1, len(TOP_KINDS) + 1) for k, v in top.items()},
             {k: np.array(v) for k, v in in_topic.items()}, oracle.cfg.session_topics)
 
@@ -99,7 +102,7 @@ def main(argv=None) -> int:
                     help="samples whose top 10 (model and oracle) are broken down by kind (0: none)")
     ap.add_argument("--json", default="", help="also write the figures to this file")
     args = ap.parse_args(argv)
-    ranks, kinds, seen, top, in_topic, topics = ranks_and_kinds(args.run, args.split, args.max_batches, args.top_samples)
+    ranks, kinds, seen, seen_here, top, in_topic, topics = ranks_and_kinds(args.run, args.split, args.max_batches, args.top_samples)
     succ = kinds == "successor"
     groups = {"all": np.ones_like(succ), "successor": succ, "successor, transition seen >= 2x": succ & (seen >= 2),
               "successor, seen once": succ & (seen == 1), "successor, never seen": succ & (seen == 0),
@@ -112,6 +115,17 @@ def main(argv=None) -> int:
         n = row["model"]["samples"]
         print(f"{g:34s} {n:6d}  " + "  ".join(f"{row[k]['HR@1']:>20.3f} / {row[k]['HR@10']:.3f} / {row[k]['NDCG@10']:.4f}"
                                               for k in ranks))
+    # The successors of transitions neither the training split nor the sample's own history shows: the oracle
+    # knows them, no learner can.
+    known = ~(succ & (seen == 0) & ~seen_here)
+    counting_hr = float(np.mean(ranks["successor_counts"] < 10))
+    learnable = {"HR@10": float(np.mean((ranks["generator_oracle"] < 10) & known)),
+                 "never-seen successors": float(np.mean(~known))}
+    learnable["of counting"] = learnable["HR@10"] / counting_hr if counting_hr else None
+    print(f"generator oracle with the successors of transitions seen neither in training nor earlier in the sample "
+          f"counted as misses "
+          f"({learnable['never-seen successors']:.4f} of the samples): HR@10 {learnable['HR@10']:.4f}"
+          + (f", {learnable['of counting']:.3f}x the counting model's" if counting_hr else ""))
     top_figures = {name: {"samples": int(len(t)), **{f"top10 {k}": float(t[:, j].mean()) for j, k in
                                                       enumerate(TOP_KINDS)},
                           "most popular head item, median rank": float(np.median(t[:, -1])) if len(t) else None}
@@ -131,7 +145,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"run": args.run, "split": args.split, "groups": out, "top10": top_figures,
-                       "topic_recognition": topic_figures}, f, indent=1)
+                       "topic_recognition": topic_figures, "oracle_without_unseen_successors": learnable}, f,
+                      indent=1)
     return 0
 
 

@@ -393,3 +393,25 @@ def test_oracle_target_kind_names_how_the_generator_drew_the_target():
     # the successor of an earlier item is a fresh draw as far as the last step goes
     earlier = int(layout.slot_to_video(synth._successor(cfg, layout.video_to_slot(history[:1])))[0])
     assert earlier != succ and oracle.target_kind(history, earlier) == "community"
+
+
+def test_cooccurrence_counts_rank_on_the_models_protocol(gr_shards, tmp_path):
+    """``benchmarks/cooccurrence_counts.py`` scores the split's samples on ``nestpipe eval``'s protocol: with the
+    training pairs of the history's last items it ranks far above the most-popular baseline; negative control: with
+    no history item read (``--last 0``) it is the training popularity ranking, that baseline's figures exactly."""
+    import json
+    import subprocess
+    import sys
+
+    def run(*extra):
+        out = tmp_path / f"cooc{len(extra)}.json"
+        subprocess.run([sys.executable, "benchmarks/cooccurrence_counts.py", gr_shards, "--split", "eval",
+                        "--json", str(out), *extra], check=True, capture_output=True,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        return json.loads(out.read_text())
+
+    popular = next_item_baselines(gr_shards, load_manifest(gr_shards).tables["item"].vocab)["most_popular"]
+    pairs, none = run(), run("--last", "0")
+    assert pairs["samples"] == none["samples"] > 0
+    assert pairs["HR@10"] > popular["HR@10"] + 0.1, (pairs, popular)
+    assert (none["HR@10"], none["NDCG@10"]) == pytest.approx((popular["HR@10"], popular["NDCG@10"])), (none, popular)

@@ -4,12 +4,13 @@
 
 From the training split's windows, ``P(c | i)``: the share of the items within ``--window`` places after each
 occurrence of item ``i`` that are ``c``. A sample's scores are ``sum_k decay**(k - 1) P(. | h[-k])`` over its last
-``--last`` items, ties in the most-popular baseline's order (so ``--last 0`` is that baseline); HR@10 and NDCG@10 on the split, on ``nestpipe eval``'s protocol
-(full catalogue, chronological leave-one-out; ranks count the items scored strictly higher). On synthetic data with
-session topics (``nestpipe synth --set session_topics=K``) it also prints the topic share of
-``benchmarks/next_item_breakdown.py`` (the share of the top 10 community items in the session's topic, for the
-first 256 samples whose topic the oracle puts at >= 0.9): whether co-occurrence counts, unlike the successor counting
-model, see a session's topic. Not a baseline of ``nestpipe eval``: a measurement of what the data volume allows.
+``--last`` items, ties in the most-popular baseline's order (so ``--last 0`` is that baseline); HR@10 and NDCG@10
+on the split, on ``nestpipe eval``'s protocol (full catalogue, chronological leave-one-out; ranks count the items
+scored strictly higher). On synthetic data with session topics (``nestpipe synth --set session_topics=K``) it also
+prints the topic share of ``benchmarks/next_item_breakdown.py`` (the share of the top 10 community items in the
+session's topic, for the first 256 samples whose topic the oracle puts at >= 0.9): whether co-occurrence counts,
+unlike the successor counting model, see a session's topic. Not a baseline of ``nestpipe eval``: a measurement of
+what the data volume allows.
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ def main(argv=None) -> int:
                "NDCG@10": float(np.mean(np.where(r < 10, 1.0 / np.log2(r + 2.0), 0.0)))}
     print(f"{args.shards}, {args.split} split, {len(r)} samples: co-occurrence counts (window {args.window}, last "
           f"{args.last}, decay {args.decay}) HR@10 {figures['HR@10']:.4f}, NDCG@10 {figures['NDCG@10']:.4f}"
-          + (f"; topic share {np.mean(shares):.3f} over {len(shares)} samples (chance {1 / oracle.cfg.session_topics:.3f})"
-             if shares else ""))
+          + (f"; topic share {np.mean(shares):.3f} over {len(shares)} samples "
+             f"(chance {1 / oracle.cfg.session_topics:.3f})" if shares else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shards": args.shards, "split": args.split, "window": args.window, "last": args.last,

@@ -23,7 +23,9 @@ the model reads the session's topic from its items at all.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+from typing import Dict
 
 import numpy as np
 import torch
@@ -38,13 +40,26 @@ TOP_KINDS = ("successor", "head", "community", "elsewhere")
 TOPIC_SURE = 0.9  # the oracle's posterior of the session's topic above which a sample counts in topic recognition
 
 
-def ranks_and_kinds(run: str, split: str, max_batches=None, top_samples: int = 256):
-    """Per sample: the model's, the counting model's and the oracle's rank of the target; what the target is
-    (``NextItemOracle.target_kind``); how often that (last, target) transition occurs in the training split;
-    whether the sample's own history already holds that pair. For the first ``top_samples`` samples, per ranker
-    (model, oracle): the kinds of its top 10 items (counts in ``TOP_KINDS`` order) and its rank of the most popular
-    head item; with session topics, per ranker, the share of its top 10 community items in the session's topic
-    (the samples whose topic the oracle is sure of). Last, the number of topics K (0: none)."""
+@dataclasses.dataclass
+class Breakdown:
+    """Per sample of the split: ``ranks`` (per ranker: model, successor counts, oracle) of the target; ``kinds``
+    (``NextItemOracle.target_kind``); ``seen``, how often the (last, target) transition occurs in the training
+    split; ``seen_here``, whether the sample's own history already holds that pair. For the first ``top_samples``
+    samples, per ranker (model, oracle): ``top``, the kinds of its top 10 items (counts in ``TOP_KINDS`` order) and
+    its rank of the most popular head item; ``in_topic`` (with session topics), the share of its top 10 community
+    items in the session's topic, for the samples whose topic the oracle is sure of. ``topics``: K (0: none)."""
+
+    ranks: Dict[str, np.ndarray]
+    kinds: np.ndarray
+    seen: np.ndarray
+    seen_here: np.ndarray
+    top: Dict[str, np.ndarray]
+    in_topic: Dict[str, np.ndarray]
+    topics: int
+
+
+def ranks_and_kinds(run: str, split: str, max_batches=None, top_samples: int = 256) -> Breakdown:
+    """The :class:`Breakdown` of a trained gr run on ``split``."""
     cfg = load_run_config(run)
     man, cfg.shards = run_manifest(run, cfg, None, need_data=True)
     oracle = ev._next_item_oracle(cfg.shards)
@@ -83,9 +98,10 @@ def ranks_and_kinds(run: str, split: str, max_batches=None, top_samples: int = 2
                         for name, v in (("model", s), ("generator_oracle", p)):
                             ten = topical[np.argsort(-v[topical], kind="stable")[:10]]
                             in_topic[name].append(float(np.mean(item_topic[ten] == post.argmax())))
-    return ({k: np.concatenate(v) for k, v in ranks.items()}, np.array(kinds), np.array(seen), np.array(seen_here),
-            {k: np.array(v).reshape(-1, len(TOP_KINDS) + 1) for k, v in top.items()},
-            {k: np.array(v) for k, v in in_topic.items()}, oracle.cfg.session_topics)
+    return Breakdown(ranks={k: np.concatenate(v) for k, v in ranks.items()}, kinds=np.array(kinds),
+                     seen=np.array(seen), seen_here=np.array(seen_here),
+                     top={k: np.array(v).reshape(-1, len(TOP_KINDS) + 1) for k, v in top.items()},
+                     in_topic={k: np.array(v) for k, v in in_topic.items()}, topics=oracle.cfg.session_topics)
 
 
 def figures(r: np.ndarray) -> dict:
@@ -102,7 +118,9 @@ def main(argv=None) -> int:
                     help="samples whose top 10 (model and oracle) are broken down by kind (0: none)")
     ap.add_argument("--json", default="", help="also write the figures to this file")
     args = ap.parse_args(argv)
-    ranks, kinds, seen, seen_here, top, in_topic, topics = ranks_and_kinds(args.run, args.split, args.max_batches, args.top_samples)
+    b = ranks_and_kinds(args.run, args.split, args.max_batches, args.top_samples)
+    ranks, kinds, seen, seen_here, top, in_topic, topics = (b.ranks, b.kinds, b.seen, b.seen_here, b.top,
+                                                            b.in_topic, b.topics)
     succ = kinds == "successor"
     groups = {"all": np.ones_like(succ), "successor": succ, "successor, transition seen >= 2x": succ & (seen >= 2),
               "successor, seen once": succ & (seen == 1), "successor, never seen": succ & (seen == 0),

@@ -381,6 +381,34 @@ def test_oracle_names_each_items_topic_and_the_sessions_topic():
     assert oracle.session_topic(head[:4]) == (None, None)
 
 
+def test_topic_authors_give_each_author_one_topic_of_every_popularity():
+    """``topic_authors = A``: every author of a catalogue's topic videos holds videos of one (community, topic) only,
+    at places j, j + A, ... of the topic (so popular and rare ones alike), and the topic has A authors; head videos
+    keep the default grouping (four neighbouring slots) under other ids. Negative control: without it, authors (four neighbouring ranks) mix topics."""
+    cfg = synth.SynthConfig.for_scale("tiny", session_topics=8, topic_prob=0.8, topic_authors=4)
+    plain = synth.SynthConfig.for_scale("tiny", session_topics=8, topic_prob=0.8)
+    oracle = synth.NextItemOracle(cfg)
+    cat = np.concatenate([synth.community_catalogue(cfg, c)[:8 * 40] for c in range(cfg.num_communities)])
+    comm, topic = oracle.item_topics(cat)
+    authors = synth.video_authors(cfg, cat)
+    groups = {}
+    for a, c, z, r in zip(authors, comm, topic, np.tile(np.arange(8 * 40), cfg.num_communities)):
+        groups.setdefault(int(a), set()).add((int(c), int(z), r // 8 % 4))
+    assert all(len(g) == 1 for g in groups.values()) and len(groups) == cfg.num_communities * 8 * 4
+    head = synth.head_catalogue(cfg)[:50]
+    ours, theirs = synth.video_authors(cfg, head), synth.video_authors(plain, head)
+    assert ((ours[:, None] == ours[None, :]) == (theirs[:, None] == theirs[None, :])).all()  # the same grouping
+    mixed = {}
+    for a, c, z in zip(synth.video_authors(plain, cat), comm, topic):
+        mixed.setdefault(int(a), set()).add((int(c), int(z)))
+    assert np.mean([len(g) > 1 for g in mixed.values()]) > 0.9
+    assert not set(synth.video_authors(cfg, head)) & set(groups)  # the topic authors hold topic videos only
+    with pytest.raises(ValueError, match="topic_authors"):
+        synth.SynthConfig.for_scale("tiny", topic_authors=4)  # no session topics
+    with pytest.raises(ValueError, match="topic_authors"):
+        synth.SynthConfig.for_scale("tiny", session_topics=8, topic_prob=0.8, topic_authors=10)  # 640 >= 625
+
+
 def test_oracle_target_kind_names_how_the_generator_drew_the_target():
     oracle, cfg = _oracle()
     layout = synth._Layout.build(cfg)

@@ -153,6 +153,7 @@ class SynthConfig:
     mean_session_length: float = 8.0
     session_topics: int = 0  # K topics per catalogue (in-catalogue rank r is in topic r % K); 0: no session topics
     topic_prob: float = 0.0  # share of a session's fresh in-community draws taken from the session's topic
+    topic_authors: int = 0  # A > 0 (with session topics): a topic's videos belong to A authors in turn; 0: 4 ranks each
     random_fraction: float = 0.02
     random_pool_size: int = 7_583
     user_activity_sigma: float = 1.0  # lognormal spread of interactions per user
@@ -195,6 +196,13 @@ class SynthConfig:
         if self.session_topics < 0 or self.session_topics > self.catalogue_size:
             raise ValueError(f"session_topics must be in [0, catalogue_size={self.catalogue_size}], "
                              f"got {self.session_topics}")
+        if self.topic_authors < 0 or (self.topic_authors and not self.session_topics):
+            raise ValueError(f"topic_authors must be >= 0 and needs session_topics > 0, got topic_authors="
+                             f"{self.topic_authors}, session_topics={self.session_topics}")
+        if self.topic_authors and _topic_author_count(self) >= _author_range(self):
+            raise ValueError(f"topic_authors={self.topic_authors}: num_communities x session_topics x topic_authors "
+                             f"= {_topic_author_count(self)} authors must stay under num_videos // 8 = "
+                             f"{_author_range(self)}")
         for name in ("in_community_prob", "successor_prob", "random_fraction", "topic_prob"):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
@@ -310,13 +318,38 @@ def _normal(ids: np.ndarray, salt: int) -> np.ndarray:
 
 
 def video_authors(cfg: SynthConfig, video_ids: np.ndarray) -> np.ndarray:
-    """``author_id`` of each video (as the basic feature table lists it): about four neighbouring slots share one."""
+    """``author_id`` of each video (as the basic feature table lists it): about four neighbouring slots share one;
+    with ``topic_authors`` A, a topic's catalogue videos belong to its A authors in turn instead."""
     return _slot_author(cfg, video_slots(cfg, video_ids))
 
 
+def _author_range(cfg: SynthConfig) -> int:
+    return max(1, cfg.num_videos // 8)
+
+
+def _topic_author_count(cfg: SynthConfig) -> int:
+    return cfg.num_communities * cfg.session_topics * cfg.topic_authors
+
+
 def _slot_author(cfg: SynthConfig, slot: np.ndarray) -> np.ndarray:
-    return (_hash_u64(np.asarray(slot, np.int64) // 4, 42 + cfg.seed * 131)
-            % np.uint64(max(1, cfg.num_videos // 8))).astype(np.int64)
+    slot = np.asarray(slot, np.int64)
+    key = _hash_u64(slot // 4, 42 + cfg.seed * 131)
+    if not cfg.topic_authors:
+        return (key % np.uint64(_author_range(cfg))).astype(np.int64)
+    # Place j of topic z in catalogue c (in-catalogue rank z + K j) -> author (c, z, j mod A), ids 0 .. n - 1
+    # (permuted); every other video's author is hashed into n .. range - 1 as without the option. Each topic
+    # author's videos are all of one topic and span its popularity, so the author of even a rarely seen video is
+    # frequent and tells the video's topic.
+    k, a, n = cfg.session_topics, cfg.topic_authors, _topic_author_count(cfg)
+    comm = _slot_community(cfg, slot)
+    rank = (slot - cfg.head_size) % cfg.catalogue_size
+    topical = (comm >= 0) & (rank < k * (cfg.catalogue_size // k))
+    group = (comm * k + rank % k) * a + (rank // k) % a
+    # x -> (x * step + seed) mod n with step coprime to n near 0.618 n: a bijection of 0 .. n - 1 that spreads
+    # neighbouring groups apart
+    step = next(m for m in range(int(0.618 * n) + 1, 2 * n + 2) if math.gcd(m, n) == 1)
+    other = n + (key % np.uint64(_author_range(cfg) - n)).astype(np.int64)
+    return np.where(topical, (group * step + cfg.seed) % n, other)
 
 
 def user_tastes(cfg: SynthConfig, users: np.ndarray) -> np.ndarray:

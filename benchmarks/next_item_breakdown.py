@@ -38,6 +38,7 @@ from nestpipe.trainer.run_files import run_manifest
 
 TOP_KINDS = ("successor", "head", "community", "elsewhere")
 TOPIC_SURE = 0.9  # the oracle's posterior of the session's topic above which a sample counts in topic recognition
+TOPIC_FIT_RANKS = 200  # the community's most popular items whose scores the topic-effect fit reads
 
 
 @dataclasses.dataclass
@@ -47,7 +48,11 @@ class Breakdown:
     split; ``seen_here``, whether the sample's own history already holds that pair. For the first ``top_samples``
     samples, per ranker (model, oracle): ``top``, the kinds of its top 10 items (counts in ``TOP_KINDS`` order) and
     its rank of the most popular head item; ``in_topic`` (with session topics), the share of its top 10 community
-    items in the session's topic, for the samples whose topic the oracle is sure of. ``topics``: K (0: none)."""
+    items in the session's topic, for the samples whose topic the oracle is sure of; ``topic_fit``, for the same
+    samples, the least-squares fit of its scores (the model's logits, the oracle's log probabilities) over the
+    community's ``TOPIC_FIT_RANKS`` most popular items not read, ``score ~ c + a x (-zipf_exponent log(1 + rank)) +
+    b x [in the session's topic]``: ``(a, b)`` per sample, what popularity and the topic weigh in its scores.
+    ``topics``: K (0: none)."""
 
     ranks: Dict[str, np.ndarray]
     kinds: np.ndarray
@@ -55,6 +60,7 @@ class Breakdown:
     seen_here: np.ndarray
     top: Dict[str, np.ndarray]
     in_topic: Dict[str, np.ndarray]
+    topic_fit: Dict[str, np.ndarray]
     topics: int
 
 
@@ -73,7 +79,9 @@ def ranks_and_kinds(run: str, split: str, max_batches=None, top_samples: int = 2
     kinds, seen, seen_here = [], [], []
     top = {"model": [], "generator_oracle": []}
     in_topic = {"model": [], "generator_oracle": []}
+    topic_fit = {"model": [], "generator_oracle": []}
     item_comm, item_topic = oracle.item_topics(np.arange(vocab))
+    item_rank = oracle.item_ranks(np.arange(vocab))
     most_popular_head = int(head_catalogue(oracle.cfg)[0])
     with torch.no_grad():
         for rec, keep, inputs, target, _ in ev.next_item_examples(cfg.shards, vocab, max_batches, 0, cfg.seed, split):
@@ -95,13 +103,20 @@ def ranks_and_kinds(run: str, split: str, max_batches=None, top_samples: int = 2
                     community, post = oracle.session_topic(h)
                     if post is not None and post.max() >= TOPIC_SURE:
                         topical = np.flatnonzero((item_comm == community) & (item_topic >= 0))
-                        for name, v in (("model", s), ("generator_oracle", p)):
+                        fit = topical[item_rank[topical] < TOPIC_FIT_RANKS]
+                        fit = fit[~np.isin(fit, h)]  # items read: their scores carry repeats, not the topic
+                        x = np.stack([np.ones(len(fit)), -oracle.cfg.zipf_exponent * np.log1p(item_rank[fit]),
+                                      (item_topic[fit] == post.argmax()).astype(np.float64)], 1)
+                        for name, v in (("model", s), ("generator_oracle", np.log(np.maximum(p, 1e-300)))):
                             ten = topical[np.argsort(-v[topical], kind="stable")[:10]]
                             in_topic[name].append(float(np.mean(item_topic[ten] == post.argmax())))
+                            topic_fit[name].append(np.linalg.lstsq(x, v[fit], rcond=None)[0][1:])
     return Breakdown(ranks={k: np.concatenate(v) for k, v in ranks.items()}, kinds=np.array(kinds),
                      seen=np.array(seen), seen_here=np.array(seen_here),
                      top={k: np.array(v).reshape(-1, len(TOP_KINDS) + 1) for k, v in top.items()},
-                     in_topic={k: np.array(v) for k, v in in_topic.items()}, topics=oracle.cfg.session_topics)
+                     in_topic={k: np.array(v) for k, v in in_topic.items()},
+                     topic_fit={k: np.array(v).reshape(-1, 2) for k, v in topic_fit.items()},
+                     topics=oracle.cfg.session_topics)
 
 
 def figures(r: np.ndarray) -> dict:
@@ -153,13 +168,19 @@ def main(argv=None) -> int:
             print(f"{name}, first {f['samples']} samples: the top 10 holds " + ", ".join(
                 f"{f[f'top10 {k}']:.2f} {k}" for k in TOP_KINDS) + f"; the most popular head item ranks "
                 f"{f['most popular head item, median rank']:.0f} (median: items above it)")
-    topic_figures = {name: {"samples": int(len(t)), "top10 share in the topic": float(t.mean()), "chance": 1 / topics}
+    topic_figures = {name: {"samples": int(len(t)), "top10 share in the topic": float(t.mean()), "chance": 1 / topics,
+                            "popularity weight": float(b.topic_fit[name][:, 0].mean()),
+                            "topic weight": float(b.topic_fit[name][:, 1].mean())}
                      for name, t in in_topic.items() if len(t)}
     if topic_figures:
         print(f"topic recognition, the {topic_figures['model']['samples']} of them whose session topic the oracle "
               f"puts at >= {TOPIC_SURE}: share of the top 10 community items in that topic " + ", ".join(
                   f"{name} {f['top10 share in the topic']:.3f}" for name, f in topic_figures.items())
-              + f" (chance {1 / topics:.3f})")
+              + f" (chance {1 / topics:.3f}); in its scores (logits; the oracle's log probabilities) over the "
+              f"community's {TOPIC_FIT_RANKS} most popular items not read, popularity weighs " + ", ".join(
+                  f"{name} {f['popularity weight']:.2f}" for name, f in topic_figures.items())
+              + " per unit of log Zipf probability and the session's topic adds " + ", ".join(
+                  f"{name} {f['topic weight']:.2f}" for name, f in topic_figures.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"run": args.run, "split": args.split, "groups": out, "top10": top_figures,

@@ -372,6 +372,7 @@ def test_oracle_names_each_items_topic_and_the_sessions_topic():
     comm, topic = oracle.item_topics(np.r_[cat[:40], head[:5]])
     assert (comm[:40] == 3).all() and (topic[:40] == np.arange(40) % 8).all()
     assert (comm[40:] == -1).all() and (topic[40:] == -1).all()
+    assert (oracle.item_ranks(np.r_[cat[:40], head[:5]]) == np.r_[np.arange(40), np.full(5, -1)]).all()
     for z in (5, 2):
         community, post = oracle.session_topic(cat[[z + 8, z, z + 24, z + 8, z + 16]])
         assert community == 3 and post.sum() == pytest.approx(1.0) and int(post.argmax()) == z and post.max() > 0.9

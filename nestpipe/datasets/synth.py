@@ -1026,6 +1026,12 @@ class NextItemOracle:
         rank = (slots - self.cfg.head_size) % self.cfg.catalogue_size
         return comm, np.where(comm >= 0, self.rank_topic[rank], -1)
 
+    def item_ranks(self, items: np.ndarray) -> np.ndarray:
+        """Each item's popularity rank inside its catalogue (0 the most popular; -1 for head and cold items)."""
+        slots = self.layout.video_to_slot(np.asarray(items, dtype=np.int64))
+        comm = _slot_community(self.cfg, slots)
+        return np.where(comm >= 0, (slots - self.cfg.head_size) % self.cfg.catalogue_size, -1)
+
     def target_kind(self, history: np.ndarray, target: int) -> str:
         """How the generator can have drawn ``target`` after ``history``: ``"successor"`` (the last item's fixed
         successor), else a fresh draw from ``"head"``, from ``"community"`` (the history's community's catalogue)

@@ -72,4 +72,11 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Every run of the plan is complete (metrics written atomically) by now. Leave without interpreter and C++ static
+    # teardown, as nestpipe.trainer.launch does: a native thread still joinable then (gloo's transport loops, the
+    # kernels' thread pools) can abort a rank with "terminate called without an active exception" after the plan
+    # finished, and torchrun would report the launch failed (seen once in a full suite, a world-4 plan).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

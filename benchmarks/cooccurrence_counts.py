@@ -16,7 +16,6 @@ what the data volume allows.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 
@@ -36,8 +35,8 @@ def cooccurrence(shards: str, vocab: int, window: int):
     0 the most frequent in training, ties by id)."""
     rows, cols = [], []
     popular = baselines.MostPopular(vocab)
-    for path in sorted(glob.glob(os.path.join(shards, "train-*.tar"))):
-        for rec in iter_shard(path):
+    for entry in load_manifest(shards).sets["train"]:  # the manifest's training shards, as the baselines read them
+        for rec in iter_shard(os.path.join(shards, entry.path)):
             windows = baselines.item_windows(rec, vocab)  # the ids the model's table and the baselines use
             popular.add(windows)
             for seq in windows:

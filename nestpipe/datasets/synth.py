@@ -275,6 +275,11 @@ def _slot_community(cfg: SynthConfig, slot: np.ndarray) -> np.ndarray:
     return np.where(comm >= cfg.num_communities, -2, comm)
 
 
+def _catalogue_rank(cfg: SynthConfig, slot: np.ndarray) -> np.ndarray:
+    """A catalogue slot's popularity rank inside its catalogue (meaningful where ``_slot_community >= 0``)."""
+    return (np.asarray(slot, np.int64) - cfg.head_size) % cfg.catalogue_size
+
+
 def video_slots(cfg: SynthConfig, video_ids: np.ndarray) -> np.ndarray:
     """Slot (position in the planted layout) of each video id."""
     return _Layout.build(cfg).video_to_slot(video_ids)
@@ -342,7 +347,7 @@ def _slot_author(cfg: SynthConfig, slot: np.ndarray) -> np.ndarray:
     # frequent and tells the video's topic.
     k, a, n = cfg.session_topics, cfg.topic_authors, _topic_author_count(cfg)
     comm = _slot_community(cfg, slot)
-    rank = (slot - cfg.head_size) % cfg.catalogue_size
+    rank = _catalogue_rank(cfg, slot)
     topical = (comm >= 0) & (rank < k * (cfg.catalogue_size // k))
     group = (comm * k + rank % k) * a + (rank // k) % a
     # x -> (x * step + seed) mod n with step coprime to n near 0.618 n: a bijection of 0 .. n - 1 that spreads
@@ -941,7 +946,7 @@ class NextItemOracle:
         cfg, k = self.cfg, self.cfg.session_topics
         hs = hs[-self.TOPIC_WINDOW:]
         comm = _slot_community(cfg, hs)
-        rank = (hs - cfg.head_size) % cfg.catalogue_size
+        rank = _catalogue_rank(cfg, hs)
         # P(item | fresh draw, topic z), up to the factors every z shares; items of another community (or, with no
         # community known, of any) carry nothing about z.
         topical = (comm == community) & (comm >= 0)
@@ -1023,14 +1028,13 @@ class NextItemOracle:
         comm = _slot_community(self.cfg, slots)
         if not self.cfg.session_topics:
             return comm, np.full(len(slots), -1, dtype=np.int64)
-        rank = (slots - self.cfg.head_size) % self.cfg.catalogue_size
-        return comm, np.where(comm >= 0, self.rank_topic[rank], -1)
+        return comm, np.where(comm >= 0, self.rank_topic[_catalogue_rank(self.cfg, slots)], -1)
 
     def item_ranks(self, items: np.ndarray) -> np.ndarray:
         """Each item's popularity rank inside its catalogue (0 the most popular; -1 for head and cold items)."""
         slots = self.layout.video_to_slot(np.asarray(items, dtype=np.int64))
         comm = _slot_community(self.cfg, slots)
-        return np.where(comm >= 0, (slots - self.cfg.head_size) % self.cfg.catalogue_size, -1)
+        return np.where(comm >= 0, _catalogue_rank(self.cfg, slots), -1)
 
     def target_kind(self, history: np.ndarray, target: int) -> str:
         """How the generator can have drawn ``target`` after ``history``: ``"successor"`` (the last item's fixed

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from nestpipe.ingest.config import BALANCE_MODES, CLUSTERING_METHODS, ENGINES, TASKS, IngestConfig
+from nestpipe.ingest.config import BALANCE_MODES, CLUSTERING_METHODS, ENGINES, FORMATS, TASKS, IngestConfig
 from nestpipe.ingest.engines import make_executor
 from nestpipe.ingest.executor import usable_cores
 from nestpipe.utils.options import DefaultsHelpFormatter  # standard library only: the pool starts before Polars
@@ -77,7 +77,18 @@ def add_parser(sub) -> None:
                    help="also write a 'valid' split carved from the training data, for choosing settings without "
                    "reading eval (gr: every user's second-to-last interaction held out; ctr: the last date before "
                    "the eval dates); evaluate on it with `nestpipe eval --split valid`")
-    p.add_argument("--release", choices=["27k", "1k", "pure"], default=None, help="default: detect from file names")
+    p.add_argument("--format", choices=FORMATS, default="auto",
+                   help="the raw data's format: kuairand (the KuaiRand releases), movielens (100K u.data; 1M/10M "
+                   "ratings.dat; 20M/25M/latest ratings.csv), amazon (a ratings CSV user,item,rating,timestamp, or "
+                   "review JSON lines, plain or .gz), atomic (NAME.inter with NAME.item / NAME.user); auto detects it "
+                   "from the file names (`nestpipe check-raw DIR` says what it sees). A format other than KuaiRand is "
+                   "first converted into the KuaiRand tables (OUT/_work/s0; docs/datasets.md says what each column "
+                   "becomes)")
+    p.add_argument("--positive-rating", type=float, default=4.0,
+                   help="rated data (MovieLens, Amazon, atomic files with a rating): a rating >= this is a click, "
+                   "the ctr label and the gr action's click bit (>= it + 1 also sets like, < it - 1 sets hate)")
+    p.add_argument("--release", choices=["27k", "1k", "pure"], default=None,
+                   help="KuaiRand: the release to read (default: detect from file names)")
     p.add_argument("--keep-work", action="store_true",
                    help="keep the intermediate spill files in OUT/_work (with a URL --out: in --work-dir)")
     p.add_argument("--engine", choices=ENGINES, default="local",
@@ -108,7 +119,7 @@ def run_ingest(args) -> int:
         batches_per_shard=args.batches_per_shard, clustering=args.clustering, dim=args.dim,
         ctr_eval_days=args.ctr_eval_days, validation=args.validation, release=args.release, keep_work=args.keep_work, progress=not args.quiet,
         balance=args.balance, sequence_cost=args.sequence_cost, engine=args.engine, scheduler=args.scheduler,
-        work_dir=args.work_dir,
+        work_dir=args.work_dir, format=args.format, positive_rating=args.positive_rating,
     )
     cfg.validate()
     # Start-up time: the pool starts before this process imports the stages (Polars, NumPy), so the spawned workers

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Dict, Optional, Tuple
 
 # The ``--task`` names (the task objects are ``nestpipe.ingest.stages.TASKS``; named here so the command line
@@ -18,6 +19,8 @@ WINDOW_BATCHES, BATCH_TOLERANCE, MICRO_TOLERANCE = 64, 0.005, 0.05  # nestpipe.i
 # Options that do not change the output bytes (excluded from the run's fingerprint).
 NON_SEMANTIC = ("raw", "out", "workers", "force", "progress", "keep_work", "engine", "scheduler", "work_dir")
 ENGINES = ("local", "dask")
+# ``--format`` (``nestpipe.datasets.formats.FORMATS``, named here so that the command line lists them without Polars)
+FORMATS = ("auto", "kuairand", "movielens", "amazon", "atomic")
 
 
 @dataclasses.dataclass
@@ -51,6 +54,8 @@ class IngestConfig:
     engine: str = "local"  # local: this host's process pool; dask: Dask distributed (nestpipe.ingest.dask_engine)
     scheduler: Optional[str] = None  # dask: tcp://HOST:8786 of a running scheduler (default: a LocalCluster)
     work_dir: Optional[str] = None  # a URL --out's working directory (spills, samples): a path or a URL
+    format: str = "auto"  # the raw data's format (FORMATS); anything but KuaiRand is converted first
+    positive_rating: float = 4.0  # rated data: a rating at or above it is a click (the positive label)
 
     def validate(self) -> None:
         if self.task not in TASKS:
@@ -86,6 +91,10 @@ class IngestConfig:
             raise ValueError("--scheduler is the address of a Dask scheduler: it needs --engine dask")
         if self.sequence_cost is not None:
             self.cost()  # parse errors now, before any work
+        if self.format not in FORMATS:
+            raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        if not math.isfinite(self.positive_rating):
+            raise ValueError(f"--positive-rating must be a number, got {self.positive_rating!r}")
 
     def balanced(self) -> bool:
         """Cost-balanced batches: gr unless ``--balance off``."""
@@ -109,6 +118,8 @@ class IngestConfig:
         if not d["validation"]:  # outputs written before the option existed keep their fingerprint
             d.pop("validation")
         d.pop("balance"), d.pop("sequence_cost")
+        # the source format is fingerprinted as the data it names (``ingest``): KuaiRand outputs keep their fingerprint
+        d.pop("format"), d.pop("positive_rating")
         if self.balanced():  # resolved: the method and the cost model the batches were balanced with
             d["balance"] = {"method": self.balance or "tokens", **self.cost().to_dict(),
                             "window_batches": WINDOW_BATCHES, "batch_tolerance": BATCH_TOLERANCE,

@@ -39,7 +39,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import polars as pl
 
-from nestpipe.datasets import kuairand, shards
+from nestpipe.datasets import formats, kuairand, shards
+from nestpipe.datasets.formats.convert import CONVERSION_VERSION, REJECTS as CONVERSION_REJECTS, convert
 from nestpipe.datasets.synth import TRUTH_FILE
 from nestpipe.ingest.balance import balanced_order
 from nestpipe.ingest.common import WORK, IngestTask, PartitionCache, crash_point, runs, samples_dir
@@ -298,16 +299,23 @@ def _auto_partitions(total_bytes: int, task: IngestTask) -> int:
     return int(min(4096, max(4, math.ceil(total_bytes / task.partition_bytes))))
 
 
-def _write_rejects(cfg: IngestConfig, work: WorkDir, parse_units, s1: List[Dict[str, Any]]) -> Tuple[int, str]:
-    """Gather every chunk's rejects into OUT/rejects.csv in input order, with absolute file line numbers."""
+def _write_rejects(cfg: IngestConfig, work: WorkDir, parse_units, s1: List[Dict[str, Any]], found_root: str,
+                   conversion: Optional[Dict[str, Any]] = None) -> Tuple[int, str]:
+    """Gather every chunk's rejects into OUT/rejects.csv in input order, with absolute file line numbers; a converted
+    public dataset's rejects (named by its own files and lines) come first."""
     path = os.path.join(cfg.out, REJECTS)
     tmp = path + ".tmp"
-    found_root = storage.absolute(cfg.raw)
     n = 0
     next_line: Dict[int, int] = {}
     with open(tmp, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["file", "line", "reason", "raw"])
+        if conversion is not None:
+            with open(os.path.join(conversion["dir"], CONVERSION_REJECTS)) as rf:
+                for line in rf:
+                    r = json.loads(line)
+                    w.writerow([r["file"], r["line"], r["reason"], r["raw"]])
+                    n += 1
         for u, stats in zip(parse_units, s1):
             _, _, kind, fidx, fpath, cidx, *_ = u
             # chunks of a file come in order; a CSV header is line 1, a Parquet file's rows are numbered from 1
@@ -339,15 +347,28 @@ def ingest(cfg: IngestConfig, executor: Optional[Executor] = None) -> shards.Man
         if url and storage.is_url(url):
             storage.probe(url)  # an unusable or unreachable URL fails now, before any work, naming it
     t_start = time.time()
-    found = kuairand.discover(cfg.raw, cfg.release)
-    inputs = _input_units(found, cfg)
-    fps = [_fingerprint_file(p) for _, _, p in inputs]
+    source = formats.detect(cfg.raw, cfg.format)  # None: KuaiRand tables, read as they are
+    if source is None:
+        found = kuairand.discover(cfg.raw, cfg.release)
+        inputs = _input_units(found, cfg)
+        fps = [_fingerprint_file(p) for _, _, p in inputs]
+        input_records = [{**f, "kind": kind} for f, (kind, _, _) in zip(fps, inputs)]
+        release = found.release
+    else:
+        if cfg.release:
+            raise formats.FormatError(f"--release chooses among KuaiRand releases; {cfg.raw} holds {source.format} "
+                                      f"data ({source.variant})")
+        fps = input_records = [{**_fingerprint_file(p), "kind": role} for role, p in source.files()]
+        release = f"{source.format}:{source.variant}"
     total_bytes = sum(f["bytes"] for f in fps)
     num_parts = cfg.partitions or _auto_partitions(total_bytes, TASKS[cfg.task])
     semantic = cfg.semantic()
     semantic["partitions"] = num_parts
     fingerprint = {"inputs": fps, "options": semantic, "format_version": shards.FORMAT_VERSION,
-                   "task_version": TASKS[cfg.task].version, "release": found.release}
+                   "task_version": TASKS[cfg.task].version, "release": release}
+    if source is not None:  # the conversion's own settings (KuaiRand fingerprints stay as they were)
+        fingerprint["source"] = {"format": source.format, "variant": source.variant,
+                                 "positive_rating": cfg.positive_rating, "version": CONVERSION_VERSION}
     run = uuid.uuid4().hex  # names this run's caches of a URL working directory in every process
     remote = cfg.out if storage.is_url(cfg.out) else None
     staging = None
@@ -358,6 +379,9 @@ def ingest(cfg: IngestConfig, executor: Optional[Executor] = None) -> shards.Man
             print(f"{cfg.out}: already complete for these inputs and options; nothing to do", file=sys.stderr)
             return done
         staging = staging_dir(cfg)
+    if staging is not None and storage.is_url(staging) and source is not None:
+        raise formats.FormatError(f"{source.format} data is converted into a local working directory first: give "
+                                  f"--work-dir a path (a URL --out is fine), not {staging}")
     if staging is not None and storage.is_url(staging):
         _prepare_url_work(staging, fingerprint)
         work = open_work(storage.join(staging, WORK), run)
@@ -375,11 +399,19 @@ def ingest(cfg: IngestConfig, executor: Optional[Executor] = None) -> shards.Man
             return shards.load_manifest(cfg.out)
         work = open_work(os.path.join(cfg.out, WORK), run)
         shard_dir = cfg.out
+    conversion = None
+    if source is not None:  # into the KuaiRand tables the stages read (done once: a resumed run reuses it)
+        conv_dir = os.path.join(cfg.out, WORK, "s0")
+        conversion = {**convert(source, conv_dir, positive_rating=cfg.positive_rating,
+                                chunk_bytes=max(1, int(cfg.chunk_mb * (1 << 20))), progress=cfg.progress),
+                      "dir": conv_dir}
+        found = kuairand.discover(conv_dir, "pure")
+        inputs = _input_units(found, cfg)
     try:
         with contextlib.nullcontext(executor) if executor is not None else make_executor(cfg, (__name__,)) as ex:
             try:
-                m = _ingest_stages(cfg, ex, found, inputs, fps, num_parts, semantic, fingerprint, work, shard_dir,
-                                   t_start, remote)
+                m = _ingest_stages(cfg, ex, found, inputs, input_records, num_parts, semantic, fingerprint, work,
+                                   shard_dir, t_start, remote, conversion)
             finally:
                 release_cache()  # units that ran in this process
             ex.on_workers(release_cache)
@@ -447,9 +479,9 @@ def _prepare_url_work(staging: str, fingerprint: Dict[str, Any]) -> str:
     return "fresh"
 
 
-def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_parts: int, semantic, fingerprint,
-                   work: WorkDir, shard_dir: Optional[str], t_start: float,
-                   remote: Optional[str] = None) -> shards.Manifest:
+def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, input_records, num_parts: int, semantic,
+                   fingerprint, work: WorkDir, shard_dir: Optional[str], t_start: float,
+                   remote: Optional[str] = None, conversion: Optional[Dict[str, Any]] = None) -> shards.Manifest:
     # 1. parse
     parse_units = []
     chunk_bytes = max(1, int(cfg.chunk_mb * (1 << 20)))
@@ -461,7 +493,10 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
     s1 = ex.run(_unit_parse, parse_units, cfg, "1/4 parse", cost=lambda u: u[7] - u[6])  # chunk bytes
     rows = sum(s["rows"] for s in s1)
     rejected = sum(s["rejected"] for s in s1)
-    n_rejects, rejects_file = _write_rejects(cfg, work, parse_units, s1)
+    if conversion is not None:  # the lines of the public dataset's files that gave no row of the converted tables
+        lost = conversion["rejected"] + conversion["side_rejected"]
+        rows, rejected = rows + lost, rejected + lost
+    n_rejects, rejects_file = _write_rejects(cfg, work, parse_units, s1, found.root, conversion)
     assert n_rejects == rejected
     if rows and rejected / rows > cfg.max_reject_fraction:
         where = os.path.join(cfg.out, rejects_file)
@@ -546,6 +581,8 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
         "seconds": round(time.time() - t_start, 3),
         "stage_seconds": dict(ex.stage_seconds),
     }
+    if conversion is not None:
+        stats["source"] = {k: v for k, v in conversion.items() if k not in ("dir", "version")}
     for key in ("users", "tokens", "users_too_short"):
         if all(key in s for s in s3):
             stats[key] = int(sum(s[key] for s in s3))
@@ -553,7 +590,7 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, fps, num_part
         task=cfg.task, batch_size=B, micro_batches=cfg.micro_batches, tables=tables, sets=sets,
         **task.manifest_fields(cfg),
         rejected_rows=rejected, rejects_file=rejects_file, dropped_samples=dropped,
-        inputs=[{**f, "kind": kind} for f, (kind, _, _) in zip(fps, inputs)],
+        inputs=input_records,
         options=semantic, stats=stats,
     )
     truth = storage.join(cfg.raw, TRUTH_FILE)

@@ -304,12 +304,14 @@ def test_feedback_is_more_positive_in_community(tiny, tmp_path_factory):
 
 def test_taste_match_is_a_cross_and_moves_clicks_only(tiny, tmp_path_factory):
     """``click_taste_boost``: clicks follow the latent taste match ``t_uv`` (a user x video cross: it varies inside
-    every user and every video), the item sequences stay the same; negative control: with the term off
-    (``click_taste_boost = 0``) the clicks do not follow it."""
-    out, cfg, _ = _generate(tmp_path_factory, "notaste", click_taste_boost=0.0, click_taste_of="video")
+    every user and every video), the item sequences stay the same; negative control: the default data (the term off,
+    ``click_taste_boost = 0``) does not follow it, by the per-video nor by the author's match."""
+    out, cfg, _ = tiny
+    assert cfg.click_taste_boost == 0.0  # the default: the click model without the taste term
+    cfg_video = dataclasses.replace(cfg, click_taste_of="video")
     log = _read(out, "log_standard").sort(["user_id", "time_ms", "video_id"])
     u, v = log["user_id"].to_numpy(), log["video_id"].to_numpy()
-    t = synth.taste_match(cfg, u, v)
+    t = synth.taste_match(cfg_video, u, v)
     assert abs(t.mean()) < 0.1 and abs(t.std() - 1) < 0.1  # the logged pairs repeat the popular videos
     # not a function of the user alone, nor of the video alone: most of its variance is inside each
     within_user = pl.DataFrame({"g": u, "t": t}).group_by("g").agg(pl.col("t").var())["t"].drop_nulls().mean()
@@ -321,23 +323,20 @@ def test_taste_match_is_a_cross_and_moves_clicks_only(tiny, tmp_path_factory):
         y = lg["is_click"].to_numpy()
         return y[x > 0.7].mean() - y[x < -0.7].mean()
 
-    assert abs(gap(log, cfg)) < 0.03  # negative control: the term off
+    assert abs(gap(log, cfg_video)) < 0.03 and abs(gap(log, cfg)) < 0.03  # negative control: the default, term off
     on, cfg_on, _ = _generate(tmp_path_factory, "taste", click_taste_boost=1.0, click_taste_of="video")
     log_on = _read(on, "log_standard").sort(["user_id", "time_ms", "video_id"])
     assert gap(log_on, cfg_on) > 0.2
     assert log_on["video_id"].to_list() == log["video_id"].to_list()  # the same items, only the clicks move
-    # the default data: the term on, the author's taste (test_author_taste_is_a_user_x_author_cross)
-    default = _read(tiny[0], "log_standard").sort(["user_id", "time_ms", "video_id"])
-    assert (tiny[1].click_taste_boost, tiny[1].click_taste_of) == (1.0, "author")
-    assert gap(default, tiny[1]) > 0.2 and default["video_id"].to_list() == log["video_id"].to_list()
 
 
-def test_author_taste_is_a_user_x_author_cross(tiny):
-    """``click_taste_of = "author"`` (the default): a video's taste vector is its author's (the ``author_id`` the
-    basic feature table lists), so ``t_uv`` is one value per (user, author) and still varies inside every user and
-    every author's audience; clicks follow it. Negative control: the per-video match of the same data does not
-    explain the clicks."""
-    out, cfg, _ = tiny
+def test_author_taste_is_a_user_x_author_cross(tmp_path_factory):
+    """``click_taste_of = "author"`` (with ``--set click_taste_boost=1.0``): a video's taste vector is its author's
+    (the ``author_id`` the basic feature table lists), so ``t_uv`` is one value per (user, author) and still varies
+    inside every user and every author's audience; clicks follow it. Negative control: the per-video match of the same
+    data does not explain the clicks."""
+    out, cfg, _ = _generate(tmp_path_factory, "taste-author", click_taste_boost=1.0)
+    assert cfg.click_taste_of == "author"
     basic = _read(out, "video_features_basic")
     assert (synth.video_authors(cfg, basic["video_id"].to_numpy()) == basic["author_id"].to_numpy()).all()
     log = _read(out, "log_standard")
@@ -480,12 +479,13 @@ def test_synth_set_applies_a_generator_setting_and_refuses_others(tmp_path, tiny
     want = tmp_path / "want"
     synth.generate(str(want), config=synth.SynthConfig.for_scale("tiny", click_taste_boost=0.5), progress=False)
     assert _digest(out) == _digest(want) != _digest(tiny[0])  # the setting applied (the default data differs)
-    # a word setting: the per-video taste
+    # a word setting: the per-video taste (the same weight; the author's taste above)
     assert cli_main(["synth", "--out", str(tmp_path / "video"), "--scale", "tiny", "--quiet",
-                     "--set", "click_taste_of=video"]) == 0
-    synth.generate(str(tmp_path / "want-video"), config=synth.SynthConfig.for_scale("tiny", click_taste_of="video"),
+                     "--set", "click_taste_boost=0.5", "--set", "click_taste_of=video"]) == 0
+    synth.generate(str(tmp_path / "want-video"),
+                   config=synth.SynthConfig.for_scale("tiny", click_taste_boost=0.5, click_taste_of="video"),
                    progress=False)
-    assert _digest(tmp_path / "video") == _digest(tmp_path / "want-video") != _digest(tiny[0])
+    assert _digest(tmp_path / "video") == _digest(tmp_path / "want-video") != _digest(out)
     assert cli_main(["synth", "--out", str(tmp_path / "x"), "--scale", "tiny", "--quiet",
                      "--set", "click_taste_of=tag"]) == 1
     assert "click_taste_of 'tag'" in capsys.readouterr().err and not (tmp_path / "x").exists()

@@ -37,7 +37,7 @@ catalogue. Nothing records the topic: it is a latent state a model infers from t
 transition, ``h`` = 1 for a head item and ``b_u ~ N(0, 0.3)`` a per-user bias (logistic ``σ``)::
 
     P(is_click)        = σ(-1.0 + click_community_boost(1.4)·m + click_successor_boost(1.0)·s + 0.4·h + b_u
-                           + click_taste_boost(1.0)·t_uv)
+                           + click_taste_boost(0)·t_uv)
     watch ratio        = exp(N(-1.0 + 0.6·m + 0.5·s + 0.3·is_click, 0.6)),   play_time_ms = ratio · duration_ms
                          (ratio > 1 are replays, so play_time_ms sometimes exceeds duration_ms)
     long_view          = play_time_ms >= min(duration_ms, 18000)
@@ -48,11 +48,15 @@ transition, ``h`` = 1 for a head item and ``b_u ~ N(0, 0.3)`` a per-user bias (l
     P(is_hate)         = σ(-4.5 - 1.5·m)
     P(is_profile_enter)= σ(-4.0 + 1.0·m + 0.5·is_click)
 
-``t_uv`` (:func:`taste_match`) is a latent taste match, ``<t_u, w_v> / sqrt(TASTE_RANK)`` of a user's and, by default
-(``click_taste_of = "author"``), the video's author's standard-normal vectors: a user x creator cross no function of
-the user or the video alone describes (``m`` is a function of the video in the standard log: users draw from their
-own community or the head). It changes clicks only (the item sequences stay the same; the gr shards' tokens, which
-carry the actions, change); ``click_taste_boost = 0`` turns it off (the data before the term).
+``t_uv`` (:func:`taste_match`) is a latent taste match, off by default (``click_taste_boost = 0``: the click model
+above without it); ``click_taste_boost = 1.0`` (``nestpipe synth --set click_taste_boost=1.0``) turns it on. It is
+``<t_u, w_v> / sqrt(TASTE_RANK)`` of a user's and (``click_taste_of = "author"``) the video's author's
+standard-normal vectors: a user x creator cross no function of the user or the video alone describes (``m`` is a
+function of the video in the standard log: users draw from their own community or the head). It changes clicks only
+(the item sequences stay the same; the gr shards' tokens, which carry the actions, change). Generator defaults come
+from what real logs show or from the data's own design, never from a model's score: the term's weight 1.0 had been
+picked by the DLRM's score together with the DLRM's matching ``user_id*author_id`` pair term, so it is an option, not
+the default (docs/synthetic-data.md).
 
 *Random-policy log.* A fraction ``random_fraction`` of all interactions (default 2%) forms
 ``log_random_4_22_to_5_08_27k.csv`` (``is_rand = 1``): items uniform over a fixed pool of ``random_pool_size``
@@ -159,7 +163,7 @@ class SynthConfig:
     user_activity_sigma: float = 1.0  # lognormal spread of interactions per user
     click_community_boost: float = 1.4
     click_successor_boost: float = 1.0
-    click_taste_boost: float = 1.0  # weight of the latent user x video taste match t_uv (taste_match); 0: none
+    click_taste_boost: float = 0.0  # weight of the latent user x video taste match t_uv (taste_match); 0: none
     click_taste_of: str = "author"  # whose taste vector w_v is: "author" (the video's author's) or "video" (its own)
     chunk_rows: int = 1_000_000  # log rows generated per chunk (bounds memory)
     bucket_rows: int = 2_000_000  # rows per spill bucket of the external shuffle (bounds memory)

@@ -610,15 +610,15 @@ def test_every_option_is_checked_before_work_starts(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_defaults_on_tiny_data_name_the_numbers_that_fit(raw, tmp_path):
-    """synth --scale tiny, then ingest with the default --batch-size 512: the error names a batch size that fits
-    the data (and --force, since the failed run left its work behind); rerunning without --force says what the
-    directory holds; the suggested command works. Before: "lower --batch-size", then "not empty ... --force"."""
+def test_an_explicit_batch_size_too_large_names_the_numbers_that_fit(raw, tmp_path):
+    """synth --scale tiny, then ingest with --batch-size 512 given: the error names a batch size that fits the data
+    (and --force, since the failed run left its work behind); rerunning without --force says what the directory
+    holds; the suggested command works. (Left to the defaults, the ingest fits the size itself: the test above.)"""
     import re
 
     out = str(tmp_path / "o")
     with pytest.raises(IngestError, match=r"from the \d+ training samples; rerun with --batch-size \d+ .*--force") as e:
-        ingest(IngestConfig(raw=raw, out=out, task="gr", progress=False, workers=1))
+        ingest(IngestConfig(raw=raw, out=out, task="gr", batch_size=512, progress=False, workers=1))
     fit = int(re.search(r"--batch-size (\d+)", str(e.value)).group(1))
     with pytest.raises(FileExistsError, match="holds an unfinished ingest of other inputs or options"):
         ingest(IngestConfig(raw=raw, out=out, task="gr", batch_size=fit, progress=False, workers=1))
@@ -679,3 +679,27 @@ def test_integral_floats_in_integer_columns_are_integers():
     assert df["n"].dtype == pl.Int32
     assert [(r.line, r.reason) for r in rejects] == [(3, "column n: not an integer"), (4, "column n: not a number")]
     assert pl.Series(["9.0"]).str.to_integer(strict=False).null_count() == 1
+
+
+def test_defaults_fit_small_data_and_leave_data_that_fills_them_unchanged(raw, tmp_path, capsys):
+    """Left to the defaults, gr windows too few for 8 batches of 512 get the largest power-of-two batch that makes 8
+    (said on stderr, recorded in the manifest); ctr rows that fill 8 batches of 512 give the same shard bytes as
+    --batch-size 512 --micro-batches 8 given explicitly. An explicit size is never changed (negative control: it
+    still fails on data too small for it)."""
+    base = dict(raw=raw, progress=False, max_seq_len=32)
+    m = ingest(IngestConfig(out=str(tmp_path / "gr"), task="gr", **base))
+    n = m.stats["samples"]["train"]
+    assert n < 8 * 512
+    B = m.batch_size
+    assert B & (B - 1) == 0 and n // B >= 8 and n // (2 * B) < 8 and m.micro_batches == min(8, B)
+    assert f"batch size {B}" in capsys.readouterr().err and f"batch size {B}" in m.stats["sized_to_data"]
+    assert sum(e.batches for e in m.sets["train"]) == n // B
+    too_big = 1 << n.bit_length()  # more than the split holds
+    with pytest.raises(IngestError, match=f"no complete training batch of {too_big} samples"):
+        ingest(IngestConfig(out=str(tmp_path / "grbig"), task="gr", batch_size=too_big, **base))
+    auto = ingest(IngestConfig(out=str(tmp_path / "ctr"), task="ctr", **base))
+    given = ingest(IngestConfig(out=str(tmp_path / "ctr512"), task="ctr", batch_size=512, micro_batches=8, **base))
+    assert auto.stats["samples"]["train"] >= 8 * 512 and (auto.batch_size, auto.micro_batches) == (512, 8)
+    assert "sized_to_data" not in auto.stats
+    assert _shard_bytes(str(tmp_path / "ctr")) == _shard_bytes(str(tmp_path / "ctr512"))
+    assert [e.sha256 for e in auto.sets["train"]] == [e.sha256 for e in given.sets["train"]]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import os
@@ -329,28 +330,44 @@ def test_testing_hooks_refuse_unknown_names_and_wrong_types():
     assert testing_hooks.active().changed() == {}
 
 
-def test_too_few_shards_refused_before_launch_with_the_ingest_fix(tmp_path, capsys):
-    """One train shard and --nproc-per-node 2: the parent refuses before any rank starts (no config written, no
-    torchrun), naming the --batches-per-shard that would make enough shards; too few batches names --batch-size.
-    Negative control: two shards launch-check clean (the same check finds no problem)."""
+def test_fewer_shards_than_ranks_are_dealt_and_too_few_batches_refused(tmp_path, capsys):
+    """One train shard of 4 batches and 2 ranks: the batches are dealt (rank 0 gets 0 and 2, rank 1 gets 1 and 3, in
+    every epoch, and a stream started at a later step reads what the first one read there); 4 batches for 5 ranks
+    are refused before any rank starts, in one line naming --batch-size. Negative control: with 2 shards the split
+    rule is by shard as before (rank 0 reads the first shard's batches)."""
     from nestpipe.cli import main
-    from nestpipe.datasets.shards import load_manifest
-    from nestpipe.trainer.data import world_problem
+    from nestpipe.datasets.shards import iter_shard, load_manifest
+    from nestpipe.trainer.data import ShardStream, world_problem
 
     one = str(tmp_path / "one")
     make_shards(one, "gr", batch_size=12, micro_batches=3, shards=(4,), eval_shards=(1,), vocab=300, seq_len=8, seed=3)
+    m = load_manifest(one)
+    batches = [r["user"].tolist() for r in iter_shard(os.path.join(one, m.sets["train"][0].path))]
+    assert world_problem(m, "train", 2, one) == ""
+    for rank in (0, 1):
+        st = ShardStream(one, "train", rank, 2, verify=True)
+        assert st.batches_per_rank == 2 and st.dropped == 0
+        got = [(step, rec["user"].tolist()) for step, rec, _ in itertools.islice(st.records(0), 5)]
+        assert got == [(k, batches[rank + 2 * (k % 2)]) for k in range(5)]
+        assert [rec["user"].tolist() for _, rec, _ in itertools.islice(st.records(3), 2)] == [g for _, g in got[3:5]]
+    three = ShardStream(one, "train", 2, 3, verify=False)  # 4 batches over 3 ranks: one each, the fourth dropped
+    assert (three.batches_per_rank, three.dropped) == (1, 1)
+    assert next(three.records(0))[1]["user"].tolist() == batches[2]
+    problem = world_problem(m, "train", 5, one)
+    assert "4 train batch(es) cannot feed world size 5" in problem and "--batch-size" in problem
     out = tmp_path / "run"
     t0 = time.perf_counter()
-    rc = main(["train", "--shards", one, "--out", str(out), "--model", "hstu", "--nproc-per-node", "2", "--steps", "1"])
+    rc = main(["train", "--shards", one, "--out", str(out), "--model", "hstu", "--nproc-per-node", "5", "--steps", "1"])
     err = capsys.readouterr().err
-    assert rc != 0 and re.search(r"1 train shard\(s\) cannot feed world size 2.*--batches-per-shard 2", err), err
-    assert len(err.strip().splitlines()) == 1  # one line, no traceback
+    assert rc != 0 and "cannot feed world size 5" in err and len(err.strip().splitlines()) == 1, err
     assert time.perf_counter() - t0 < 20 and not (out / "config.json").exists()
-    assert "--batch-size" in world_problem(load_manifest(one), "train", 5, one)  # 4 batches for 5 ranks
     two = str(tmp_path / "two")
     make_shards(two, "gr", batch_size=12, micro_batches=3, shards=(2, 2), eval_shards=(1,), vocab=300, seq_len=8,
                 seed=3)
-    assert world_problem(load_manifest(two), "train", 2, two) == ""
+    m2 = load_manifest(two)
+    first = [r["user"].tolist() for r in iter_shard(os.path.join(two, m2.sets["train"][0].path))]
+    st = ShardStream(two, "train", 0, 2, verify=False)
+    assert not st.dealt and [rec["user"].tolist() for _, rec, _ in itertools.islice(st.records(0), 2)] == first
 
 
 def test_model_defaults_from_the_shards_task(tmp_path):

@@ -43,8 +43,11 @@ def add_parser(sub) -> None:
                         "(default: a directory named after --out in the system's temporary directory)")
     p.add_argument("--task", choices=TASKS, default="gr",
                    help="gr: generative-recommendation windows; ctr: one sample per interaction")
-    p.add_argument("--batch-size", type=int, default=512, help="samples per batch (per worker), B")
-    p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per batch, N")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="samples per batch (per worker), B (default: 512, or the largest power of two below it that "
+                   "still makes 8 training batches where the data is smaller; the choice is printed and recorded)")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="micro-batches per batch, N (default: 8, at most B)")
     p.add_argument("--max-seq-len", type=int, default=256, help="gr: maximum window length L")
     p.add_argument("--history-len", type=int, default=20, help="ctr: recent-history window length")
     p.add_argument("--max-reject-fraction", type=float, default=0.001,

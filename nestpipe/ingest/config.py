@@ -12,6 +12,8 @@ TASKS = ("gr", "ctr")
 # The ``--clustering`` names (``nestpipe.clustering.method_names()``, named here for the same reason; a test keeps
 # the two equal): checked before any work starts.
 CLUSTERING_METHODS = ("default", "random", "minhash", "kmeans")
+DEFAULT_BATCH_SIZE, DEFAULT_MICRO_BATCHES = 512, 8
+MIN_TRAIN_BATCHES = 8  # left to the defaults, batches shrink until the training split fills this many
 # ``--balance``: tokens (batches and micro-batches), batches (the micro-batches left as the clustering made them), off
 BALANCE_MODES = ("tokens", "batches", "off")
 WINDOW_BATCHES, BATCH_TOLERANCE, MICRO_TOLERANCE = 64, 0.005, 0.05  # nestpipe.ingest.balance's (fingerprinted)
@@ -31,8 +33,10 @@ class IngestConfig:
     raw: str
     out: str
     task: str = "gr"
-    batch_size: int = 512
-    micro_batches: int = 8
+    # None: DEFAULT_BATCH_SIZE / DEFAULT_MICRO_BATCHES, or smaller where the training split cannot fill
+    # MIN_TRAIN_BATCHES batches of them (``fit_batches``; the choice is printed and recorded in the manifest)
+    batch_size: Optional[int] = None
+    micro_batches: Optional[int] = None
     max_seq_len: int = 256  # gr: window length; ctr: recent-history window length is ``history_len``
     history_len: int = 20
     max_reject_fraction: float = 0.001
@@ -60,12 +64,11 @@ class IngestConfig:
     def validate(self) -> None:
         if self.task not in TASKS:
             raise ValueError(f"--task must be one of {TASKS}, got {self.task!r}")
-        if self.batch_size < 1:
+        if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if not 1 <= self.micro_batches <= self.batch_size:
-            raise ValueError(
-                f"--micro-batches must be between 1 and --batch-size ({self.batch_size}), got {self.micro_batches}"
-            )
+        if self.micro_batches is not None and not 1 <= self.micro_batches <= (self.batch_size or DEFAULT_BATCH_SIZE):
+            raise ValueError(f"--micro-batches must be between 1 and --batch-size "
+                             f"({self.batch_size or DEFAULT_BATCH_SIZE}), got {self.micro_batches}")
         if self.max_seq_len < 2:
             raise ValueError(f"--max-seq-len must be >= 2, got {self.max_seq_len}")
         if not 0.0 <= self.max_reject_fraction <= 1.0:
@@ -96,6 +99,24 @@ class IngestConfig:
         if not math.isfinite(self.positive_rating):
             raise ValueError(f"--positive-rating must be a number, got {self.positive_rating!r}")
 
+    def fit_batches(self, train_samples: int) -> Tuple[int, int, str]:
+        """(batch size B, micro-batches N, why) for a training split of ``train_samples``. A size the user gave is
+        kept. Left to the defaults, B is DEFAULT_BATCH_SIZE where the split fills MIN_TRAIN_BATCHES batches of it,
+        else the largest power of two that does (at least 1), and N is DEFAULT_MICRO_BATCHES, at most B; "why" is
+        empty when nothing was shrunk."""
+        B = self.batch_size or DEFAULT_BATCH_SIZE
+        if self.batch_size is None and train_samples < MIN_TRAIN_BATCHES * DEFAULT_BATCH_SIZE:
+            floor = self.micro_batches or 1  # never below the micro-batches the user asked for
+            B = max(floor, 1 << max(0, (train_samples // MIN_TRAIN_BATCHES).bit_length() - 1))
+            B = min(B, DEFAULT_BATCH_SIZE)
+        N = self.micro_batches or min(DEFAULT_MICRO_BATCHES, B)
+        why = ""
+        if B != (self.batch_size or DEFAULT_BATCH_SIZE) or N != (self.micro_batches or DEFAULT_MICRO_BATCHES):
+            why = (f"the {train_samples} training samples cannot fill {MIN_TRAIN_BATCHES} batches of "
+                   f"{DEFAULT_BATCH_SIZE}: batch size {B}, {N} micro-batches (--batch-size and --micro-batches "
+                   "choose them)")
+        return B, N, why
+
     def balanced(self) -> bool:
         """Cost-balanced batches: gr unless ``--balance off``."""
         return self.task == "gr" and self.balance != "off"
@@ -115,6 +136,10 @@ class IngestConfig:
         d = dataclasses.asdict(self)
         for k in NON_SEMANTIC:
             d.pop(k)
+        if self.batch_size is None or self.micro_batches is None:  # sized to the data (fit_batches)
+            d["sized_to_data"] = [k for k in ("batch_size", "micro_batches") if d[k] is None]
+            d["batch_size"] = d["batch_size"] or DEFAULT_BATCH_SIZE
+            d["micro_batches"] = d["micro_batches"] or DEFAULT_MICRO_BATCHES
         if not d["validation"]:  # outputs written before the option existed keep their fingerprint
             d.pop("validation")
         d.pop("balance"), d.pop("sequence_cost")

@@ -526,7 +526,10 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, input_records
 
     # 4. shards
     tables = task.tables(cfg, maxima)
-    B = cfg.batch_size
+    B, N, why = cfg.fit_batches(int(sum(s["train_samples"] for s in s3)))
+    cfg = dataclasses.replace(cfg, batch_size=B, micro_batches=N)
+    if why:
+        print(f"nestpipe ingest: {cfg.raw}: {why}", file=sys.stderr)
     sets: Dict[str, List[shards.ShardEntry]] = {}
     dropped: Dict[str, int] = {}
     shard_units = []
@@ -583,6 +586,8 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, input_records
     }
     if conversion is not None:
         stats["source"] = {k: v for k, v in conversion.items() if k not in ("dir", "version")}
+    if why:
+        stats["sized_to_data"] = why
     for key in ("users", "tokens", "users_too_short"):
         if all(key in s for s in s3):
             stats[key] = int(sum(s[key] for s in s3))

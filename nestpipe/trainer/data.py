@@ -2,7 +2,9 @@
 
 Split rule: rank ``r`` of ``W`` reads the manifest's train shards ``r, r + W, r + 2W, ...`` (WebDataset order inside
 a shard). Every rank runs ``batches_per_rank = min over ranks of its shards' batch counts`` batches per epoch (the
-remainder is dropped and reported), so collectives never hang on uneven shards. Epoch ``e`` replays the same order.
+remainder is dropped and reported), so collectives never hang on uneven shards. A split of fewer shards than ranks
+(small data) has its batches dealt instead: batch ``g`` of the split (manifest order) goes to rank ``g mod W``, and
+every rank runs ``total div W`` of them. Epoch ``e`` replays the same order.
 Global step ``s`` is batch ``s mod batches_per_rank`` of epoch ``s div batches_per_rank`` on every rank: the data
 position is a pure function of the step, which is what checkpoints record.
 
@@ -183,22 +185,23 @@ def iter_shard(path: str, values: bool = True) -> Iterator[Dict]:
 
 
 def world_problem(manifest: Manifest, split: str, world: int, shards_dir: str) -> str:
-    """Why the ``split`` shards of ``manifest`` cannot feed ``world`` ranks (shards are split by rank, so every rank
-    needs one), with the ingest options that fix it; "" when they can."""
+    """Why the ``split`` batches of ``manifest`` cannot feed ``world`` ranks (every rank needs one batch at least),
+    with the ingest options that fix it; "" when they can (with fewer shards than ranks, batches are dealt)."""
     entries = manifest.sets.get(split) or []
-    if len(entries) >= world:
-        return ""
     batches = sum(e.batches for e in entries)
-    fix = (f"re-run `nestpipe ingest` with --batches-per-shard {max(1, batches // world)} (or fewer) so that "
-           f"the {batches} batch(es) make at least {world} shards" if batches >= world else
-           f"only {batches} {split} batch(es) in all: re-run `nestpipe ingest` with a smaller --batch-size "
-           f"(now {manifest.batch_size}) and --batches-per-shard 1")
-    return (f"{shards_dir}: {len(entries)} {split} shard(s) cannot feed world size {world} (shards are split by "
-            f"rank, one at least per rank); {fix}")
+    if batches >= world:
+        return ""
+    return (f"{shards_dir}: {batches} {split} batch(es) cannot feed world size {world} (every rank needs one at "
+            f"least); re-run `nestpipe ingest` with a smaller --batch-size (now {manifest.batch_size})")
 
 
 class ShardStream:
-    """The train (or eval) records of one rank, equalised across ranks (see the module docstring)."""
+    """The train (or eval) records of one rank, equalised across ranks (see the module docstring).
+
+    With at least as many shards as ranks, rank ``r`` reads shards ``r, r + W, ...``. With fewer (small data), the
+    batches are dealt instead: numbering every batch of the split in manifest order (shard by shard, records in
+    order) as ``g``, rank ``r`` takes ``g = r, r + W, r + 2W, ...``; every rank reads every shard and keeps its own.
+    Either way the batch of a step is a pure function of (step, rank, world), so a resumed run reads the same."""
 
     def __init__(self, shards_dir: str, split: str, rank: int, world: int, verify: bool = True,
                  values: bool = True):
@@ -211,36 +214,53 @@ class ShardStream:
         problem = world_problem(self.manifest, split, world, shards_dir)
         if problem:
             raise ShardError(problem)
-        self.entries = entries[rank::world]
-        per_rank = [sum(e.batches for e in entries[r::world]) for r in range(world)]
-        self.batches_per_rank = min(per_rank)
-        self.dropped = sum(per_rank) - world * self.batches_per_rank
+        self.rank, self.world = rank, world
+        self.dealt = len(entries) < world
+        if self.dealt:
+            total = sum(e.batches for e in entries)
+            self.entries = list(entries)
+            self.batches_per_rank = total // world
+            self.dropped = total - world * self.batches_per_rank
+        else:
+            self.entries = entries[rank::world]
+            per_rank = [sum(e.batches for e in entries[r::world]) for r in range(world)]
+            self.batches_per_rank = min(per_rank)
+            self.dropped = sum(per_rank) - world * self.batches_per_rank
         if self.batches_per_rank == 0:
             raise ShardError(f"{shards_dir}: some rank gets no {split} batches with world size {world}")
         if verify:
             for e in self.entries:
                 verify_shard(shards_dir, e)
 
+    def _own(self, skip: int = 0) -> Iterator[Tuple[int, Dict, str]]:
+        """(this rank's batch index in the epoch, record, shard path) in order, from index ``skip`` on at the
+        earliest (shards wholly before it are not read); every shard read whole has its record count checked."""
+        g = 0  # the batch's number among the records read (dealt: of the whole split)
+        for e in self.entries:
+            path = os.path.join(self.dir, e.path)
+            last = g + e.batches - 1
+            if (last // self.world if self.dealt else last) < skip:
+                g += e.batches
+                continue
+            got = 0
+            for rec in iter_shard(path, values=self.values):
+                got += 1
+                if not self.dealt:
+                    yield g, rec, path
+                elif g % self.world == self.rank:
+                    yield g // self.world, rec, path
+                g += 1
+            if got != e.batches:
+                raise ShardError(f"{path}: holds {got} records, manifest says {e.batches}")
+
     def records(self, start: int = 0) -> Iterator[Tuple[int, Dict, str]]:
         """Yield (global step, record, shard path) from global step ``start`` on, cycling epochs forever."""
         step = start
         while True:
-            epoch_start = step - step % self.batches_per_rank
-            skip = step - epoch_start
-            i = 0
-            for e in self.entries:
-                path = os.path.join(self.dir, e.path)
-                if i + e.batches <= skip:
-                    i += e.batches
-                    continue
-                got = 0
-                for rec in iter_shard(path, values=self.values):
-                    got += 1
-                    if i >= skip and i < self.batches_per_rank:
-                        yield step, rec, path
-                        step += 1
-                    i += 1
-                if got != e.batches:
-                    raise ShardError(f"{path}: holds {got} records, manifest says {e.batches}")
+            skip = step % self.batches_per_rank
+            for i, rec, path in self._own(skip):
                 if i >= self.batches_per_rank:
                     break
+                if i >= skip:
+                    yield step, rec, path
+                    step += 1

@@ -15,9 +15,10 @@ from nestpipe.utils.options import DefaultsHelpFormatter  # standard library onl
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "ingest",
-        help="raw KuaiRand-format logs -> clustered WebDataset batch shards + manifest.json",
+        help="raw logs (KuaiRand, MovieLens, Amazon, atomic files) -> clustered WebDataset batch shards + manifest.json",
         description=(
-            "Read raw KuaiRand-format CSVs (or the same tables as Parquet) with bounded memory (chunked Polars parsing, Arrow IPC spills "
+            "Read raw KuaiRand-format CSVs (or the same tables as Parquet; other public formats are converted into "
+            "them first: --format) with bounded memory (chunked Polars parsing, Arrow IPC spills "
             "partitioned by video then by user), build samples (gr: chronological windows per user with a "
             "leave-one-out eval set; ctr: one per interaction with user/video features, labels and recent "
             "history), cut them into batches of exactly B samples, partition each batch into N micro-batches by "
@@ -28,7 +29,8 @@ def add_parser(sub) -> None:
         formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument("--raw", required=True,
-                   help="directory holding the KuaiRand tables: the published CSV files, or any table as Parquet "
+                   help="directory holding the raw dataset (see --format); KuaiRand tables: the published CSV files, "
+                        "or any table as Parquet "
                         "under the same name without .csv (NAME.parquet, or a directory NAME/ or NAME.parquet/ of "
                         "*.parquet files); a path or an fsspec URL (file://, s3://, gs://, ...: the protocol's "
                         "package installed)")

@@ -102,14 +102,17 @@ def run(args) -> int:
     hb = h["strongest_baseline"]
     print(f"hstu (gr):  HR@10 {h['model']['HR@10']:.4f} vs {hb.replace('_', '-')} {h[f'baseline_{hb}']['HR@10']:.4f} "
           f"(most-popular {h['baseline_most_popular']['HR@10']:.4f}); NDCG@10 {h['model']['NDCG@10']:.4f} vs "
-          f"{h[f'baseline_{hb}']['NDCG@10']:.4f}; {summary['hstu']['samples_per_s'] or 0:,.0f} samples/s")
+          f"{h[f'baseline_{hb}']['NDCG@10']:.4f} ({_verdicts(h, ('HR@10', 'NDCG@10'))}); "
+          f"{summary['hstu']['samples_per_s'] or 0:,.0f} samples/s")
     if "generator_oracle" in h:
         print(f"            the data's ceiling (the generator's own next-item probabilities): HR@10 "
               f"{h['generator_oracle']['HR@10']:.4f}, NDCG@10 {h['generator_oracle']['NDCG@10']:.4f}")
     d = summary["dlrm"]["eval"]
-    lr = d["baseline_logistic_regression"]
-    print(f"dlrm (ctr): AUC {d['model']['AUC']:.4f} vs logistic regression {lr['AUC']:.4f} (constant 0.5000); "
-          f"logloss {d['model']['logloss']:.4f} vs {lr['logloss']:.4f} (constant {d['baseline_constant']['logloss']:.4f}); "
+    db = d["strongest_baseline"]
+    lr = d[f"baseline_{db}"]
+    print(f"dlrm (ctr): AUC {d['model']['AUC']:.4f} vs {db.replace('_', ' ')} {lr['AUC']:.4f} (constant 0.5000); "
+          f"logloss {d['model']['logloss']:.4f} vs {lr['logloss']:.4f} "
+          f"(constant {d['baseline_constant']['logloss']:.4f}) ({_verdicts(d, ('AUC', 'logloss'))}); "
           f"{summary['dlrm']['samples_per_s'] or 0:,.0f} samples/s")
     if "bayes_ceiling" in d:
         print(f"            the data's Bayes ceiling (the generator's own click probabilities): AUC "
@@ -117,6 +120,12 @@ def run(args) -> int:
     print(f"runs, traces (trace.json, timeline.png) and metrics are under {args.out}/hstu and {args.out}/dlrm")
     _log(f"done in {time.time() - t0:.1f} s ({stages})")
     return 0
+
+
+def _verdicts(ev, metrics) -> str:
+    """The model against the strongest baseline: each metric's verdict (paired 95% bootstrap interval)."""
+    v = ev.get("vs_strongest_baseline", {})
+    return "model " + ", ".join(f"{m} {v.get(m, '?')}" for m in metrics)
 
 
 class _Stages:

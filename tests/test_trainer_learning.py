@@ -68,6 +68,22 @@ def dlrm_beats(ev) -> bool:
     return m["AUC"] >= AUC_MIN and m["logloss"] <= b["logloss"] - LOGLOSS_MARGIN
 
 
+def _check_intervals(ev, metrics, baselines):
+    """Every metric of the model and of each baseline has a 95% interval around its value; every model - baseline
+    difference a paired interval around it and the verdict that interval gives."""
+    assert ev["intervals"]["resamples"] == 1000 and ev["intervals"]["samples"] == ev["samples"]
+    for name in ["model"] + [f"baseline_{b}" for b in baselines]:
+        for m in metrics:
+            lo, hi = ev["intervals"][name][m]
+            assert lo <= ev[name][m] + 1e-12 and ev[name][m] <= hi + 1e-12, (name, m, lo, hi, ev[name][m])
+            if name != "model":
+                c = ev["comparisons"][name][m]
+                assert c["interval"][0] <= c["difference"] + 1e-12 <= c["interval"][1] + 2e-12, (name, m, c)
+                assert c["verdict"] == ("tie" if c["interval"][0] <= 0 <= c["interval"][1] else
+                                        "better" if (c["interval"][0] > 0) != (m == "logloss") else "worse"), c
+    assert set(ev["vs_strongest_baseline"]) == {"baseline", *metrics}
+
+
 def test_hstu_beats_most_popular(data, runs):
     ev = evaluate_run(runs["hstu"])
     assert ev["protocol"].startswith("full catalog") and ev["samples"] >= 100
@@ -76,6 +92,8 @@ def test_hstu_beats_most_popular(data, runs):
     assert ev["split_samples"] == m.stats["samples"]["eval"] == ev["samples"] + ev["too_short"]
     assert ev["split_samples"] % m.batch_size, "the fixture should leave an incomplete last eval batch"
     assert hstu_beats(ev), ev
+    _check_intervals(ev, ("HR@10", "NDCG@10", "HR@50", "NDCG@50"), ["most_popular", "successor_counts"])
+    assert ev["comparisons"]["baseline_most_popular"]["HR@10"]["verdict"] == "better", ev["comparisons"]
     # negative control: the untrained model (learning rates 0) does not beat the baseline
     frozen = evaluate_run(runs["hstu-frozen"])
     assert not hstu_beats(frozen), frozen
@@ -87,6 +105,15 @@ def test_dlrm_beats_constant(data, runs):
     assert ev["samples"] >= 1000
     assert ev["samples"] == load_manifest(data["ctr"]).stats["samples"]["eval"]  # every eval interaction
     assert dlrm_beats(ev), ev
+    names = ["constant", "logistic_regression", "logistic_regression_crosses"]
+    _check_intervals(ev, ("AUC", "logloss"), names)
+    assert ev["strongest_baseline"] == max(names, key=lambda n: ev[f"baseline_{n}"]["AUC"]), ev
+    assert ev["comparisons"]["baseline_constant"]["AUC"]["verdict"] == "better", ev["comparisons"]
+    fit = ev["baseline_logistic_regression_crosses"]["fit"]
+    singles = [t for t, s in load_manifest(data["ctr"]).tables.items() if s.kind == "single"]
+    pairs = {frozenset(p.split("*")) for p in fit["pairs"]}
+    assert len(pairs) == len(fit["pairs"]) == len(singles) * (len(singles) - 1) // 2, fit  # every single-id pair
+    assert {"user_id", "author_id"} in pairs, fit  # the DLRM's dot_pairs default
     # synthetic data: the generator's own probabilities bound what any model can reach (within sampling noise)
     ceiling = ev["bayes_ceiling"]
     assert ceiling["rows"] >= ev["samples"] and ceiling["AUC"] > ev["model"]["AUC"] - 0.01, ev

@@ -266,10 +266,12 @@ def _print_metrics(run: str) -> None:
 
 
 def _eval(args) -> int:
-    from nestpipe.trainer.evaluate import evaluate_run  # start-up time: torch only for this command
+    from nestpipe.trainer.evaluate import evaluate_run, summary_lines  # start-up time: torch only for eval
 
     res = evaluate_run(args.run, max_batches=args.max_batches, split=args.split, shards=args.shards)
     print(json.dumps(res, indent=1, sort_keys=True))
+    for line in summary_lines(res):  # paired 95% bootstrap intervals of model - baseline
+        print(line)
     return 0
 
 

@@ -14,9 +14,15 @@ split, and the successor-counting model (most frequent successors of the last in
 input's own most frequent items, then popularity). On synthetic data also the ceiling: the generator's own
 next-item probabilities ranked on the same protocol (``generator_oracle``).
 
-CTR (dlrm): AUC and logloss of the target label; baselines: the train split's positive rate as a constant, and a
-regularised logistic regression over the model's own features (settings and fit time recorded). On synthetic data
-(``nestpipe synth``) also the Bayes ceiling: the generator's own click probabilities on the eval dates.
+CTR (dlrm): AUC and logloss of the target label; baselines: the train split's positive rate as a constant, a
+regularised logistic regression over the model's own features, and the same regression with hashed crosses of every
+pair of the model's single-id tables and of its ``dot_pairs`` (settings and fit time recorded); the strongest
+baseline is the one of highest AUC on the scored samples. On synthetic data (``nestpipe synth``) also the Bayes
+ceiling: the generator's own click probabilities on the eval dates.
+
+Every metric of the model, of each baseline and of the generator oracle gets a 95% bootstrap interval over the
+scored samples (``intervals``), and every model - baseline difference a paired interval over the same resamples
+with a verdict, "tie" when it covers 0 (``comparisons``; :mod:`nestpipe.trainer.intervals`).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import torch
 from nestpipe.datasets.shards import table_offsets
 from nestpipe.trainer.run_files import run_manifest
 from nestpipe.datasets.synth import TRUTH_FILE, next_item_oracle
-from nestpipe.trainer import baselines
+from nestpipe.trainer import baselines, intervals
 from nestpipe.trainer.config import load_run_config
 from nestpipe.trainer.data import ShardStream, iter_shard
 from nestpipe.trainer.embedding.placement import to_vocab
@@ -40,6 +46,9 @@ from nestpipe.trainer.models import build_model, model_spec, model_table_dims
 from nestpipe.utils.jsonio import read_json, write_json_atomic
 
 KS = (10, 50)
+# the bootstrap of every eval.json: fixed, so that a run's intervals are reproducible
+BOOTSTRAP_RESAMPLES = 1000
+BOOTSTRAP_SEED = 0
 
 
 def _records(shards: str, split: str, max_batches: Optional[int]):
@@ -60,6 +69,45 @@ def _rank_metrics(ranks: np.ndarray) -> Dict[str, float]:
         out[f"HR@{k}"] = float(hit.mean()) if len(ranks) else float("nan")
         out[f"NDCG@{k}"] = float(np.where(hit, 1.0 / np.log2(ranks + 2.0), 0.0).mean()) if len(ranks) else float("nan")
     return out
+
+
+def _rank_scorer(ranks: np.ndarray) -> Dict[str, intervals.Metric]:
+    """The metrics of :func:`_rank_metrics` as per-sample means, for the bootstrap."""
+    ranks = np.asarray(ranks)
+    out = {}
+    for k in KS:
+        hit = ranks < k
+        out[f"HR@{k}"] = intervals.mean_metric(hit)
+        out[f"NDCG@{k}"] = intervals.mean_metric(np.where(hit, 1.0 / np.log2(ranks + 2.0), 0.0))
+    return out
+
+
+def add_intervals(res: Dict, scorers: Dict[str, Dict[str, intervals.Metric]], samples: int,
+                  resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> Dict:
+    """Add ``intervals`` (every scorer's metrics, 95% percentile bootstrap), ``comparisons`` (model - each other
+    scorer, paired) and ``vs_strongest_baseline`` (the verdicts against ``res["strongest_baseline"]``) to ``res``.
+    ``scorers`` is keyed by ``res``'s field names (``model``, ``baseline_<name>``, ...)."""
+    boot = intervals.Bootstrap(samples, resamples=resamples, seed=seed)
+    points = {name: res[name] for name in scorers}
+    iv, comp = intervals.report(boot, scorers, points, reference="model")
+    res["intervals"] = {**boot.describe(), **iv}
+    res["comparisons"] = comp
+    best = f"baseline_{res['strongest_baseline']}"
+    res["vs_strongest_baseline"] = {"baseline": res["strongest_baseline"],
+                                    **{m: c["verdict"] for m, c in comp.get(best, {}).items()}}
+    return res
+
+
+def summary_lines(res: Dict) -> list:
+    """One line per model - baseline comparison of an eval.json: the difference, its paired interval, the verdict."""
+    comp = res.get("comparisons", {})
+    lines = []
+    for name, ms in comp.items():
+        strongest = " (strongest baseline)" if name == f"baseline_{res.get('strongest_baseline')}" else ""
+        parts = [f"{m} {c['difference']:+.4f} [{c['interval'][0]:+.4f}, {c['interval'][1]:+.4f}] {c['verdict']}"
+                 for m, c in ms.items()]
+        lines.append(f"model vs {name}{strongest}: " + "; ".join(parts))
+    return lines
 
 
 def next_item_examples(shards: str, vocab: int, max_batches: Optional[int], negatives: int, seed: int,
@@ -167,15 +215,20 @@ def evaluate_next_item(cfg, man, full, model, max_batches, split="eval", full_ca
            "samples_note": "every sample of the split is read; those with fewer than two items (nothing to predict "
                            "from) are counted in too_short",
            "model": _rank_metrics(r)}
+    scorers = {"model": _rank_scorer(r)}
     for name, rs in base.items():
-        res[f"baseline_{name}"] = _rank_metrics(np.concatenate(rs))
+        rs = np.concatenate(rs)
+        res[f"baseline_{name}"] = _rank_metrics(rs)
+        scorers[f"baseline_{name}"] = _rank_scorer(rs)
     res["strongest_baseline"] = max(base, key=lambda n: (res[f"baseline_{n}"]["NDCG@10"], n))
     if oracle is not None:
-        res["generator_oracle"] = {**_rank_metrics(np.concatenate(ceiling)), "note": (
+        ceiling = np.concatenate(ceiling)
+        res["generator_oracle"] = {**_rank_metrics(ceiling), "note": (
             "the generator's own next-item probabilities (nestpipe.datasets.synth.NextItemOracle): the successor "
             "of the last input item, then the fresh-draw popularity in the input's community (with session topics, "
             "weighted by the topic's posterior given the input)")}
-    return res
+        scorers["generator_oracle"] = _rank_scorer(ceiling)
+    return add_intervals(res, scorers, len(r))
 
 
 def _next_item_oracle(shards: str):
@@ -193,7 +246,7 @@ def _auc(y: np.ndarray, p: np.ndarray) -> float:
 
 @torch.no_grad()
 def evaluate_ctr(cfg, man, full, model, max_batches, split="eval",
-                  logistic: Optional[baselines.LogisticConfig] = None):
+                  logistic: Optional[baselines.LogisticConfig] = None, cross: Optional[baselines.CrossConfig] = None):
     k = man.labels.index(cfg.dlrm.target)
     pos, n = 0.0, 0
     for rec in _records(cfg.shards, "train", None):
@@ -202,7 +255,10 @@ def evaluate_ctr(cfg, man, full, model, max_batches, split="eval",
     rate = pos / max(n, 1)
     lr = baselines.LogisticBaseline(model.tables, {t: man.tables[t].vocab for t in model.tables}, k,
                                     logistic).fit(_records(cfg.shards, "train", None))
-    ys, ps, lrs = [], [], []
+    pairs = baselines.cross_pairs([t for t in model.tables if man.tables[t].kind == "single"], model.dot_pairs)
+    lrx = baselines.CrossLogisticBaseline(model.tables, {t: man.tables[t].vocab for t in model.tables}, k, pairs,
+                                          cross).fit(_records(cfg.shards, "train", None))
+    ys, ps, lrs, lrxs = [], [], [], []
     for rec in _records(cfg.shards, split, max_batches):
         b = len(rec["mb"])
         emb = {}
@@ -216,15 +272,31 @@ def evaluate_ctr(cfg, man, full, model, max_batches, split="eval",
         ps.append(torch.sigmoid(logit).numpy())
         ys.append(np.asarray(rec["labels"][:, k], np.float64))
         lrs.append(lr.predict(rec))
+        lrxs.append(lrx.predict(rec))
     y, p = np.concatenate(ys), np.concatenate(ps).astype(np.float64)
-    const = np.full_like(y, rate)
-    p_lr = np.concatenate(lrs)
-    return {"target": cfg.dlrm.target, "samples": int(len(y)),
-            "model": {"AUC": _auc(y, p), "logloss": baselines.logloss(y, p)},
-            "baseline_constant": {"AUC": 0.5, "logloss": baselines.logloss(y, const), "rate": rate},
-            "baseline_logistic_regression": {"AUC": _auc(y, p_lr), "logloss": baselines.logloss(y, p_lr),
-                                             "fit": lr.fit_info},
-            "strongest_baseline": "logistic_regression", **_bayes_ceiling(cfg, man, split, len(y))}
+    probs = {"constant": np.full_like(y, rate), "logistic_regression": np.concatenate(lrs),
+             "logistic_regression_crosses": np.concatenate(lrxs)}
+    res = {"target": cfg.dlrm.target, "samples": int(len(y)),
+           "model": {"AUC": _auc(y, p), "logloss": baselines.logloss(y, p)},
+           "baseline_constant": {"AUC": 0.5, "logloss": baselines.logloss(y, probs["constant"]), "rate": rate},
+           **{f"baseline_{name}": {"AUC": _auc(y, probs[name]), "logloss": baselines.logloss(y, probs[name]),
+                                   "fit": fitted.fit_info}
+              for name, fitted in (("logistic_regression", lr), ("logistic_regression_crosses", lrx))},
+           **_bayes_ceiling(cfg, man, split, len(y))}
+    res["strongest_baseline"] = strongest_ctr_baseline(res, list(probs))
+    res["strongest_baseline_by"] = "AUC on the scored samples (then logloss)"
+    scorers = {name: {"AUC": intervals.auc_metric(y, q), "logloss": intervals.logloss_metric(y, q)}
+               for name, q in [("model", p)] + [(f"baseline_{n}", q) for n, q in probs.items()]}
+    return add_intervals(res, scorers, len(y))
+
+
+def strongest_ctr_baseline(res: Dict, names) -> str:
+    """The baseline of highest AUC (NaN counts as lowest), ties to the lower logloss, then the name."""
+    def key(n):
+        auc = res[f"baseline_{n}"]["AUC"]
+        return (auc if np.isfinite(auc) else -np.inf, -res[f"baseline_{n}"]["logloss"], n)
+
+    return max(names, key=key)
 
 
 def _bayes_ceiling(cfg, man, split: str, samples: int) -> Dict:

@@ -108,6 +108,17 @@ class PipelineConfig:
 
 
 @dataclasses.dataclass
+class EarlyStopConfig:
+    """Early stopping on the valid split (``nestpipe.trainer.early_stop``)."""
+
+    mode: str = opt("auto", help="auto: stop early where the shards have a valid split (ingest --validation) and "
+                    "neither steps nor epochs is set; on: always (the shards need a valid split); off: never",
+                    choices=("auto", "on", "off"))
+    patience: int = opt(3, help="stop after this many epochs without a better valid score", minimum=1)
+    max_epochs: int = opt(50, help="epochs at most", minimum=1)
+
+
+@dataclasses.dataclass
 class _TrainConfigBase:
     """Everything but the model sections (those come from the model registry: ``TrainConfig`` below)."""
 
@@ -139,6 +150,7 @@ class _TrainConfigBase:
     embedding: EmbeddingConfig = opt(factory=EmbeddingConfig, help="sparse tables")
     optim: OptimConfig = opt(factory=OptimConfig, help="dense optimizer")
     pipe: PipelineConfig = opt(factory=PipelineConfig, help="the nested pipeline")
+    early_stop: EarlyStopConfig = opt(factory=EarlyStopConfig, help="early stopping on the valid split")
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -158,7 +170,7 @@ TrainConfig = dataclasses.make_dataclass(
     "TrainConfig", [(name, spec.config, opt(factory=spec.config, help=spec.help)) for name, spec in MODEL_SPECS.items()],
     bases=(_TrainConfigBase,), namespace={"__module__": __name__, "__doc__": "``nestpipe train`` configuration."})
 
-_SECTIONS = {"embedding": EmbeddingConfig, "optim": OptimConfig, "pipe": PipelineConfig,
+_SECTIONS = {"embedding": EmbeddingConfig, "optim": OptimConfig, "pipe": PipelineConfig, "early_stop": EarlyStopConfig,
              **{name: spec.config for name, spec in MODEL_SPECS.items()}}
 
 
@@ -303,4 +315,5 @@ def load_run_config(run: str) -> TrainConfig:
             doc[section].setdefault("output_embedding", "tied")
             doc[section].setdefault("transition", 0.0)
             doc[section].setdefault("item_bias", 0.0)
+    doc.setdefault("early_stop", {"mode": "off"})  # runs from before early stopping trained their epochs
     return TrainConfig.from_dict(doc, where=path)

@@ -193,17 +193,7 @@ def evaluate_next_item(cfg, man, full, model, max_batches, split="eval", full_ca
     for rec, keep, inputs, target, negs in next_item_examples(cfg.shards, vocab, max_batches,
                                                               sampled_negatives if sampled else 0, cfg.seed, split):
         read += len(table_offsets(rec, "item")) - 1
-        q = next_item_queries(cfg, man, full, model, rec, keep, split)
-        tgt = torch.from_numpy(target)
-        if negs is None:
-            scores = q @ items.t()
-            ts = scores.gather(1, tgt[:, None])
-            ranks.append((scores > ts).sum(1).numpy())
-        else:
-            neg = torch.from_numpy(negs)
-            ts = (q * items.index_select(0, tgt)).sum(1, keepdim=True)
-            ns = torch.einsum("bd,bnd->bn", q, items.index_select(0, neg.flatten()).view(len(target), -1, q.shape[1]))
-            ranks.append((ns > ts).sum(1).numpy())
+        ranks.append(model_ranks(next_item_queries(cfg, man, full, model, rec, keep, split), items, target, negs))
         for n, r in baseline_ranks(fitted, inputs, target, negs).items():
             base[n].append(r)
         if oracle is not None:
@@ -229,6 +219,57 @@ def evaluate_next_item(cfg, man, full, model, max_batches, split="eval", full_ca
             "weighted by the topic's posterior given the input)")}
         scorers["generator_oracle"] = _rank_scorer(ceiling)
     return add_intervals(res, scorers, len(r))
+
+
+def model_ranks(q: torch.Tensor, items: torch.Tensor, target: np.ndarray, negs: Optional[np.ndarray]) -> np.ndarray:
+    """The rank of each target among the candidates (``next_item_candidates``) for queries ``q``: the number of items
+    scoring strictly higher, over the full catalog (``negs`` None) or over the sample's sampled negatives."""
+    tgt = torch.from_numpy(target)
+    if negs is None:
+        scores = q @ items.t()
+        return (scores > scores.gather(1, tgt[:, None])).sum(1).numpy()
+    neg = torch.from_numpy(negs)
+    ts = (q * items.index_select(0, tgt)).sum(1, keepdim=True)
+    ns = torch.einsum("bd,bnd->bn", q, items.index_select(0, neg.flatten()).view(len(target), -1, q.shape[1]))
+    return (ns > ts).sum(1).numpy()
+
+
+def click_probabilities(model, full, man, rec) -> np.ndarray:
+    """The CTR model's click probability for every sample of a record, from the assembled tables ``full``."""
+    b = len(rec["mb"])
+    emb = {}
+    for t in model.tables:
+        off = table_offsets(rec, t)
+        ids = torch.from_numpy(to_vocab(rec[f"{t}.values"], man.tables[t].vocab))
+        rows = full[f"embedding.{t}.weight"].float().index_select(0, ids)
+        sample = torch.from_numpy(np.repeat(np.arange(b), np.diff(off)))
+        emb[t] = rows.new_zeros(b, rows.shape[1]).index_add(0, sample, rows)
+    logit = model.logits(emb, torch.from_numpy(np.asarray(rec["dense"], np.float32)))
+    return torch.sigmoid(logit).numpy()
+
+
+@torch.no_grad()
+def model_score(cfg, man, split: str, metric: str, full_catalog_max: int = 2_000_000,
+                sampled_negatives: int = 1000) -> float:
+    """One metric of the model alone on ``split``, from the run's latest checkpoint (``cfg.out``), computed as
+    ``nestpipe eval`` computes it (the same protocol, the same arithmetic): ``HR@k`` / ``NDCG@k`` for next-item
+    models, ``AUC`` / ``logloss`` for CTR models. What early stopping scores each epoch by."""
+    full, model = load_trained(cfg.out, cfg, man)
+    if man.task == "gr":
+        vocab = man.tables["item"].vocab
+        items = next_item_candidates(model, full["embedding.item.weight"].float())
+        negatives = sampled_negatives if vocab > full_catalog_max else 0
+        ranks = [model_ranks(next_item_queries(cfg, man, full, model, rec, keep, split), items, target, negs)
+                 for rec, keep, _, target, negs in next_item_examples(cfg.shards, vocab, None, negatives, cfg.seed,
+                                                                      split)]
+        return _rank_metrics(np.concatenate(ranks))[metric]
+    k = man.labels.index(cfg.dlrm.target)
+    ys, ps = [], []
+    for rec in _records(cfg.shards, split, None):
+        ps.append(click_probabilities(model, full, man, rec))
+        ys.append(np.asarray(rec["labels"][:, k], np.float64))
+    y, p = np.concatenate(ys), np.concatenate(ps).astype(np.float64)
+    return {"AUC": _auc(y, p), "logloss": baselines.logloss(y, p)}[metric]
 
 
 def _next_item_oracle(shards: str):
@@ -260,16 +301,7 @@ def evaluate_ctr(cfg, man, full, model, max_batches, split="eval",
                                           cross).fit(_records(cfg.shards, "train", None))
     ys, ps, lrs, lrxs = [], [], [], []
     for rec in _records(cfg.shards, split, max_batches):
-        b = len(rec["mb"])
-        emb = {}
-        for t in model.tables:
-            off = table_offsets(rec, t)
-            ids = torch.from_numpy(to_vocab(rec[f"{t}.values"], man.tables[t].vocab))
-            rows = full[f"embedding.{t}.weight"].float().index_select(0, ids)
-            sample = torch.from_numpy(np.repeat(np.arange(b), np.diff(off)))
-            emb[t] = rows.new_zeros(b, rows.shape[1]).index_add(0, sample, rows)
-        logit = model.logits(emb, torch.from_numpy(np.asarray(rec["dense"], np.float32)))
-        ps.append(torch.sigmoid(logit).numpy())
+        ps.append(click_probabilities(model, full, man, rec))
         ys.append(np.asarray(rec["labels"][:, k], np.float64))
         lrs.append(lr.predict(rec))
         lrxs.append(lrx.predict(rec))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Iterator, Tuple
+from typing import Iterator, Optional, Tuple
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ from nestpipe.kernels import kernel_paths, taken_paths
 from nestpipe.kernels.memory import huge_pages_mode
 from nestpipe.planning.planner import format_plan, save_plan
 from nestpipe.trainer import testing_hooks
-from nestpipe.trainer import checkpoint
+from nestpipe.trainer import checkpoint, early_stop
 from nestpipe.trainer.config import TrainConfig
 from nestpipe.trainer.data import ShardStream
 from nestpipe.trainer.distributed import device as devmod
@@ -42,17 +42,20 @@ from nestpipe.trainer.step import StepState, build_state
 from nestpipe.utils.jsonio import read_json, write_json_atomic
 
 
-def total_steps(cfg: TrainConfig, batches_per_rank: int) -> int:
+def total_steps(cfg: TrainConfig, batches_per_rank: int, early: bool = False) -> int:
+    if early:
+        return int(cfg.early_stop.max_epochs) * batches_per_rank
     if cfg.steps is not None:
         return int(cfg.steps)
     return int(cfg.epochs or 1) * batches_per_rank
 
 
-def segments(start: int, total: int, every: int) -> Iterator[Tuple[int, int]]:
-    """[start, stop) ranges ending at checkpoint steps (multiples of ``every``) and at ``total``."""
+def segments(start: int, total: int, *every: int) -> Iterator[Tuple[int, int]]:
+    """[start, stop) ranges ending at checkpoint steps (multiples of any of ``every``; 0 names none) and at
+    ``total``."""
     s = start
     while s < total:
-        stop = min(total, (s // every + 1) * every) if every else total
+        stop = min([total] + [(s // e + 1) * e for e in every if e])
         yield s, stop
         s = stop
 
@@ -71,6 +74,7 @@ class RankRun:
     steps: int
     state: StepState
     schedule: auto.ScheduleChoice  # the schedule this run trains with (--pipeline, or auto's choice) and why
+    early: Optional[early_stop.EarlyStop] = None  # early stopping on the valid split, where the run does it
 
 
 class Progress:
@@ -119,9 +123,14 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
     """Train one rank: the algorithm of the module docstring."""
     run = set_up(cfg, device, rank, world)
     start = resume_step(run) if resume else 0
-    if resume and start >= run.steps:
+    if resume and (start >= run.steps or (run.early is not None and run.early.done())):
         # a finished run: nothing to train, and its metrics.json and final checkpoint stay as they are
-        if rank == 0:
+        if rank == 0 and run.early is not None:
+            early_stop.prune(run.early, cfg.out, final=True)  # where the run was killed before its last pruning
+            kept = run.early.best or {}
+            print(f"{cfg.out}: run already finished (early stopping kept epoch {kept.get('epoch')}, step "
+                  f"{kept.get('step')}); nothing to resume.", flush=True)
+        elif rank == 0:
             print(f"{cfg.out}: run already finished (checkpoint at step {start}, {run.steps} steps configured); "
                   "nothing to resume. Train further with a larger --steps or --epochs.", flush=True)
         return {"final_loss": None, "steps": run.steps, "resumed_from_step": start, "already_finished": True}
@@ -134,7 +143,10 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
     progress = Progress(run, start, log)
     train_segments(run, runner, start, progress)
     elapsed, steady_cpu_s = progress.close()
-    checkpoint.save(cfg.out, run.state, run.steps)
+    if run.early is None:
+        checkpoint.save(cfg.out, run.state, run.steps)
+    elif rank == 0:  # every epoch was checkpointed and scored: keep the best one only
+        early_stop.prune(run.early, cfg.out, final=True)
     return report(run, runner, start, progress, elapsed, steady_cpu_s)
 
 
@@ -147,14 +159,16 @@ def set_up(cfg: TrainConfig, device: Device, rank: int, world: int) -> RankRun:
     flush_denormal = devmod.set_flush_denormal(cfg.flush_denormal)  # this thread; the pipeline's threads inherit it
     # the records feed prepare_batch only, which needs no per-occurrence values of packed tables
     stream = ShardStream(cfg.shards, "train", rank, world, verify=cfg.verify_shards, values=False)
-    steps = total_steps(cfg, stream.batches_per_rank)
+    early = (early_stop.start(cfg, stream.manifest.task, stream.batches_per_rank)
+             if early_stop.wanted(cfg, stream.manifest) else None)
+    steps = total_steps(cfg, stream.batches_per_rank, early is not None)
     groups = sparse_groups.create_stage_groups(sparse_groups.resolve(cfg.sparse_groups, world, rank))
     state = build_state(cfg, stream.manifest, rank, world, device.torch, groups=groups)
     schedule = auto.choose(cfg.pipeline, device.torch, world, micro_batching=cfg.pipe.micro_batching,
                            partition_invariant=model_spec(cfg.model).partition_invariant(cfg))
     state.micro_batching = schedule.micro_batching
     state.total_steps = steps
-    return RankRun(cfg, device, rank, world, hooks, flush_denormal, stream, steps, state, schedule)
+    return RankRun(cfg, device, rank, world, hooks, flush_denormal, stream, steps, state, schedule, early)
 
 
 def resume_step(run: RankRun) -> int:
@@ -204,12 +218,38 @@ def train_segments(run: RankRun, runner: PipelineRunner, start: int, progress: P
             raise RuntimeError(f"rank {rank}: injected failure at step {step} (testing hook fail_step)")
 
     records = run.stream.records(start)
-    for seg_start, seg_stop in segments(start, run.steps, run.cfg.checkpoint_every):
+    epoch_len = run.stream.batches_per_rank if run.early is not None else 0
+    for seg_start, seg_stop in segments(start, run.steps, run.cfg.checkpoint_every, epoch_len):
         for step, loss in runner.run(records, seg_start, seg_stop, before_step):
             progress.step_done(step, loss)
         # drained: every stage thread joined, no buffer held, nothing in flight
-        if seg_stop < run.steps:
+        if seg_stop < run.steps or run.early is not None:
             checkpoint.save(run.cfg.out, run.state, seg_stop, hooks.checkpoint_sleep_s)
+        if epoch_len and seg_stop % epoch_len == 0 and end_of_epoch(run, seg_stop // epoch_len, seg_stop):
+            return
+
+
+def end_of_epoch(run: RankRun, epoch: int, step: int) -> bool:
+    """Early stopping: score the checkpoint just written on the valid split (every rank, the same number), record
+    it, prune the checkpoints; True when training stops here."""
+    es = run.early
+    if not any(h["epoch"] == epoch for h in es.history):  # a resumed run does not score its epochs again
+        value = early_stop.score(run.cfg, run.stream.manifest)
+        scores = [None] * run.world
+        if run.world > 1:
+            dist.all_gather_object(scores, value)
+        else:
+            scores = [value]
+        if any(not (s == value or (s != s and value != value)) for s in scores):
+            raise RuntimeError(f"early stopping: the ranks scored epoch {epoch} differently ({scores})")
+        early_stop.record(es, epoch, step, value, run.rank, run.cfg.out)
+        if run.rank == 0 and run.cfg.progress:
+            best = es.best
+            print(f"epoch {epoch}: valid {es.metric} {value:.4f} (best {best['score']:.4f} at epoch {best['epoch']})",
+                  flush=True)
+    if run.rank == 0:
+        early_stop.prune(es, run.cfg.out, final=False)
+    return es.done()
 
 
 def report(run: RankRun, runner: PipelineRunner, start: int, progress: Progress, elapsed: float,
@@ -260,6 +300,8 @@ def report(run: RankRun, runner: PipelineRunner, start: int, progress: Progress,
                    "store_huge_pages": _huge_pages(cfg),
                    "flush_denormal": run.flush_denormal, "testing_hooks": run.hooks.changed(),
                    **exposure_summary(gathered, cfg.pipe.baseline_metrics), **balance_summary(gathered)}
+        if run.early is not None:
+            metrics["early_stop"] = run.early.to_dict()
         write_json_atomic(os.path.join(cfg.out, "metrics.json"), metrics)
         progress.log.write(run.steps, event="end", final_loss=loss, samples_per_s=total_sps)
         progress.log.close()

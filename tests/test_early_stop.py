@@ -109,3 +109,18 @@ def test_a_run_on_shards_with_a_valid_split_stops_by_itself_and_keeps_its_best_e
     p = subprocess.run([sys.executable, "-m", "nestpipe", "train", "--resume", run, "--nproc-per-node", "2",
                         "--no-progress"], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and "already finished" in p.stdout + p.stderr, p.stderr[-2000:]
+
+
+def test_early_stop_without_a_valid_split_is_refused_before_launch(tmp_path, capsys):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from shard_sets import make_shards
+
+    from nestpipe.cli import main
+
+    shards = str(tmp_path / "s")
+    make_shards(shards, "gr", batch_size=12, micro_batches=3, shards=(2,), eval_shards=(1,), vocab=300, seq_len=8)
+    out = tmp_path / "run"
+    assert main(["train", "--shards", shards, "--out", str(out), "--model", "hstu", "--early-stop"]) == 1
+    err = capsys.readouterr().err
+    assert "early stopping scores the valid split" in err and "--validation" in err and len(err.splitlines()) == 1
+    assert not out.exists()

@@ -47,7 +47,13 @@ def add_parser(subparsers) -> None:
                         "AdaGrad (accumulator divided by W/M)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--steps", type=int, help="steps (batches per rank) to train")
-    g.add_argument("--epochs", type=int, help="passes over the training shards (default 1 when --steps is not given)")
+    g.add_argument("--epochs", type=int, help="passes over the training shards (default: chosen by early stopping "
+                   "on the valid split where the shards have one, ingest --validation; else 1)")
+    g.add_argument("--early-stop", action="store_true",
+                   help="train epoch by epoch, score each on the valid split (NDCG@10, or AUC for dlrm), stop after "
+                   "early_stop.patience (3) epochs without a better score (at most early_stop.max_epochs, 50) and "
+                   "keep the best epoch; the shards need a valid split (ingest --validation). The default where "
+                   "they have one and no --steps or --epochs is given; the kept epoch is in RUN/metrics.json")
     p.add_argument("--checkpoint-every", type=int, default=None, help="checkpoint every K steps (0: only at the end)")
     p.add_argument("--config", help="JSON or TOML file with the nested TrainConfig keys")
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
@@ -142,6 +148,8 @@ def _train(args) -> int:
              "sparse_groups": args.sparse_groups}
     d = merge(d, {k: v for k, v in flags.items() if v is not None})
     d = merge(d, sets)
+    if args.early_stop:
+        d["early_stop"] = {**d.get("early_stop", {}), "mode": "on"}
     if args.no_progress:
         d["progress"] = False
     if args.tensorboard:
@@ -167,6 +175,9 @@ def _train(args) -> int:
     if unknown:
         raise ValueError(f"embedding.table_lr: no table named {unknown} in {cfg.shards} "
                          f"(tables: {', '.join(sorted(man.tables))})")
+    from nestpipe.trainer import early_stop
+
+    early_stop.wanted(cfg, man)  # early stopping without a valid split is refused here, before any rank starts
     if not _multi_node(args):
         from nestpipe.trainer.data import world_problem  # one node: refuse here, not in every rank
 
@@ -236,6 +247,8 @@ def _resume(args) -> int:
         d["steps"], d["epochs"] = args.steps, args.epochs
     d = merge(d, {k: v for k, v in flags.items() if v is not None})
     d = merge(d, _parse_set(args.set))
+    if args.early_stop:
+        d["early_stop"] = {**d.get("early_stop", {}), "mode": "on"}
     if args.no_progress:
         d["progress"] = False
     if args.tensorboard:

@@ -249,11 +249,11 @@ def click_probabilities(model, full, man, rec) -> np.ndarray:
 
 
 @torch.no_grad()
-def model_score(cfg, man, split: str, metric: str, full_catalog_max: int = 2_000_000,
-                sampled_negatives: int = 1000) -> float:
-    """One metric of the model alone on ``split``, from the run's latest checkpoint (``cfg.out``), computed as
-    ``nestpipe eval`` computes it (the same protocol, the same arithmetic): ``HR@k`` / ``NDCG@k`` for next-item
-    models, ``AUC`` / ``logloss`` for CTR models. What early stopping scores each epoch by."""
+def model_outcomes(cfg, man, split: str, full_catalog_max: int = 2_000_000,
+                   sampled_negatives: int = 1000) -> Dict[str, np.ndarray]:
+    """The model's per-sample outcomes on ``split`` from the run's latest checkpoint (``cfg.out``), computed as
+    ``nestpipe eval`` computes them (the same protocol, the same samples in the same order, the same arithmetic):
+    ``{"ranks"}`` for next-item models, ``{"labels", "probs"}`` for CTR models."""
     full, model = load_trained(cfg.out, cfg, man)
     if man.task == "gr":
         vocab = man.tables["item"].vocab
@@ -262,13 +262,22 @@ def model_score(cfg, man, split: str, metric: str, full_catalog_max: int = 2_000
         ranks = [model_ranks(next_item_queries(cfg, man, full, model, rec, keep, split), items, target, negs)
                  for rec, keep, _, target, negs in next_item_examples(cfg.shards, vocab, None, negatives, cfg.seed,
                                                                       split)]
-        return _rank_metrics(np.concatenate(ranks))[metric]
+        return {"ranks": np.concatenate(ranks)}
     k = man.labels.index(cfg.dlrm.target)
     ys, ps = [], []
     for rec in _records(cfg.shards, split, None):
         ps.append(click_probabilities(model, full, man, rec))
         ys.append(np.asarray(rec["labels"][:, k], np.float64))
-    y, p = np.concatenate(ys), np.concatenate(ps).astype(np.float64)
+    return {"labels": np.concatenate(ys), "probs": np.concatenate(ps).astype(np.float64)}
+
+
+def model_score(cfg, man, split: str, metric: str) -> float:
+    """One metric of the model alone on ``split`` (:func:`model_outcomes`): ``HR@k`` / ``NDCG@k`` for next-item
+    models, ``AUC`` / ``logloss`` for CTR models. What early stopping scores each epoch by."""
+    out = model_outcomes(cfg, man, split)
+    if "ranks" in out:
+        return _rank_metrics(out["ranks"])[metric]
+    y, p = out["labels"], out["probs"]
     return {"AUC": _auc(y, p), "logloss": baselines.logloss(y, p)}[metric]
 
 

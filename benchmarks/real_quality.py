@@ -1,0 +1,195 @@
+"""Model quality on real public interactions, beside baselines that can express what each model is given.
+
+    python benchmarks/real_quality.py [--dataset ml-100k] [--models hstu sasrec dlrm] [--seeds 0 1 2]
+                                      [--split valid|eval] [--set KEY=VALUE] [--set-dlrm KEY=VALUE] [--tag T]
+
+The dataset (``benchmarks/public_data.py``: ``ml-100k`` is MovieLens-100K as the atomic files a wheel carries) is
+ingested once with the ingest's defaults and ``--validation`` (gr; ctr with ``--ctr-eval-days``), then every model is
+trained per seed with its defaults on 2 processes (early stopping on the valid split: no epoch count is chosen by
+hand) and evaluated on ``--split``. Defaults are chosen with ``--split valid``; ``--split eval`` reports the held-out
+figures, once. Per seed every eval.json carries 95% bootstrap intervals and paired model - baseline verdicts; this
+script adds the paired hstu - sasrec comparison over the same samples.
+
+Writes the record ``benchmarks/results/real_quality-DATASET-SPLIT[-TAG].json`` (command, commit, host, versions, load,
+every figure) and prints a table. Without the dataset (no package index reachable) it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from public_data import dataset  # noqa: E402
+
+from nestpipe.datasets.shards import load_manifest  # noqa: E402
+from nestpipe.ingest import IngestConfig, ingest  # noqa: E402
+from nestpipe.trainer import intervals  # noqa: E402
+from nestpipe.trainer.config import load_run_config  # noqa: E402
+from nestpipe.trainer.evaluate import KS, evaluate_run, model_outcomes  # noqa: E402
+
+GR_MODELS = ("hstu", "sasrec")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def train(shards: str, run: str, model: str, seed: int, sets, nproc: int) -> float:
+    """Wall seconds of ``nestpipe train`` with the model's defaults (None: the run exists, kept as it is)."""
+    if os.path.exists(os.path.join(run, "metrics.json")):
+        return None
+    cmd = [sys.executable, "-m", "nestpipe", "train", "--shards", shards, "--out", run, "--model", model,
+           "--nproc-per-node", str(nproc), "--seed", str(seed), "--no-progress"]
+    for s in sets:
+        cmd += ["--set", s]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if p.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def hits(ranks: np.ndarray):
+    """Per-sample HR@k and NDCG@k outcomes of next-item ranks (what eval.json averages)."""
+    out = {}
+    for k in KS:
+        hit = ranks < k
+        out[f"HR@{k}"] = hit.astype(np.float64)
+        out[f"NDCG@{k}"] = np.where(hit, 1.0 / np.log2(ranks + 2.0), 0.0)
+    return out
+
+
+def paired(a_ranks: np.ndarray, b_ranks: np.ndarray) -> dict:
+    """a - b over the same samples: difference, paired 95% interval and verdict per metric."""
+    boot = intervals.Bootstrap(len(a_ranks))
+    ha, hb = hits(a_ranks), hits(b_ranks)
+    out = {}
+    for m in ha:
+        lo, hi = boot.compare(intervals.mean_metric(ha[m]), intervals.mean_metric(hb[m]))
+        out[m] = {"difference": float(ha[m].mean() - hb[m].mean()), "interval": [lo, hi],
+                  "verdict": intervals.verdict([lo, hi], m)}
+    return out
+
+
+def versions() -> dict:
+    import polars
+    import torch
+
+    import nestpipe
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "polars": polars.__version__,
+            "nestpipe": getattr(nestpipe, "__version__", "?")}
+
+
+def commit() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                           text=True).stdout.strip()
+    return rev + ("+dirty" if dirty else "")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dataset", default="ml-100k", choices=["ml-100k"])
+    ap.add_argument("--models", nargs="+", default=list(GR_MODELS) + ["dlrm"], choices=list(GR_MODELS) + ["dlrm"])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--split", default="valid", choices=["valid", "eval"])
+    ap.add_argument("--set", action="append", default=[], help="KEY=VALUE for the gr models' runs")
+    ap.add_argument("--set-dlrm", action="append", default=[], help="KEY=VALUE for the dlrm runs")
+    ap.add_argument("--ctr-eval-days", type=int, default=23, help="ctr: the last D dates are the eval split")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--tag", default="", help="names the runs and the record (several settings on the same shards)")
+    ap.add_argument("--out", default="/tmp/nestpipe-real-quality")
+    ap.add_argument("--record", default=RESULTS, help="directory of the result record")
+    args = ap.parse_args(argv)
+
+    raw, why = dataset(args.dataset)
+    if raw is None:
+        print(f"skipped: {why}")
+        return 0
+    t_start, load_before = time.time(), os.getloadavg()
+    root = os.path.join(args.out, args.dataset)
+    shards = {"gr": os.path.join(root, "shards-gr"), "ctr": os.path.join(root, "shards-ctr")}
+    for task, path in shards.items():
+        if not os.path.exists(os.path.join(path, "manifest.json")):
+            ingest(IngestConfig(raw=raw, out=path, task=task, validation=True, progress=False, workers=2,
+                                **({"ctr_eval_days": args.ctr_eval_days} if task == "ctr" else {})))
+    per_seed = {}
+    for seed in args.seeds:
+        row = {}
+        for model in args.models:
+            run = os.path.join(root, f"{args.tag}{model}-seed{seed}")
+            task = "ctr" if model == "dlrm" else "gr"
+            seconds = train(shards[task], run, model, seed, args.set_dlrm if task == "ctr" else args.set, args.nproc)
+            metrics = json.load(open(os.path.join(run, "metrics.json")))
+            ev = evaluate_run(run, split=args.split)
+            row[model] = {"eval": ev, "train_s": seconds, "steps_run": metrics["steps_run"],
+                          "early_stop": {k: v for k, v in metrics.get("early_stop", {}).items() if k != "history"}}
+        if all(m in args.models for m in GR_MODELS):
+            ranks = {}
+            for m in GR_MODELS:
+                run = os.path.join(root, f"{args.tag}{m}-seed{seed}")
+                cfg = load_run_config(run)
+                ranks[m] = model_outcomes(cfg, load_manifest(cfg.shards), args.split)["ranks"]
+            row["hstu_vs_sasrec"] = paired(ranks["hstu"], ranks["sasrec"])
+        per_seed[seed] = row
+        print(f"seed {seed} done", flush=True)
+
+    table = {}
+    gr = [m for m in GR_MODELS if m in args.models]
+    if gr:
+        ref = per_seed[args.seeds[0]][gr[0]]["eval"]
+        for metric in ("HR@10", "NDCG@10", "HR@50", "NDCG@50"):
+            for m in gr:
+                table[f"{m} {metric}"] = [per_seed[s][m]["eval"]["model"][metric] for s in args.seeds]
+            for base in ("successor_counts", "most_popular"):  # fitted on the train split: the same every seed
+                table[f"{base} {metric}"] = [ref[f"baseline_{base}"][metric]]
+    if "dlrm" in args.models:
+        for metric in ("AUC", "logloss"):
+            table[f"dlrm {metric}"] = [per_seed[s]["dlrm"]["eval"]["model"][metric] for s in args.seeds]
+            strongest = per_seed[args.seeds[0]]["dlrm"]["eval"]["strongest_baseline"]
+            table[f"{strongest} {metric}"] = [per_seed[args.seeds[0]]["dlrm"]["eval"][f"baseline_{strongest}"][metric]]
+    record = {
+        "benchmark": "real_quality", "command": "python benchmarks/real_quality.py " + " ".join(argv or sys.argv[1:]),
+        "commit": commit(), "host": platform.node(), "cpus": os.cpu_count(), "versions": versions(),
+        "load_before": load_before, "load_after": os.getloadavg(), "seconds": round(time.time() - t_start, 1),
+        "dataset": args.dataset, "split": args.split, "seeds": args.seeds, "sets": args.set, "sets_dlrm": args.set_dlrm,
+        "means": {k: statistics.mean(v) for k, v in table.items()}, "values": table,
+        "per_seed": {str(s): {m: ({"model": r["eval"]["model"], "intervals": r["eval"]["intervals"],
+                                   "comparisons": r["eval"]["comparisons"], "train_s": r["train_s"],
+                                   "steps_run": r["steps_run"], "early_stop": r["early_stop"],
+                                   "strongest_baseline": r["eval"]["strongest_baseline"]}
+                                  if m in args.models else r) for m, r in row.items()}
+                     for s, row in per_seed.items()},
+    }
+    os.makedirs(args.record, exist_ok=True)
+    name = f"real_quality-{args.dataset}-{args.split}{'-' + args.tag.rstrip('-') if args.tag else ''}.json"
+    path = os.path.join(args.record, name)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
+    for k, v in table.items():
+        print(f"{k:40s} mean {statistics.mean(v):.4f}  " + " ".join(f"{x:.4f}" for x in v))
+    for s in args.seeds:
+        if "hstu_vs_sasrec" in per_seed[s]:
+            c = per_seed[s]["hstu_vs_sasrec"]
+            print(f"seed {s} hstu - sasrec: " + "; ".join(
+                f"{m} {c[m]['difference']:+.4f} [{c[m]['interval'][0]:+.4f}, {c[m]['interval'][1]:+.4f}] "
+                f"{c[m]['verdict']}" for m in ("HR@10", "NDCG@10")))
+        for m in gr:
+            v = per_seed[s][m]["eval"]["vs_strongest_baseline"]
+            print(f"seed {s} {m} vs {v['baseline']}: HR@10 {v['HR@10']}, NDCG@10 {v['NDCG@10']}; kept epoch "
+                  f"{per_seed[s][m]['early_stop'].get('kept_epoch')}")
+    print(f"record: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -77,6 +77,41 @@ def paired(a_ranks: np.ndarray, b_ranks: np.ndarray) -> dict:
     return out
 
 
+def breakdown(shards: str, split: str, seed: int, ranks: dict) -> dict:
+    """HR@10 of every ranker (``ranks``: name -> per-sample ranks, eval's order) and of the counting baselines, by
+    the sample's history length (quartiles), its target's training count (quartiles) and whether the target followed
+    the last input item somewhere in training (the transition the successor-counting model reads)."""
+    from nestpipe.trainer.evaluate import baseline_ranks, fit_next_item_baselines, next_item_examples
+
+    vocab = load_manifest(shards).tables["item"].vocab
+    fitted = fit_next_item_baselines(shards, vocab)
+    succ, pop = fitted["successor_counts"], fitted["most_popular"]
+    length, count, seen = [], [], []
+    all_ranks = {n: [] for n in fitted}
+    for _, _, inputs, targets, negs in next_item_examples(shards, vocab, None, 0, seed, split):
+        for h, t in zip(inputs, targets):
+            length.append(len(h))
+            count.append(int(pop.counts[t]))
+            items, _ = succ._successors(int(h[-1]))
+            seen.append(bool(np.isin(t, items)))
+        for n, r in baseline_ranks(fitted, inputs, targets, negs).items():
+            all_ranks[n].append(r)
+    rankers = {**ranks, **{n: np.concatenate(r) for n, r in all_ranks.items()}}
+    length, count, seen = np.array(length), np.array(count), np.array(seen)
+    groups = {}
+    for name, values in (("history length", length), ("target's training count", count)):
+        edges = np.quantile(values, [0.25, 0.5, 0.75])
+        bins = np.searchsorted(edges, values, side="right")
+        for b in range(4):
+            lo = int(values[bins == b].min()) if (bins == b).any() else None
+            hi = int(values[bins == b].max()) if (bins == b).any() else None
+            groups[f"{name} q{b + 1} [{lo}..{hi}]"] = bins == b
+    groups["target followed the last item in training"] = seen
+    groups["target never followed it"] = ~seen
+    return {g: {"samples": int(m.sum()), **{n: float((r[m] < 10).mean()) if m.any() else None
+                                            for n, r in rankers.items()}} for g, m in groups.items()}
+
+
 def versions() -> dict:
     import polars
     import torch
@@ -139,6 +174,7 @@ def main(argv=None) -> int:
                 cfg = load_run_config(run)
                 ranks[m] = model_outcomes(cfg, load_manifest(cfg.shards), args.split)["ranks"]
             row["hstu_vs_sasrec"] = paired(ranks["hstu"], ranks["sasrec"])
+            row["breakdown_hr10"] = breakdown(shards["gr"], args.split, seed, ranks)
         per_seed[seed] = row
         print(f"seed {seed} done", flush=True)
 
@@ -177,6 +213,12 @@ def main(argv=None) -> int:
     os.replace(path + ".tmp", path)
     for k, v in table.items():
         print(f"{k:40s} mean {statistics.mean(v):.4f}  " + " ".join(f"{x:.4f}" for x in v))
+    first = per_seed[args.seeds[0]]
+    if "breakdown_hr10" in first:
+        print(f"HR@10 by sample group (seed {args.seeds[0]}):")
+        for g, row in first["breakdown_hr10"].items():
+            print(f"  {g:48s} n={row['samples']:5d} " + " ".join(
+                f"{n} {v:.3f}" for n, v in row.items() if n != "samples" and v is not None))
     for s in args.seeds:
         if "hstu_vs_sasrec" in per_seed[s]:
             c = per_seed[s]["hstu_vs_sasrec"]

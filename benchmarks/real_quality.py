@@ -196,7 +196,7 @@ def main(argv=None) -> int:
         "benchmark": "real_quality", "command": "python benchmarks/real_quality.py " + " ".join(argv or sys.argv[1:]),
         "commit": commit(), "host": platform.node(), "cpus": os.cpu_count(), "versions": versions(),
         "load_before": load_before, "load_after": os.getloadavg(), "seconds": round(time.time() - t_start, 1),
-        "dataset": args.dataset, "split": args.split, "seeds": args.seeds, "sets": args.set, "sets_dlrm": args.set_dlrm,
+        "dataset": args.dataset, "split": args.split, "tag": args.tag, "seeds": args.seeds, "sets": args.set, "sets_dlrm": args.set_dlrm,
         "means": {k: statistics.mean(v) for k, v in table.items()}, "values": table,
         "per_seed": {str(s): {m: ({"model": r["eval"]["model"], "intervals": r["eval"]["intervals"],
                                    "comparisons": r["eval"]["comparisons"], "train_s": r["train_s"],

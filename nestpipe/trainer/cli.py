@@ -85,6 +85,10 @@ def add_parser(subparsers) -> None:
     e.add_argument("--split", default="eval", choices=["eval", "valid"],
                    help="valid: the split carved from the training data by `nestpipe ingest --validation` (for "
                    "choosing settings; writes RUN/eval-valid.json)")
+    e.add_argument("--pairwise-baseline", action="store_true",
+                   help="ctr: also fit a logistic regression with hashed crosses of every pair of the model's "
+                   "single-id tables and its dot_pairs (a baseline that can express pairwise interactions; minutes "
+                   "from 30k training samples on, so not by default)")
     e.set_defaults(func=_eval)
 
     x = subparsers.add_parser(
@@ -281,7 +285,8 @@ def _print_metrics(run: str) -> None:
 def _eval(args) -> int:
     from nestpipe.trainer.evaluate import evaluate_run, summary_lines  # start-up time: torch only for eval
 
-    res = evaluate_run(args.run, max_batches=args.max_batches, split=args.split, shards=args.shards)
+    res = evaluate_run(args.run, max_batches=args.max_batches, split=args.split, shards=args.shards,
+                       pairwise=args.pairwise_baseline)
     print(json.dumps(res, indent=1, sort_keys=True))
     for line in summary_lines(res):  # paired 95% bootstrap intervals of model - baseline
         print(line)

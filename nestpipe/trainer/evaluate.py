@@ -296,7 +296,11 @@ def _auc(y: np.ndarray, p: np.ndarray) -> float:
 
 @torch.no_grad()
 def evaluate_ctr(cfg, man, full, model, max_batches, split="eval",
-                  logistic: Optional[baselines.LogisticConfig] = None, cross: Optional[baselines.CrossConfig] = None):
+                  logistic: Optional[baselines.LogisticConfig] = None, cross: Optional[baselines.CrossConfig] = None,
+                  pairwise: bool = False):
+    """CTR protocol (module docstring). ``pairwise``: also fit the logistic regression with hashed crosses
+    (``cross`` given implies it); off by default for its cost (lbfgs on a column per cross: minutes from 30k
+    training samples on, docs/trainer.md)."""
     k = man.labels.index(cfg.dlrm.target)
     pos, n = 0.0, 0
     for rec in _records(cfg.shards, "train", None):
@@ -305,24 +309,26 @@ def evaluate_ctr(cfg, man, full, model, max_batches, split="eval",
     rate = pos / max(n, 1)
     lr = baselines.LogisticBaseline(model.tables, {t: man.tables[t].vocab for t in model.tables}, k,
                                     logistic).fit(_records(cfg.shards, "train", None))
-    pairs = baselines.cross_pairs([t for t in model.tables if man.tables[t].kind == "single"], model.dot_pairs)
-    lrx = baselines.CrossLogisticBaseline(model.tables, {t: man.tables[t].vocab for t in model.tables}, k, pairs,
-                                          cross).fit(_records(cfg.shards, "train", None))
-    ys, ps, lrs, lrxs = [], [], [], []
+    fitted = {"logistic_regression": lr}
+    if pairwise or cross is not None:
+        pairs = baselines.cross_pairs([t for t in model.tables if man.tables[t].kind == "single"], model.dot_pairs)
+        fitted["logistic_regression_crosses"] = baselines.CrossLogisticBaseline(
+            model.tables, {t: man.tables[t].vocab for t in model.tables}, k, pairs,
+            cross).fit(_records(cfg.shards, "train", None))
+    ys, ps, preds = [], [], {name: [] for name in fitted}
     for rec in _records(cfg.shards, split, max_batches):
         ps.append(click_probabilities(model, full, man, rec))
         ys.append(np.asarray(rec["labels"][:, k], np.float64))
-        lrs.append(lr.predict(rec))
-        lrxs.append(lrx.predict(rec))
+        for name, b in fitted.items():
+            preds[name].append(b.predict(rec))
     y, p = np.concatenate(ys), np.concatenate(ps).astype(np.float64)
-    probs = {"constant": np.full_like(y, rate), "logistic_regression": np.concatenate(lrs),
-             "logistic_regression_crosses": np.concatenate(lrxs)}
+    probs = {"constant": np.full_like(y, rate), **{name: np.concatenate(v) for name, v in preds.items()}}
     res = {"target": cfg.dlrm.target, "samples": int(len(y)),
            "model": {"AUC": _auc(y, p), "logloss": baselines.logloss(y, p)},
            "baseline_constant": {"AUC": 0.5, "logloss": baselines.logloss(y, probs["constant"]), "rate": rate},
            **{f"baseline_{name}": {"AUC": _auc(y, probs[name]), "logloss": baselines.logloss(y, probs[name]),
-                                   "fit": fitted.fit_info}
-              for name, fitted in (("logistic_regression", lr), ("logistic_regression_crosses", lrx))},
+                                   "fit": b.fit_info}
+              for name, b in fitted.items()},
            **_bayes_ceiling(cfg, man, split, len(y))}
     res["strongest_baseline"] = strongest_ctr_baseline(res, list(probs))
     res["strongest_baseline_by"] = "AUC on the scored samples (then logloss)"
@@ -371,10 +377,10 @@ def load_trained(run: str, cfg, man):
 
 
 def evaluate_run(run: str, max_batches: Optional[int] = None, split: str = "eval",
-                 shards: Optional[str] = None) -> Dict:
+                 shards: Optional[str] = None, pairwise: bool = False) -> Dict:
     """Evaluate ``run`` on ``split`` (``eval``, or ``valid`` for shards ingested with ``--validation``); writes
     ``RUN/eval.json`` (``RUN/eval-valid.json`` for the valid split). ``shards``: where the run's shards are now,
-    when they moved."""
+    when they moved. ``pairwise``: CTR runs also get the logistic regression with hashed crosses (slow)."""
     cfg = load_run_config(run)
     torch.set_num_threads(max(1, cfg.threads))
     man, cfg.shards = run_manifest(run, cfg, shards, need_data=True)
@@ -383,7 +389,8 @@ def evaluate_run(run: str, max_batches: Optional[int] = None, split: str = "eval
                          + ("; ingest with --validation to carve one from the training data" if split == "valid"
                             else ""))
     full, model = load_trained(run, cfg, man)
-    res = PROTOCOLS[model_spec(cfg.model).task](cfg, man, full, model, max_batches, split)
+    extra = {"pairwise": pairwise} if model_spec(cfg.model).task == "ctr" else {}
+    res = PROTOCOLS[model_spec(cfg.model).task](cfg, man, full, model, max_batches, split, **extra)
     res.update({"run": os.path.abspath(run), "step": int(full["meta.step"]), "model_name": cfg.model, "split": split})
     write_json_atomic(os.path.join(run, "eval.json" if split == "eval" else f"eval-{split}.json"), res)
     return res

@@ -102,7 +102,8 @@ def render_quality(results: str = RESULTS) -> str:
                          f"baseline ({strongest}): AUC {means[f'{strongest} AUC']:.4f}, logloss "
                          f"{means[f'{strongest} logloss']:.4f}.")
         lines.append("")
-        lines.append(f"`{rec['command']}` at {rec['commit'][:12]} on {rec['host']} ({rec['cpus']} cores; "
+        at = rec["commit"][:12] + (" (with uncommitted changes)" if rec["commit"].endswith("+dirty") else "")
+        lines.append(f"`{rec['command']}` at {at} on {rec['host']} ({rec['cpus']} cores; "
                      f"torch {rec['versions']['torch']}); record `{rec['_file']}`.")
         lines.append("")
     return "\n".join(lines)

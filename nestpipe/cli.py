@@ -16,7 +16,7 @@ from nestpipe import __version__
 # unknown command imports every module. A module that is not installed is simply absent from ``--help``.
 COMMANDS = {
     "synth": "nestpipe.datasets.cli",
-    "check-raw": "nestpipe.datasets.cli",
+    "check-raw": "nestpipe.ingest.cli",
     "ingest": "nestpipe.ingest.cli",
     "shard-report": "nestpipe.ingest.cli",
     "cluster-report": "nestpipe.clustering.cli",

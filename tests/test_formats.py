@@ -19,9 +19,10 @@ import polars as pl
 import pytest
 
 from nestpipe.cli import main
-from nestpipe.datasets import formats, shards
-from nestpipe.datasets.formats.convert import LOG_DIR
-from nestpipe.datasets.formats.movielens import GENRES_100K, OCCUPATIONS_100K, age_group
+from nestpipe.datasets import shards
+from nestpipe.ingest import formats
+from nestpipe.ingest.formats.convert import LOG_DIR
+from nestpipe.ingest.formats.movielens import GENRES_100K, OCCUPATIONS_100K, age_group
 from nestpipe.ingest import IngestConfig, ingest
 
 GENRES = ["Action", "Children's", "Comedy", "Drama", "Film-Noir", "Sci-Fi"]  # a subset of GENRES_100K, in its order

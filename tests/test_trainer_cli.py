@@ -122,10 +122,11 @@ def test_train_eval_export_and_errors(gr, tmp_path):
     # wrong model for the task
     p = run("train", "--shards", gr, "--out", str(tmp_path / "x"), "--model", "dlrm", "--steps", "1")
     assert p.returncode != 0 and "'gr'" in p.stderr and "hstu" in p.stderr
-    # a world size the shards cannot feed (2 train shards, 3 ranks)
-    p = run("train", "--shards", gr, "--out", str(tmp_path / "y"), "--model", "hstu", "--nproc-per-node", "3",
+    # a world size the shards cannot feed (10 train batches, 11 ranks; fewer shards than ranks are dealt:
+    # test_fewer_shards_than_ranks_are_dealt_and_too_few_batches_refused)
+    p = run("train", "--shards", gr, "--out", str(tmp_path / "y"), "--model", "hstu", "--nproc-per-node", "11",
             "--steps", "1", "--no-progress", *SETS)
-    assert p.returncode != 0 and "cannot feed world size 3" in p.stderr
+    assert p.returncode != 0 and "10 train batch(es) cannot feed world size 11" in p.stderr, p.stderr[-2000:]
 
 
 def test_corrupt_shard_is_named(gr, tmp_path):

@@ -1,4 +1,5 @@
-"""`nestpipe synth` (write synthetic KuaiRand-27K files) and `nestpipe check-raw` (discover KuaiRand files)."""
+"""`nestpipe synth`: write synthetic KuaiRand-27K files (`nestpipe check-raw`, which names the dataset a directory
+holds, is the ingest's: nestpipe.ingest.cli)."""
 
 from __future__ import annotations
 
@@ -58,20 +59,6 @@ def add_parser(subparsers) -> None:
     p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
     p.set_defaults(func=run_synth)
 
-    c = subparsers.add_parser(
-        "check-raw",
-        help="say which dataset a directory holds (KuaiRand, MovieLens, Amazon, atomic files) and check its files",
-        description="Name the format and release of the raw data in DIR (what `nestpipe ingest --format auto` would "
-                    "read) and list its files by role. KuaiRand (27K, 1K or Pure): every header is checked against "
-                    "the published columns. Other formats: the files each role is read from (docs/datasets.md).",
-    )
-    c.add_argument("dir", metavar="DIR", help="directory with the raw dataset's files")
-    c.add_argument("--format", choices=["auto", "kuairand", "movielens", "amazon", "atomic"], default="auto",
-                   help="format to expect (default: detected from the file names)")
-    c.add_argument("--release", choices=["27k", "1k", "pure"], default=None,
-                   help="KuaiRand release to expect (default: detected from the file names)")
-    c.add_argument("--debug", action="store_true", help="show the full traceback on errors")
-    c.set_defaults(func=run_check_raw)
 
 
 def run_synth(args) -> int:
@@ -120,25 +107,3 @@ def _settings(items, SynthConfig) -> dict:
             raise SystemExit(f"--set {key}={text}: expected {type(default).__name__} like its default {default!r}")
         out[key] = float(value) if isinstance(default, float) else value
     return out
-
-
-def run_check_raw(args) -> int:
-    from nestpipe.datasets import kuairand  # start-up time: Polars only for the command that runs
-    from nestpipe.utils import storage  # beside it: paths or fsspec URLs
-
-    from nestpipe.datasets import formats
-
-    source = formats.detect(args.dir, args.format)
-    if source is not None:
-        print(f"{source.root}: {source.format} data, release {source.variant} (`nestpipe ingest` converts it into "
-              f"the KuaiRand tables first; ids {'kept as published' if source.numeric_ids else 'mapped to 0..n-1'})")
-        for role, p in source.files():
-            print(f"  {role}: {os.path.basename(p)}  ({storage.size(p) / 2**20:.1f} MiB)")
-        return 0
-    found = kuairand.discover(args.dir, release=args.release)
-    print(f"{found.root}: KuaiRand {found.release} release, all columns as published (CSV headers, Parquet schemas)")
-    for kind, paths in found.files.items():
-        print(f"  {kind}: {len(paths)} file(s)")
-        for p in paths:
-            print(f"    {os.path.basename(p)}  ({storage.size(p) / 2**20:.1f} MiB)")
-    return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from nestpipe.ingest.config import BALANCE_MODES, CLUSTERING_METHODS, ENGINES, FORMATS, TASKS, IngestConfig
@@ -13,6 +14,21 @@ from nestpipe.utils.options import DefaultsHelpFormatter  # standard library onl
 
 
 def add_parser(sub) -> None:
+    c = sub.add_parser(
+        "check-raw",
+        help="say which dataset a directory holds (KuaiRand, MovieLens, Amazon, atomic files) and check its files",
+        description="Name the format and release of the raw data in DIR (what `nestpipe ingest --format auto` would "
+                    "read) and list its files by role. KuaiRand (27K, 1K or Pure): every header is checked against "
+                    "the published columns. Other formats: the files each role is read from (docs/datasets.md).",
+    )
+    c.add_argument("dir", metavar="DIR", help="directory with the raw dataset's files")
+    c.add_argument("--format", choices=["auto", "kuairand", "movielens", "amazon", "atomic"], default="auto",
+                   help="format to expect (default: detected from the file names)")
+    c.add_argument("--release", choices=["27k", "1k", "pure"], default=None,
+                   help="KuaiRand release to expect (default: detected from the file names)")
+    c.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+    c.set_defaults(func=run_check_raw)
+
     p = sub.add_parser(
         "ingest",
         help="raw logs (KuaiRand, MovieLens, Amazon, atomic files) -> clustered WebDataset batch shards + manifest.json",
@@ -154,3 +170,25 @@ def run_report(args) -> int:
     else:
         print(format_report(rep))
     return 0 if rep["ok"] else 1
+
+
+def run_check_raw(args) -> int:
+    # start-up time: Polars only for the command that runs
+    from nestpipe.datasets import kuairand
+    from nestpipe.ingest import formats
+    from nestpipe.utils import storage
+
+    source = formats.detect(args.dir, args.format)
+    if source is not None:
+        print(f"{source.root}: {source.format} data, release {source.variant} (`nestpipe ingest` converts it into "
+              f"the KuaiRand tables first; ids {'kept as published' if source.numeric_ids else 'mapped to 0..n-1'})")
+        for role, p in source.files():
+            print(f"  {role}: {os.path.basename(p)}  ({storage.size(p) / 2**20:.1f} MiB)")
+        return 0
+    found = kuairand.discover(args.dir, release=args.release)
+    print(f"{found.root}: KuaiRand {found.release} release, all columns as published (CSV headers, Parquet schemas)")
+    for kind, paths in found.files.items():
+        print(f"  {kind}: {len(paths)} file(s)")
+        for p in paths:
+            print(f"    {os.path.basename(p)}  ({storage.size(p) / 2**20:.1f} MiB)")
+    return 0

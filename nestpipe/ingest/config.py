@@ -21,7 +21,7 @@ WINDOW_BATCHES, BATCH_TOLERANCE, MICRO_TOLERANCE = 64, 0.005, 0.05  # nestpipe.i
 # Options that do not change the output bytes (excluded from the run's fingerprint).
 NON_SEMANTIC = ("raw", "out", "workers", "force", "progress", "keep_work", "engine", "scheduler", "work_dir")
 ENGINES = ("local", "dask")
-# ``--format`` (``nestpipe.datasets.formats.FORMATS``, named here so that the command line lists them without Polars)
+# ``--format`` (``nestpipe.ingest.formats.FORMATS``, named here so that the command line lists them without Polars)
 FORMATS = ("auto", "kuairand", "movielens", "amazon", "atomic")
 
 

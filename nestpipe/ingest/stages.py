@@ -39,8 +39,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import polars as pl
 
-from nestpipe.datasets import formats, kuairand, shards
-from nestpipe.datasets.formats.convert import CONVERSION_VERSION, REJECTS as CONVERSION_REJECTS, convert
+from nestpipe.datasets import kuairand, shards
+from nestpipe.ingest import formats
+from nestpipe.ingest.formats.convert import CONVERSION_VERSION, REJECTS as CONVERSION_REJECTS, convert
 from nestpipe.datasets.synth import TRUTH_FILE
 from nestpipe.ingest.balance import balanced_order
 from nestpipe.ingest.common import WORK, IngestTask, PartitionCache, crash_point, runs, samples_dir

@@ -179,7 +179,7 @@ def _train(args) -> int:
     if unknown:
         raise ValueError(f"embedding.table_lr: no table named {unknown} in {cfg.shards} "
                          f"(tables: {', '.join(sorted(man.tables))})")
-    from nestpipe.trainer import early_stop
+    from nestpipe.trainer import early_stop  # start-up time: only once the config is built
 
     early_stop.wanted(cfg, man)  # early stopping without a valid split is refused here, before any rank starts
     if not _multi_node(args):

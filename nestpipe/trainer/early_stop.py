@@ -23,6 +23,7 @@ import os
 import shutil
 from typing import Dict, List, Optional
 
+from nestpipe.trainer import checkpoint
 from nestpipe.utils.jsonio import read_json, write_json_atomic
 
 HISTORY = "early_stop.json"
@@ -95,8 +96,6 @@ def prune(es: EarlyStop, out: str, final: bool) -> None:
     """Rank 0, after an epoch's decision: remove every checkpoint but the best epoch's and (while training goes on)
     the latest, which a killed run resumes from. ``final``: the latest goes too where it is not the best, so that
     the run's latest checkpoint (what eval, export and serve read) is the epoch it kept."""
-    from nestpipe.trainer import checkpoint
-
     best = es.best
     root = checkpoint.ckpt_root(out)
     if best is None or not os.path.isdir(root):

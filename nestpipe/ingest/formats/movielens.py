@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 
 import polars as pl
 
-from nestpipe.datasets.formats.source import (FormatError, Source, SideTables, first_line, header_positions,
+from nestpipe.ingest.formats.source import (FormatError, Source, SideTables, first_line, header_positions,
                                               line_chunks, parse_delimited)
 from nestpipe.ingest.parse import Reject
 from nestpipe.utils import storage

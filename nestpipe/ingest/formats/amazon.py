@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import polars as pl
 
-from nestpipe.datasets.formats.source import (ITEM_NAMES, FormatError, SideTables, Source, first_line,
+from nestpipe.ingest.formats.source import (ITEM_NAMES, FormatError, SideTables, Source, first_line,
                                               header_positions, line_chunks, parse_delimited, parse_json_lines)
 from nestpipe.ingest.parse import Reject
 from nestpipe.utils import storage

@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional
 import polars as pl
 
 from nestpipe.datasets import kuairand
-from nestpipe.datasets.formats.source import FormatError, Source, SideTables, line_chunks, numeric_ids
+from nestpipe.ingest.formats.source import FormatError, Source, SideTables, line_chunks, numeric_ids
 from nestpipe.ingest.common import crash_point
 from nestpipe.ingest.parse import Reject
 from nestpipe.utils import storage

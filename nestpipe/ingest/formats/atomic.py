@@ -16,8 +16,8 @@ from typing import List, Optional
 
 import polars as pl
 
-from nestpipe.datasets.formats.movielens import age_group
-from nestpipe.datasets.formats.source import (FormatError, SideTables, Source, first_line, header_positions,
+from nestpipe.ingest.formats.movielens import age_group
+from nestpipe.ingest.formats.source import (FormatError, SideTables, Source, first_line, header_positions,
                                               line_chunks, parse_delimited)
 from nestpipe.ingest.parse import Reject
 from nestpipe.utils import storage

@@ -1,7 +1,7 @@
 """Public datasets in: the formats ``nestpipe ingest --format`` reads besides the KuaiRand releases.
 
 Each adapter (``movielens``, ``amazon``, ``atomic``) recognises its files in a directory and describes them as a
-:class:`~nestpipe.datasets.formats.source.Source`; :func:`~nestpipe.datasets.formats.convert.convert` streams a source
+:class:`~nestpipe.ingest.formats.source.Source`; :func:`~nestpipe.ingest.formats.convert.convert` streams a source
 into the KuaiRand tables the ingest reads, so that the same stages (and the same guarantees: bounded memory, rejects
 with file and line, resume, determinism) make the same kind of shards from every format. docs/datasets.md says where
 each dataset comes from and its licence.
@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Optional
 
 from nestpipe.datasets import kuairand
-from nestpipe.datasets.formats import amazon, atomic, movielens
-from nestpipe.datasets.formats.source import FormatError, Source
+from nestpipe.ingest.formats import amazon, atomic, movielens
+from nestpipe.ingest.formats.source import FormatError, Source
 from nestpipe.utils import storage
 
 FORMATS = ("auto", "kuairand", "movielens", "amazon", "atomic")

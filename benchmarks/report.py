@@ -54,9 +54,9 @@ def _verdicts(per_seed: Dict, model: str, baseline: str, metric: str) -> str:
 def render_quality(results: str = RESULTS) -> str:
     records = _records("real_quality-*.json", results)
     chosen: Dict[str, Dict] = {}
-    for rec in records:  # per dataset: the eval split where recorded, else valid; an untagged record first
+    for rec in records:  # per dataset: the eval split where recorded, else valid; the defaults (no --set) first
         key = rec["dataset"]
-        rank = (rec["split"] == "eval", not rec.get("tag"))
+        rank = (rec["split"] == "eval", not rec.get("sets") and not rec.get("sets_dlrm"), not rec.get("tag"))
         if key not in chosen or rank > chosen[key][0]:
             chosen[key] = (rank, rec)
     if not chosen:

@@ -55,3 +55,14 @@ def test_quality_block_prefers_the_eval_split_and_the_untagged_record(tmp_path):
     assert "| successor counts | 0.1188 [0.0988, 0.1388]" in out
     assert "0.3000" not in out and "0.2000" not in out
     assert report.render_quality(str(tmp_path / "none")).startswith("No real-data quality record yet")
+
+
+def test_quality_block_prefers_the_defaults_among_records_of_one_split(tmp_path):
+    tuned = _record("valid", "bias-", 0.4444, 0.1, "better")
+    tuned["sets"] = ["hstu.relative_bias=true"]
+    for name, rec in (("real_quality-ml-100k-valid-bias.json", tuned),
+                      ("real_quality-ml-100k-valid-def.json", _record("valid", "def-", 0.1205, 0.1188, "tie"))):
+        with open(tmp_path / name, "w") as f:
+            json.dump(rec, f)
+    out = report.render_quality(str(tmp_path))
+    assert "| hstu | 0.1205" in out and "0.4444" not in out

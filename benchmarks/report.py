@@ -98,9 +98,14 @@ def render_quality(results: str = RESULTS) -> str:
         if "dlrm AUC" in means:
             strongest = next(s["dlrm"]["strongest_baseline"] for s in per_seed.values() if "dlrm" in s)
             lines.append("")
+            verdicts = [(s["dlrm"]["comparisons"][f"baseline_{strongest}"]["AUC"]["verdict"],
+                         s["dlrm"]["comparisons"][f"baseline_{strongest}"]["logloss"]["verdict"])
+                        for s in per_seed.values() if "dlrm" in s]
             lines.append(f"dlrm: AUC {means['dlrm AUC']:.4f}, logloss {means['dlrm logloss']:.4f}; the strongest CTR "
-                         f"baseline ({strongest}): AUC {means[f'{strongest} AUC']:.4f}, logloss "
-                         f"{means[f'{strongest} logloss']:.4f}.")
+                         f"baseline ({strongest}; the regression with pairwise crosses is fitted only with "
+                         f"`--pairwise-baseline`): AUC {means[f'{strongest} AUC']:.4f}, logloss "
+                         f"{means[f'{strongest} logloss']:.4f}; dlrm per seed (AUC, logloss): "
+                         + "; ".join(f"{a}, {b}" for a, b in verdicts) + ".")
         lines.append("")
         at = rec["commit"][:12] + (" (with uncommitted changes)" if rec["commit"].endswith("+dirty") else "")
         lines.append(f"`{rec['command']}` at {at} on {rec['host']} ({rec['cpus']} cores; "

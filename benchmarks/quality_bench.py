@@ -31,12 +31,15 @@ from nestpipe.trainer.evaluate import evaluate_run
 GR_MODELS = ("hstu", "sasrec")
 
 
-def train(shards: str, run: str, model: str, epochs: int, nproc: int, sets):
-    """Wall seconds of ``nestpipe train`` (None when ``run`` was already trained: a rerun continues)."""
+def train(shards: str, run: str, model: str, epochs, nproc: int, sets, seed=None):
+    """Wall seconds of ``nestpipe train`` (None when ``run`` was already trained: a rerun continues). ``epochs``
+    None: the trainer's default (early stopping where the shards have a valid split); ``seed`` None: its default."""
     if os.path.exists(os.path.join(run, "metrics.json")):
         return None
     cmd = [sys.executable, "-m", "nestpipe", "train", "--shards", shards, "--out", run, "--model", model,
-           "--nproc-per-node", str(nproc), "--epochs", str(epochs), "--no-progress"]
+           "--nproc-per-node", str(nproc), "--no-progress"]
+    cmd += ["--epochs", str(epochs)] if epochs is not None else []
+    cmd += ["--seed", str(seed)] if seed is not None else []
     for s in sets:
         cmd += ["--set", s]
     t0 = time.perf_counter()

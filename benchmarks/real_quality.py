@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from public_data import dataset  # noqa: E402
+from quality_bench import train  # noqa: E402
 
 from nestpipe.datasets.shards import load_manifest  # noqa: E402
 from nestpipe.ingest import IngestConfig, ingest  # noqa: E402
@@ -38,21 +39,6 @@ from nestpipe.trainer.evaluate import KS, evaluate_run, model_outcomes  # noqa: 
 
 GR_MODELS = ("hstu", "sasrec")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def train(shards: str, run: str, model: str, seed: int, sets, nproc: int) -> float:
-    """Wall seconds of ``nestpipe train`` with the model's defaults (None: the run exists, kept as it is)."""
-    if os.path.exists(os.path.join(run, "metrics.json")):
-        return None
-    cmd = [sys.executable, "-m", "nestpipe", "train", "--shards", shards, "--out", run, "--model", model,
-           "--nproc-per-node", str(nproc), "--seed", str(seed), "--no-progress"]
-    for s in sets:
-        cmd += ["--set", s]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if p.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
-    return time.perf_counter() - t0
 
 
 def hits(ranks: np.ndarray):
@@ -162,7 +148,8 @@ def main(argv=None) -> int:
         for model in args.models:
             run = os.path.join(root, f"{args.tag}{model}-seed{seed}")
             task = "ctr" if model == "dlrm" else "gr"
-            seconds = train(shards[task], run, model, seed, args.set_dlrm if task == "ctr" else args.set, args.nproc)
+            seconds = train(shards[task], run, model, None, args.nproc, args.set_dlrm if task == "ctr" else args.set,
+                            seed=seed)
             metrics = json.load(open(os.path.join(run, "metrics.json")))
             ev = evaluate_run(run, split=args.split)
             row[model] = {"eval": ev, "train_s": seconds, "steps_run": metrics["steps_run"],

@@ -120,7 +120,8 @@ def convert(src: Source, dest: str, *, positive_rating: float = 4.0, chunk_bytes
     os.rmdir(parsed)
     videos, tokens = _video_table(side.items, item_ids, id_type)
     videos.write_parquet(os.path.join(dest, "video_features_basic_pure.parquet"))
-    _user_table(side.users, user_ids, id_type).write_parquet(os.path.join(dest, "user_features_pure.parquet"))
+    user_rows = _user_table(side.users, user_ids, id_type)
+    user_rows.write_parquet(os.path.join(dest, "user_features_pure.parquet"))
     for name, dtypes in EMPTY_TABLES.items():
         pl.DataFrame(schema=dtypes).write_parquet(os.path.join(dest, name))
     os.replace(os.path.join(dest, REJECTS + ".tmp"), os.path.join(dest, REJECTS))
@@ -134,7 +135,7 @@ def convert(src: Source, dest: str, *, positive_rating: float = 4.0, chunk_bytes
         "rows": n_rows, "rejected": n_rejected, "side_rows": side.rows, "side_rejected": len(side.rejects),
         "users": len(user_ids), "items": len(item_ids), "side_tokens": tokens,
         "items_with_side_tokens": int((videos["author_id"] > 0).sum()),
-        "users_with_features": int(len(_user_table(side.users, user_ids, id_type))),
+        "users_with_features": len(user_rows),
         "rating": None if rmin is None else {"min": rmin, "max": rmax, "positive_rating": positive_rating,
                                              "positives": positives},
     }

@@ -506,7 +506,7 @@ def test_oracle_target_kind_names_how_the_generator_drew_the_target():
 
 
 def test_cooccurrence_counts_rank_on_the_models_protocol(gr_shards, tmp_path):
-    """``benchmarks/cooccurrence_counts.py`` scores the split's samples on ``nestpipe eval``'s protocol: with the
+    """``research/cooccurrence_counts.py`` scores the split's samples on ``nestpipe eval``'s protocol: with the
     training pairs of the history's last items it ranks far above the most-popular baseline; negative control: with
     no history item read (``--last 0``) it is the training popularity ranking, that baseline's figures exactly."""
     import json
@@ -515,7 +515,7 @@ def test_cooccurrence_counts_rank_on_the_models_protocol(gr_shards, tmp_path):
 
     def run(*extra):
         out = tmp_path / f"cooc{len(extra)}.json"
-        subprocess.run([sys.executable, "benchmarks/cooccurrence_counts.py", gr_shards, "--split", "eval",
+        subprocess.run([sys.executable, "research/cooccurrence_counts.py", gr_shards, "--split", "eval",
                         "--json", str(out), *extra], check=True, capture_output=True,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         return json.loads(out.read_text())

@@ -1,8 +1,8 @@
 """How much of the successor term a model learns from click labels: a factorisation-machine probe.
 
-    python benchmarks/click_fm_probe.py [--raw DIR] [--dim 32] [--epochs 2] [--lr 0.05]
+    python research/click_fm_probe.py [--raw DIR] [--dim 32] [--epochs 2] [--lr 0.05]
 
-On the synthetic logs (``benchmarks/click_oracle.py`` explains the click model), fits by row-wise AdaGrad on the
+On the synthetic logs (``research/click_oracle.py`` explains the click model), fits by row-wise AdaGrad on the
 training dates ``logit = b_user + b_video + b_last + f(log1p gap) + <e_video, e_last>`` (``last`` the user's previous
 video, the CTR ingest's ``last_video``; ``f`` a small MLP) and prints the ``valid`` AUC (the date before the 3 eval
 dates) after every epoch, with and without the dot product. The dot product is the only term that can express the

@@ -1,6 +1,6 @@
 """Where a next-item model gains and loses against the counting model: the figures split by what the target is.
 
-    python benchmarks/next_item_breakdown.py RUN [--split valid] [--max-batches N]
+    python research/next_item_breakdown.py RUN [--split valid] [--max-batches N]
 
 Synthetic data only (the shards' ``synth_truth.json``): the generator draws a user's next item as the fixed successor
 of the previous one (probability ``successor_prob`` inside a session) or fresh from the user's community or the

@@ -1,6 +1,6 @@
 """Where the synthetic click model's AUC comes from: oracles that know some of the generator's terms.
 
-    python benchmarks/click_oracle.py [--scale small] [--seed 0] [--raw DIR]
+    python research/click_oracle.py [--scale small] [--seed 0] [--raw DIR]
 
 The generator (``nestpipe.datasets.synth``) clicks with ``σ(-1 + 1.4 m + 1.0 s + 0.4 h + b_u + w t_uv)``: ``m`` the
 item is of the user's community, ``h`` a head item, ``s`` a successor transition (the item is the fixed successor of

@@ -1,13 +1,13 @@
 """A counting model of item co-occurrence on gr shards: what a learner can read from the training split's pairs.
 
-    python benchmarks/cooccurrence_counts.py SHARDS [--split valid] [--window 4] [--last 4] [--decay 0.7]
+    python research/cooccurrence_counts.py SHARDS [--split valid] [--window 4] [--last 4] [--decay 0.7]
 
 From the training split's windows, ``P(c | i)``: the share of the items within ``--window`` places after each
 occurrence of item ``i`` that are ``c``. A sample's scores are ``sum_k decay**(k - 1) P(. | h[-k])`` over its last
 ``--last`` items, ties in the most-popular baseline's order (so ``--last 0`` is that baseline); HR@10 and NDCG@10
 on the split, on ``nestpipe eval``'s protocol (full catalogue, chronological leave-one-out; ranks count the items
 scored strictly higher). On synthetic data with session topics (``nestpipe synth --set session_topics=K``) it also
-prints the topic share of ``benchmarks/next_item_breakdown.py`` (the share of the top 10 community items in the
+prints the topic share of ``research/next_item_breakdown.py`` (the share of the top 10 community items in the
 session's topic, for the first 256 samples whose topic the oracle puts at >= 0.9): whether co-occurrence counts,
 unlike the successor counting model, see a session's topic. Not a baseline of ``nestpipe eval``: a measurement of
 what the data volume allows.
@@ -27,7 +27,7 @@ from nestpipe.trainer import baselines
 from nestpipe.trainer import evaluate as ev
 from nestpipe.trainer.data import iter_shard
 
-TOPIC_SURE, TOPIC_SAMPLES = 0.9, 256  # as benchmarks/next_item_breakdown.py
+TOPIC_SURE, TOPIC_SAMPLES = 0.9, 256  # as research/next_item_breakdown.py
 
 
 def cooccurrence(shards: str, vocab: int, window: int):

@@ -19,17 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from public_data import dataset  # noqa: E402
 from quality_bench import train  # noqa: E402
+from record import Recorder  # noqa: E402
 
 from nestpipe.datasets.shards import load_manifest  # noqa: E402
 from nestpipe.ingest import IngestConfig, ingest  # noqa: E402
@@ -98,24 +96,6 @@ def breakdown(shards: str, split: str, seed: int, ranks: dict) -> dict:
                                             for n, r in rankers.items()}} for g, m in groups.items()}
 
 
-def versions() -> dict:
-    import polars
-    import torch
-
-    import nestpipe
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "polars": polars.__version__,
-            "nestpipe": getattr(nestpipe, "__version__", "?")}
-
-
-def commit() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
-                           text=True).stdout.strip()
-    return rev + ("+dirty" if dirty else "")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", default="ml-100k", choices=["ml-100k"])
@@ -135,7 +115,7 @@ def main(argv=None) -> int:
     if raw is None:
         print(f"skipped: {why}")
         return 0
-    t_start, load_before = time.time(), os.getloadavg()
+    rec = Recorder("real_quality", argv, __file__)
     root = os.path.join(args.out, args.dataset)
     shards = {"gr": os.path.join(root, "shards-gr"), "ctr": os.path.join(root, "shards-ctr")}
     for task, path in shards.items():
@@ -179,11 +159,10 @@ def main(argv=None) -> int:
             table[f"dlrm {metric}"] = [per_seed[s]["dlrm"]["eval"]["model"][metric] for s in args.seeds]
             strongest = per_seed[args.seeds[0]]["dlrm"]["eval"]["strongest_baseline"]
             table[f"{strongest} {metric}"] = [per_seed[args.seeds[0]]["dlrm"]["eval"][f"baseline_{strongest}"][metric]]
-    record = {
-        "benchmark": "real_quality", "command": "python benchmarks/real_quality.py " + " ".join(argv or sys.argv[1:]),
-        "commit": commit(), "host": platform.node(), "cpus": os.cpu_count(), "versions": versions(),
-        "load_before": load_before, "load_after": os.getloadavg(), "seconds": round(time.time() - t_start, 1),
-        "dataset": args.dataset, "split": args.split, "tag": args.tag, "seeds": args.seeds, "sets": args.set, "sets_dlrm": args.set_dlrm,
+    name = f"real_quality-{args.dataset}-{args.split}{'-' + args.tag.rstrip('-') if args.tag else ''}.json"
+    path = rec.write(path=os.path.join(args.record, name), fields={
+        "dataset": args.dataset, "split": args.split, "tag": args.tag, "seeds": args.seeds, "sets": args.set,
+        "sets_dlrm": args.set_dlrm,
         "means": {k: statistics.mean(v) for k, v in table.items()}, "values": table,
         "per_seed": {str(s): {m: ({"model": r["eval"]["model"], "intervals": r["eval"]["intervals"],
                                    "comparisons": r["eval"]["comparisons"], "train_s": r["train_s"],
@@ -191,13 +170,7 @@ def main(argv=None) -> int:
                                    "strongest_baseline": r["eval"]["strongest_baseline"]}
                                   if m in args.models else r) for m, r in row.items()}
                      for s, row in per_seed.items()},
-    }
-    os.makedirs(args.record, exist_ok=True)
-    name = f"real_quality-{args.dataset}-{args.split}{'-' + args.tag.rstrip('-') if args.tag else ''}.json"
-    path = os.path.join(args.record, name)
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f, indent=1, sort_keys=True)
-    os.replace(path + ".tmp", path)
+    })
     for k, v in table.items():
         print(f"{k:40s} mean {statistics.mean(v):.4f}  " + " ".join(f"{x:.4f}" for x in v))
     first = per_seed[args.seeds[0]]
@@ -216,7 +189,6 @@ def main(argv=None) -> int:
             v = per_seed[s][m]["eval"]["vs_strongest_baseline"]
             print(f"seed {s} {m} vs {v['baseline']}: HR@10 {v['HR@10']}, NDCG@10 {v['NDCG@10']}; kept epoch "
                   f"{per_seed[s][m]['early_stop'].get('kept_epoch')}")
-    print(f"record: {path}")
     return 0
 
 

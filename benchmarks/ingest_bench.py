@@ -8,17 +8,21 @@
 For each size: synthetic KuaiRand logs (`--scale`'s vocabulary, `medium` by default; N interactions), then rows/s and peak RSS of
 `ingest --task gr`, `ingest --task ctr`, a bare Polars `scan_csv(...).sink_parquet(...)` of the same logs, and
 (at sizes <= 5M only; it needs about 3.3 GiB there) pandas `read_csv` + sort + `groupby("user_id").agg(list)` on
-every column, the way popular open-source GR preprocessors do it. pandas is only needed here (`pip install pandas`).
+every column, the way popular open-source GR preprocessors do it. pandas is only needed here (`pip install pandas`;
+left out where it is not installed).
 `ingest gr dask` (only when named in --tools): the gr ingest with `--engine dask` (a LocalCluster of --workers
 processes); its seconds and peak RSS (driver with the scheduler, nannies and workers) over the local engine's.
 Rows are log rows. Peak RSS is the maximum over the tool's process tree, sampled every 50 ms; the largest single
 process's peak (for the Dask engine: the largest worker, nanny or driver) is printed beside it.
+
+Writes the record ``benchmarks/results/ingest.json`` (``benchmarks/record.py``): every repeat's figures and ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import json
 import os
 import shutil
@@ -27,6 +31,9 @@ import sys
 import time
 
 import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from record import Recorder  # noqa: E402
 
 BARE_POLARS = r"""
 import glob, sys, polars as pl
@@ -92,6 +99,7 @@ def main():
     ap.add_argument("--tools", nargs="+", default=None,
                     help="subset of tools to run (names as printed, e.g. 'ingest gr' 'bare polars')")
     args = ap.parse_args()
+    rec = Recorder("ingest", script=__file__)
     if args.engines:
         args.tools = [{"local": "ingest gr", "dask": "ingest gr dask"}[e] for e in args.engines]
     py = sys.executable
@@ -118,7 +126,7 @@ def main():
         }
         if "ingest gr dask" not in (args.tools or []):
             tools.pop("ingest gr dask")  # only when asked for: --tools "ingest gr" "ingest gr dask"
-        if n <= args.pandas_max:
+        if n <= args.pandas_max and importlib.util.find_spec("pandas") is not None:
             tools["pandas groupby"] = [py, "-c", PANDAS, raw]
         if args.tools:
             tools = {k: v for k, v in tools.items() if k in args.tools}
@@ -165,6 +173,7 @@ def main():
         print(f"  {n:,} rows, {len(reps)} repeat(s): {json.dumps(summary)}", flush=True)
         results.append({"rows": rows, "repeats": reps, "summary": summary})
     print(json.dumps(results, indent=1))
+    rec.write({"scale": args.scale, "workers": args.workers, "sizes": results})
 
 
 if __name__ == "__main__":

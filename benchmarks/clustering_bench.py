@@ -11,6 +11,7 @@ CTR tables share one id space through ``combine_keys``; weights are the rows' by
 
 Runs pinned to one core with one BLAS thread. Timings are noisy on a shared machine; compare within one run.
 Usage: python benchmarks/clustering_bench.py [--scale small] [--batches 5] [--ns 4 8 32] [--methods ...]
+Writes the record ``benchmarks/results/clustering.json`` (``benchmarks/record.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import glob  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from typing import Dict, List, Tuple  # noqa: E402
@@ -31,6 +33,9 @@ import polars as pl  # noqa: E402
 
 from nestpipe.clustering import assign, combine_keys, redundancy  # noqa: E402
 from nestpipe.datasets import synth  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from record import Recorder  # noqa: E402
 
 B = 512
 MAX_LEN = 256
@@ -188,6 +193,7 @@ def main(argv=None) -> int:
     p.add_argument("--methods", nargs="+", default=["random", "minhash", "kmeans"])
     p.add_argument("--workdir", default=None, help="where to keep the synth data (default: a temp dir)")
     args = p.parse_args(argv)
+    rec = Recorder("clustering", argv, __file__)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     workdir = args.workdir or tempfile.mkdtemp(prefix="nestpipe-cluster-bench-")
@@ -207,7 +213,7 @@ def main(argv=None) -> int:
     methods = args.methods if "random" in args.methods else ["random", *args.methods]
     header = f"{'data':<10} {'task':<4} {'N':>3} " + " ".join(f"{m + ' R':>11} {'cut':>6} {'ms':>7}" for m in methods)
     print(header)
-    verdicts = []
+    verdicts, rows = [], []
     for (kind, task), batches in data.items():
         for n in args.ns:
             res = measure(batches, n, methods)
@@ -218,6 +224,9 @@ def main(argv=None) -> int:
                 cut = 100 * (1 - (r - 1) / (base - 1)) if base > 1 else 0.0
                 cells.append(f"{r:>11.4f} {cut:>5.1f}% {ms:>7.1f}")
             print(f"{kind:<10} {task:<4} {n:>3} " + " ".join(cells))
+            rows.append({"data": kind, "task": task, "n": n, "methods": {
+                m: {"R": round(res[m][0], 4), "ms": round(res[m][1], 2),
+                    "cut": round(1 - (res[m][0] - 1) / (base - 1), 4) if base > 1 else 0.0} for m in methods}})
             if kind == "community" and task == "gr" and n == 8 and "minhash" in res:
                 cut = 1 - (res["minhash"][0] - 1) / (base - 1)
                 verdicts.append(f"target cut >= 40% (community GR, N=8, default): {100 * cut:.1f}% "
@@ -229,6 +238,8 @@ def main(argv=None) -> int:
           "(R - 1) removed; ms = median over batches of the best of 3 runs, one core")
     for v in verdicts:
         print(v)
+    rec.write({"scale": args.scale, "seed": args.seed, "batch": B, "batches": args.batches, "rows": rows,
+               "verdicts": verdicts})
     return 0
 
 

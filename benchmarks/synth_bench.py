@@ -2,7 +2,8 @@
 
     python benchmarks/synth_bench.py --scale medium 27k [--interactions N] [--keep DIR]
 
-Prints one line per scale: rows written, seconds, rows/s, peak RSS of the child process, MiB written.
+Prints one line per scale: rows written, seconds, rows/s, peak RSS of the child process, MiB written; writes the
+record ``benchmarks/results/synth.json`` (``benchmarks/record.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import tempfile
 import time
 
 from nestpipe.datasets.synth import SynthConfig
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from record import Recorder  # noqa: E402
 
 
 def run(scale: str, interactions: int | None, out: str) -> dict:
@@ -46,6 +50,8 @@ def main() -> None:
     ap.add_argument("--interactions", type=int, default=None)
     ap.add_argument("--keep", default=None, help="write into DIR/<scale> and keep the files")
     args = ap.parse_args()
+    rec = Recorder("synth", script=__file__)
+    rows = []
     for scale in args.scale:
         base = args.keep or tempfile.mkdtemp(prefix="synth-bench-")
         out = os.path.join(base, scale)
@@ -61,6 +67,8 @@ def main() -> None:
             f"{r['peak_rss_mib']:,.0f} MiB, {r['written_mib']:,.0f} MiB written",
             flush=True,
         )
+        rows.append({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()})
+    rec.write({"scales": rows})
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ same with ``embedding.tier = mmap`` (row files in ``--big-store-dir``, a DRAM ca
 the rank's shard bytes, the page cache dropped before the first timed step: cold, then warm), in a memory cgroup of
 ``--memory-limit-gib`` where one can be made; with ``--tier dram mmap`` both in one invocation and the ratio of their
 embedding stages (retrieve + update + dual-buffer sync) per schedule of ``--big-pipelines``.
+
+Writes the record ``benchmarks/results/trainer.json`` (``trainer-big.json`` with ``--big``; ``benchmarks/record.py``).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ from nestpipe.utils.host import describe_host, host_line
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from record import Recorder  # noqa: E402
 
 
 def free_port() -> int:
@@ -585,6 +589,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     # as `nestpipe train` does (launch.py): Numba's parallel kernels get the rank's one thread, not an all-core pool
     os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+    rec = Recorder("trainer-big" if a.big else "trainer", argv, __file__)
     host = describe_host()
     print(host_line(host))
     out = {"workload": {k: getattr(a, k) for k in ("tables", "rows", "dim", "batch", "dense", "min_len", "max_len",
@@ -634,6 +639,8 @@ def main(argv=None):
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
+    torchrec = out.get("torchrec", {}).get("versions", {})
+    rec.write(out, extra_versions={f"torchrec env: {k}": v for k, v in torchrec.items()})
     return 0
 
 

@@ -34,7 +34,8 @@ Prints one row per (network, workload, mode): step time, samples/s, exposed comm
 ratio to off, and speedup over off; the bound line (nested step vs max(CPU-bound stages, communication)); the
 ratios to TorchRec. All ratios compare runs of one invocation (the machine is shared: compare within a run).
 Writes DIR/results.json and keeps every run directory (trace.json, timeline.png); the runs' checkpoints are removed
-unless ``--keep-checkpoints`` (they hold the tables: about 10 GB for one invocation).
+unless ``--keep-checkpoints`` (they hold the tables: about 10 GB for one invocation); writes the record
+``benchmarks/results/pipeline.json`` (``benchmarks/record.py``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from nestpipe.measure.validate_local import make_gr_shards as make_gr_workload_s
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torchrec_runner  # noqa: E402 (benchmarks/ is not a package)
+from record import Recorder  # noqa: E402
 
 MODES = ("off", "dbp", "fwp", "nested")
 NS = "nestpipe-bench"
@@ -407,6 +409,7 @@ def main(argv=None):
     ap.add_argument("--torchrec-python", default=os.environ.get("TORCHREC_PYTHON"),
                     help="a python with torchrec 1.8 + fbgemm-gpu-cpu 1.8 (e.g. /tmp/torchrec-venv-pipe/bin/python)")
     args = ap.parse_args(argv)
+    rec = Recorder("pipeline", argv, __file__)
     set_link_mtu(args.link_mtu)
     if args.torchrec_python and not os.path.exists(args.torchrec_python):
         print(f"--torchrec-python {args.torchrec_python}: not found, TorchRec comparison skipped")
@@ -483,6 +486,10 @@ def main(argv=None):
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     print(f"\nresults: {os.path.join(args.out, 'results.json')}; traces and timeline.png in {args.out}/*-nested")
+    torchrec = next((w.get("torchrec_versions") for w in (results.get("loopback_torchrec") or {}).values()
+                     if w.get("torchrec_versions")), None) or {}
+    rec.write(json.loads(json.dumps(results, default=str)),
+              extra_versions={f"torchrec env: {k}": str(v) for k, v in torchrec.items()})
 
 
 if __name__ == "__main__":

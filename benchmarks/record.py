@@ -145,9 +145,9 @@ def write_record(name: str, figures: Optional[Dict] = None, argv: Optional[Seque
 
 
 def _plain(x):
-    """NumPy scalars and arrays as JSON numbers and lists."""
+    """NumPy scalars and arrays as JSON numbers and lists; anything else as its text."""
     if hasattr(x, "tolist"):
         return x.tolist()
     if hasattr(x, "item"):
         return x.item()
-    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+    return str(x)

@@ -32,7 +32,8 @@ uniformly from 1..L (L = 16, 64, 256, 1024; seed 0; forward + backward with a re
 Numba loops, the blocked tiles at 16, 32 and 64 tokens, and the padded reference. This is what the CPU rule in
 ``nestpipe/kernels/attention.py`` (loops up to 64 tokens, 32-token tiles up to 512, 64 beyond) was read from.
 
-Writes ``WORK/results.json`` with the figures, versions and the load average before and after.
+Writes ``WORK/results.json`` with the figures, versions and the load average before and after, and the record
+``benchmarks/results/hstu.json`` (``hstu-negatives.json``, ``hstu-cpu-paths.json``; ``benchmarks/record.py``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ from nestpipe.kernels.attention import blocked_attention, hstu_attention, padded
 from nestpipe.trainer.config import TrainConfig
 from nestpipe.trainer.data import ShardStream  # noqa: F401  (the shards' reader is the trainer's)
 from nestpipe.trainer.models.hstu import HSTU
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from record import Recorder  # noqa: E402
 
 
 def shards_for(work: str, max_len: int) -> str:
@@ -255,6 +259,8 @@ def main(argv=None):
     ap.add_argument("--negatives", action="store_true",
                     help="end-to-end step time of each negatives setting on the longest length's shards (see above)")
     args = ap.parse_args(argv)
+    rec = Recorder("hstu-negatives" if args.negatives else "hstu-cpu-paths" if args.cpu_paths else "hstu", argv,
+                   __file__)
     os.makedirs(args.work, exist_ok=True)
     torch.set_num_threads(1)
     if args.negatives:
@@ -266,10 +272,13 @@ def main(argv=None):
             json.dump(res, f, indent=1)
         print(f"load average {load[0]:.2f} before / {res['load_after'][0]:.2f} after; "
               f"{os.path.join(args.work, 'negatives.json')}")
+        rec.write(res)
         return
     if args.cpu_paths:
+        res = {"seconds": cpu_paths(), "torch": torch.__version__}
         with open(os.path.join(args.work, "cpu_paths.json"), "w") as f:
-            json.dump({"seconds": cpu_paths(), "torch": torch.__version__}, f, indent=1)
+            json.dump(res, f, indent=1)
+        rec.write(res)
         return
     load_before = os.getloadavg()
     results = {"versions": {"python": platform.python_version(), "torch": torch.__version__,
@@ -313,6 +322,7 @@ def main(argv=None):
         json.dump(results, f, indent=1)
     print(f"load average {load_before[0]:.2f} before / {results['load_after'][0]:.2f} after; "
           f"{os.path.join(args.work, 'results.json')}")
+    rec.write(results)
 
 
 if __name__ == "__main__":

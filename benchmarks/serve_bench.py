@@ -12,6 +12,8 @@ load generator in its own process runs C closed-loop clients, each sending its o
 new event and K candidates, so the window grows from H - R to H without a rebase. Per point: p50 / p99 latency,
 throughput (requests / wall second), the hit rate. "Throughput within SLO": the highest throughput among the points
 of one (H, K) whose p99 is within the SLO (50 ms, or the uncached p99 at concurrency 1 when that is above 50 ms).
+A run at hand: the jagged end-to-end run `benchmarks/hstu_bench.py` leaves (`/tmp/nestpipe-hstu-bench/e2e-jagged`,
+medium data at `--max-seq-len 1024`). Writes the record ``benchmarks/results/serve.json`` (``benchmarks/record.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ import urllib.request
 import numpy as np
 
 from nestpipe.serving.front import free_port
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from record import Recorder  # noqa: E402
 
 
 def post(url: str, body: dict) -> dict:
@@ -114,6 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--slo-ms", type=float, default=50.0)
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
+    rec = Recorder("serve", argv, __file__)
     cfg = json.load(open(os.path.join(args.run, "config.json")))
     man = json.load(open(os.path.join(args.run, "manifest.json")))
     shape = {"max_seq_len": man.get("max_seq_len"), "dim": man["tables"]["item"]["dim"],
@@ -168,6 +174,7 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
     print(f"load average {load0[0]:.2f} before / {os.getloadavg()[0]:.2f} after")
+    rec.write(out)
     return 0
 
 

@@ -26,6 +26,7 @@ COMMANDS = {
     "kernels-info": "nestpipe.kernels.cli",
     "plan": "nestpipe.planning.cli",
     "simulate": "nestpipe.measure.cli",
+    "measure": "nestpipe.measure.cli",
     "serve": "nestpipe.serving.cli",
     "demo": "nestpipe.demo",
 }

@@ -47,6 +47,6 @@ class SequenceCost:
 
 
 # The default HSTU (2 layers, 2 heads x 16, dim 64), jagged attention, one thread, forward + backward of the layer
-# stack per sequence: `python benchmarks/sequence_cost.py` (docs/benchmarks.md). Only the ratio b / a (here about
-# 208 tokens: below that length the per-token work dominates) changes which samples share a batch.
+# stack per sequence, as `nestpipe measure sequence-cost` fits it. Only the ratio b / a (here about 208 tokens: below
+# that length the per-token work dominates) changes which samples share a batch.
 DEFAULT_COST = SequenceCost(a=2.4e-8, b=5.0e-6)

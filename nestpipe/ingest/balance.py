@@ -2,7 +2,7 @@
 
 Ranks read their own batches and meet at every step's collectives, so a step lasts as long as its costliest batch.
 A sequence of ``n`` tokens costs ``c(n) = a n^2 + b n`` (attention's causal triangle, and everything done per token;
-:class:`SequenceCost`, fitted by ``benchmarks/sequence_cost.py`` on the HSTU layer stack). The ingest composes the
+:class:`SequenceCost`, fitted by ``nestpipe measure sequence-cost`` on the HSTU layer stack). The ingest composes the
 training batches so that their costs are nearly equal (:func:`balanced_order`) and then the micro-batches of each
 batch (:func:`balance_micro_batches`), both deterministic functions of the samples' lengths and the sample order.
 

@@ -91,7 +91,8 @@ def add_parser(sub) -> None:
                    "made them: fewer rows exchanged); off: batches in the seeded sample order. ctr: always off")
     p.add_argument("--sequence-cost", default=None, metavar="A,B",
                    help="gr: the per-sequence cost model c(n) = A n^2 + B n in seconds the balancing uses (default: "
-                   "the HSTU layer's, fitted by benchmarks/sequence_cost.py; only B / A matters)")
+                   "the HSTU layer's on a reference machine; `nestpipe measure sequence-cost` fits this machine's; "
+                   "only B / A matters)")
     p.add_argument("--dim", type=int, default=64, help="default embedding dim recorded in the manifest")
     p.add_argument("--ctr-eval-days", type=int, default=3, help="ctr: the last D dates form the eval set")
     p.add_argument("--validation", action="store_true",

@@ -1,9 +1,13 @@
 """``nestpipe simulate``: the step-timeline model of every pipeline mode, from the paper's scale down to this
 machine. The prediction is :mod:`nestpipe.planning`'s (pure); ``--calibrate RUN`` fits it to a measured run of this
-trainer (:mod:`nestpipe.measure.measured`), which is why the command lives above the trainer."""
+trainer (:mod:`nestpipe.measure.measured`), which is why the command lives above the trainer.
+
+``nestpipe measure sequence-cost``: this machine's per-sequence cost model of the HSTU layer stack
+(:mod:`nestpipe.measure.sequence_cost`), printed as the ``--sequence-cost A,B`` argument of ``nestpipe ingest``."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -52,6 +56,7 @@ def add_parser(sub) -> None:
     s.add_argument("--cores", type=int, default=None, help="with --calibrate: cores the ranks share (default: this "
                                                            "machine's)")
     s.set_defaults(func=_simulate)
+    _add_measure_parser(sub)
 
 
 def _simulate(args) -> int:
@@ -130,4 +135,89 @@ def _simulate_measured(args) -> int:
     for p in preds:
         print(f"{p.pipeline:<8} {p.world:>5} {p.micro_batches:>3} {p.step_s * 1e3:9.1f} {p.exposed_comm_s * 1e3:11.1f} "
               f"{p.exposed_lookup_s * 1e3:13.2f}")
+    return 0
+
+
+SEQUENCE_COST_LENGTHS = (16, 32, 64, 128, 256, 512, 1024)
+
+
+def _add_measure_parser(sub) -> None:
+    m = sub.add_parser("measure", help="calibrations of this machine whose results are options of other commands",
+                       description="Measure a cost on this machine and print it as the option of the command that "
+                                   "takes it. `nestpipe measure WHAT --help` explains each measurement.")
+    m.set_defaults(func=lambda args: (m.print_help(), 2)[1])
+    what = m.add_subparsers(dest="what", metavar="WHAT")
+    s = what.add_parser(
+        "sequence-cost", help="the per-sequence cost a n^2 + b n of the HSTU layer stack (for `nestpipe ingest "
+                              "--sequence-cost A,B`)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Times the forward + backward of the default HSTU layer stack (jagged attention; 2 layers, 2 "
+                    "heads) per sequence, on micro-batches of equal-length sequences of each --lengths value (the "
+                    "best of --repeats timings after one warm-up), and fits c(n) = a n^2 + b n seconds by "
+                    "non-negative least squares of the relative errors: a is attention's causal triangle, b the "
+                    "per-token work.\n\n"
+                    "`nestpipe ingest --task gr --balance tokens` (the gr default) composes batches and micro-batches "
+                    "of nearly equal cost under this model; the result is its `--sequence-cost A,B` argument (printed "
+                    "last). Only the ratio b / a changes which samples share a batch; without the option the ingest "
+                    "uses the fit recorded in nestpipe.datasets.sequence_cost.DEFAULT_COST, so that shards do not "
+                    "depend on the machine that wrote them.")
+    s.add_argument("--lengths", type=int, nargs="+", default=list(SEQUENCE_COST_LENGTHS), metavar="N",
+                   help="sequence lengths to time, at least two distinct values >= 1 (default: "
+                        f"{' '.join(map(str, SEQUENCE_COST_LENGTHS))})")
+    s.add_argument("--dim", type=int, default=64, help="embedding dim of the layer stack (default: 64, the ingest's)")
+    s.add_argument("--tokens-per-call", type=int, default=4096,
+                   help="tokens per timed micro-batch: each holds max(1, this // n) sequences of length n "
+                        "(default: 4096)")
+    s.add_argument("--repeats", type=int, default=3, help="timings per length; the best counts (default: 3)")
+    s.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads while timing (default: 1, as the recorded default fit)")
+    s.add_argument("--json", action="store_true", help="print the measurement and the fit as JSON")
+    s.add_argument("--out", default=None, help="also write the JSON document to this file")
+    s.set_defaults(func=_measure_sequence_cost)
+
+
+def _measure_sequence_cost(args) -> int:
+    """``nestpipe measure sequence-cost``: time, fit, print the fit and the ingest argument that uses it."""
+    lengths = sorted(set(args.lengths))
+    if min(lengths) < 1:
+        raise ValueError(f"--lengths must be >= 1, got {min(lengths)}")
+    if len(lengths) < 2:
+        raise ValueError("--lengths needs at least two distinct lengths: the fit has two terms (a n^2 and b n)")
+    for name in ("dim", "tokens_per_call", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    import torch  # start-up time: torch and the model only when measuring
+
+    from nestpipe.measure.sequence_cost import fit, relative_errors, sequence_seconds
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    try:
+        secs = sequence_seconds(lengths, args.dim, args.tokens_per_call, args.repeats)
+    finally:
+        torch.set_num_threads(threads)
+    cost = fit(secs)
+    if cost.a + cost.b <= 0:
+        raise RuntimeError(f"the fit of {secs} has no positive term")
+    err = relative_errors(cost, secs)
+    flag = f"{cost.a:.2g},{cost.b:.2g}"
+    doc = {"seconds_per_sequence": {str(n): s for n, s in secs.items()}, "fit": cost.to_dict(),
+           "relative_errors": {str(n): e for n, e in err.items()}, "sequence_cost": flag,
+           "b_over_a_tokens": cost.b / cost.a if cost.a else None,
+           "settings": {"dim": args.dim, "tokens_per_call": args.tokens_per_call, "repeats": args.repeats,
+                        "threads": args.threads},
+           "torch": torch.__version__, "load_before": list(load_before), "load_after": list(os.getloadavg())}
+    if args.out:
+        write_json_atomic(args.out, doc)
+    if args.json:
+        print(json.dumps(doc, indent=1, sort_keys=True))
+        return 0
+    for n, s in secs.items():
+        print(f"n {n:5d}: {s * 1e3:8.3f} ms per sequence, model {cost(n) * 1e3:8.3f} ms ({err[n]:+.1%})")
+    print(f"a = {cost.a:.3g} s/token^2, b = {cost.b:.3g} s/token (b / a = {cost.b / cost.a:.0f} tokens)" if cost.a
+          else f"a = 0, b = {cost.b:.3g} s/token")
+    print(f"load average {load_before[0]:.2f} before / {doc['load_after'][0]:.2f} after (timings on a busy machine "
+          "are noisy)")
+    print(f"nestpipe ingest ... --sequence-cost {flag}")
     return 0

@@ -3,8 +3,9 @@
 :func:`sequence_seconds` times the forward + backward of the default HSTU layer stack (jagged attention) on
 micro-batches of equal-length sequences, per sequence; :func:`fit` takes the non-negative least-squares ``(a, b)``
 of those times, weighting every length by ``1 / c(n)`` so that the short lengths count as much as the long ones.
-``benchmarks/sequence_cost.py`` runs both; the ingest's default (:data:`nestpipe.ingest.balance.DEFAULT_COST`) is
-its result on the reference machine, so that shards do not depend on the machine that wrote them.
+``nestpipe measure sequence-cost`` runs both and prints the ingest's ``--sequence-cost A,B`` argument; the ingest's
+default (:data:`nestpipe.ingest.balance.DEFAULT_COST`) is their result on a reference machine, so that shards do not
+depend on the machine that wrote them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""Benchmark of nestpipe.kernels: each op's selected fast path vs the unfused torch composition.
+"""Benchmark of the nestpipe.kernels ops the trainer runs: each op's selected path vs the unfused torch composition.
+
+The ops: ``gather_rows`` (the store's row gather), ``adagrad_update`` (the owner's entry update: sequence tables),
+``dual_buffer_sync_rows`` (the prefetch buffer's sync from the store) and ``adagrad_bags`` (the owner's bag update
+of pooled tables, against fbgemm's TBE CPU backward, the op under TorchRec's fused row-wise AdaGrad). The other
+kernels of the package are not on the trainer's CPU path and are not timed here.
 
 KuaiRand-like sizes by default: batch 512 x sequence 256 tokens of Zipf(1.2) ids over a 32M-row table, dim 64,
 one owner holding the whole 32M-row store (about 8.2 GB of float32 weights + 128 MB of AdaGrad state).
@@ -17,13 +22,17 @@ Method (every ratio printed is measured in this one run):
     python benchmarks/kernels_bench.py            # 32M rows (needs about 9.5 GB free), a few minutes
     python benchmarks/kernels_bench.py --quick    # 4M-row store, fewer reps: under a minute
     python benchmarks/kernels_bench.py --default-pages   # the store on 4 KiB pages (torch.empty), for comparison
-    python benchmarks/kernels_bench.py --bags     # the pooled owner update: Numba kernel vs fbgemm's TBE backward
+    python benchmarks/kernels_bench.py --bags     # only the pooled owner update: Numba kernel vs fbgemm's TBE backward
+
+Writes the record ``benchmarks/results/kernels.json`` (``kernels-bags.json`` with ``--bags``; ``benchmarks/record.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -34,8 +43,10 @@ import nestpipe.kernels as K
 from nestpipe.kernels import reference as R
 
 from nestpipe.utils.host import describe_host, host_line
-from nestpipe.kernels import routing
 from nestpipe.kernels.memory import host_empty, host_zeros, huge_pages_mode
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from record import Recorder  # noqa: E402
 
 COPY_BYTES = 512 * 1024 * 1024
 
@@ -101,7 +112,7 @@ def anon_huge_bytes() -> int:
     return 0
 
 
-def bags_bench(reps: int, rows: int, dim: int, bags: int) -> None:
+def bags_bench(reps: int, rows: int, dim: int, bags: int) -> dict:
     """``adagrad_bags``, the owner update of pooled tables: the Numba kernel against fbgemm's TBE CPU backward (the
     op under TorchRec's fused row-wise AdaGrad) on one table of the trainer benchmark's pooled workload (``bags``
     bags of 15-25 uniform ids), a fresh batch per call, interleaved, thread CPU time; checks bitwise equality."""
@@ -139,10 +150,15 @@ def bags_bench(reps: int, rows: int, dim: int, bags: int) -> None:
     print(f"adagrad_bags, {rows:,} x {dim} table, {bags} bags of 15-25 ids, {reps} reps (thread CPU ms, median): "
           f"numba {med['numba']:.2f}, fbgemm TBE backward {med['fbgemm']:.2f}; fbgemm / numba "
           f"{med['fbgemm'] / med['numba']:.2f}; tables bitwise equal after {reps + 2} updates: {same}")
+    ratios = [f / n for f, n in zip(times["fbgemm"], times["numba"])]
+    return {"rows": rows, "dim": dim, "bags": bags, "reps": reps, "numba_ms": round(med["numba"], 3),
+            "fbgemm_tbe_ms": round(med["fbgemm"], 3), "fbgemm_over_numba": round(med["fbgemm"] / med["numba"], 3),
+            "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3), "bitwise_equal": same}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--no-bags", action="store_true", help="leave out the pooled owner update (adagrad_bags)")
     ap.add_argument("--bags", action="store_true",
                     help="only the pooled owner update: adagrad_bags' Numba kernel vs fbgemm's TBE CPU backward on "
                     "one table of the trainer benchmark (100k x 64, 2,048 bags), bitwise equality checked")
@@ -150,7 +166,6 @@ def main():
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--world", type=int, default=8, help="owners for the routing benchmark")
     ap.add_argument("--reps", type=int, default=None, help="timed reps per op (default 15, 7 with --quick)")
     ap.add_argument("--quick", action="store_true", help="4M-row store and fewer reps (under a minute)")
     ap.add_argument("--default-pages", action="store_true",
@@ -166,11 +181,12 @@ def main():
         "clock is wall time)",
     )
     args = ap.parse_args()
+    rec = Recorder("kernels-bags" if args.bags else "kernels", script=__file__)
     store_rows = args.store_rows or (4_000_000 if args.quick else 32_000_000)
     reps = args.reps or (7 if args.quick else 15)
     torch.set_num_threads(args.threads)
     if args.bags:
-        bags_bench(reps, 100_000, args.dim, 2048)
+        rec.write({"adagrad_bags": bags_bench(reps, 100_000, args.dim, 2048), "threads": args.threads})
         return
     import numba
 
@@ -213,13 +229,6 @@ def main():
     out = torch.empty(3 * n_unique, dim)
     results = []  # (op, {"fast": per-rep s, "ref": per-rep s}, rows per call or None, bytes per row or None)
 
-    # Key routing: fbgemm bucketize vs a torch stable sort (dedup and hashing are shared by both).
-    t = bench.interleaved({
-        "fast": lambda: K.route_keys(ids_t, vocab, args.world),
-        "ref": lambda: routing.route(ids_t, None, vocab, args.world, None, use_fbgemm=False),
-    })
-    results.append((f"route_keys (W={args.world})", t, None, None))
-
     # Row gather (selected path vs index_select, the same op on CPU today).
     t = bench.interleaved({
         "fast": lambda b: K.gather_rows(weights, b, out[: b.numel()]),
@@ -235,51 +244,15 @@ def main():
     # weights read + written, grads read, state read + written
     results.append(("adagrad_update", t, n_unique, 3 * dim * 4 + 8))
 
-    buffer_rows = K.gather_rows(weights, routed.send_rows)
-    inverse = routed.inverse
-    grad_tok = torch.randn(n_tok, dim)
-
-    def seq_fast():
-        r = buffer_rows.clone().requires_grad_(True)
-        K.sequence_lookup(r, inverse).backward(grad_tok)
-
-    def seq_ref():
-        r = buffer_rows.clone().requires_grad_(True)
-        r.index_select(0, inverse).backward(grad_tok)
-
-    results.append(("sequence_lookup fwd+bwd", bench.interleaved({"fast": seq_fast, "ref": seq_ref}), None, None))
-
-    offsets = torch.arange(0, n_tok + 1, args.seq)
-    grad_bag = torch.randn(args.batch, dim)
-
-    def pooled_fast():
-        r = buffer_rows.clone().requires_grad_(True)
-        K.pooled_lookup(r, inverse, offsets).backward(grad_bag)
-
-    def pooled_ref():
-        r = buffer_rows.clone().requires_grad_(True)
-        torch.nn.functional.embedding_bag(inverse, r, offsets[:-1], mode="sum").backward(grad_bag)
-
-    results.append(("pooled_lookup fwd+bwd", bench.interleaved({"fast": pooled_fast, "ref": pooled_ref}), None, None))
-
-    keys_t = routed.unique_keys
-    keys_t1 = K.route_keys(ids_t1, vocab, 1).unique_keys
-    active = buffer_rows.clone()
-    prefetch = torch.empty(keys_t1.numel(), dim)
-    t = bench.interleaved({
-        "fast": lambda: K.dual_buffer_sync(keys_t, active, keys_t1, prefetch),
-        "ref": lambda: R.dual_buffer_sync(keys_t, active, keys_t1, prefetch),
-    })
-    n_common = R.dual_buffer_sync(keys_t, active, keys_t1, prefetch)
-    results.append((f"dual_buffer_sync ({n_common:,} common)", t, None, None))
     # the trainer's form: local rows of batches t and t+1, rows copied from the store into the prefetch buffer
     rows_t, rows_t1 = routed.send_rows, K.route_keys(ids_t1, vocab, 1).send_rows
+    n_common = int(np.intersect1d(rows_t.numpy(), rows_t1.numpy()).size)
     prefetch_w = torch.empty(rows_t1.numel(), dim)
     t = bench.interleaved({
         "fast": lambda: K.dual_buffer_sync_rows(rows_t, rows_t1, weights, None, prefetch_w, None, from_store=True),
         "ref": lambda: R.dual_buffer_sync_rows(rows_t, rows_t1, weights, None, prefetch_w, None, True),
     })
-    results.append(("dual_buffer_sync_rows (from the store)", t, None, None))
+    results.append((f"dual_buffer_sync_rows ({n_common:,} common rows)", t, None, None))
 
     bw = statistics.median(bench.copy_bw)
     bw_med, bw_min, bw_max = quantiles(bench.copy_bw)
@@ -287,15 +260,29 @@ def main():
           f"median {bw_med / 1e9:.1f} GB/s [{bw_min / 1e9:.1f}-{bw_max / 1e9:.1f}]")
     print(f"\n{'op':34s} {'fast ms':>8s} {'unfused ms':>10s} {'speedup [min-max]':>20s} {'fast GB/s':>10s} "
           f"{'% of copy [min-max]':>20s}")
+    ops = []
     for op, t, n_rows, row_bytes in results:
         scale = n_rows or 1  # rotating ops: per-row times, shown at this batch's row count
         fast, ref = statistics.median(t["fast"]) * scale, statistics.median(t["ref"]) * scale
         s_med, s_min, s_max = quantiles([r / f for f, r in zip(t["fast"], t["ref"])])
         line = f"{op:34s} {fast * 1e3:8.2f} {ref * 1e3:10.2f} {s_med:7.2f}x [{s_min:.2f}-{s_max:.2f}]"
+        row = {"op": op, "fast_ms": round(fast * 1e3, 3), "unfused_ms": round(ref * 1e3, 3),
+               "speedup": round(s_med, 3), "speedup_min": round(s_min, 3), "speedup_max": round(s_max, 3)}
         if row_bytes:
             g_med, g_min, g_max = quantiles([row_bytes / x for x in t["fast"]])
             line += f" {g_med / 1e9:10.2f} {100 * g_med / bw:8.0f}% [{100 * g_min / bw:.0f}-{100 * g_max / bw:.0f}]"
+            row.update(gb_per_s=round(g_med / 1e9, 3), copy_share=round(g_med / bw, 3),
+                       copy_share_min=round(g_min / bw, 3), copy_share_max=round(g_max / bw, 3))
         print(line)
+        ops.append(row)
+    figures = {"store_rows": vocab, "dim": dim, "batch": args.batch, "seq": args.seq, "unique_rows": n_unique,
+               "reps": reps, "threads": args.threads, "clock": clock_name, "pages": pages,
+               "paths": {op: K.kernel_paths("cpu")[op] for op in ("gather_rows", "adagrad_update", "adagrad_bags",
+                                                                  "dual_buffer_sync")},
+               "copy_gb_per_s": round(bw_med / 1e9, 2), "ops": ops}
+    if not args.no_bags:
+        figures["adagrad_bags"] = bags_bench(reps, 100_000, args.dim, 2048)
+    rec.write(figures)
 
     if args.prefetch_grid:
         prefetch_grid(bench, weights, state, grads, fresh_batches, reps, dim)

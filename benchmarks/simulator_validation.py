@@ -14,7 +14,8 @@ otherwise).
 Every configuration is trained ``--repeats`` times, interleaved (A B C A B C ..., one launch of the ranks per world
 size and network). The machine is shared: each configuration's fastest repeat (the run least disturbed by other
 load) counts, the calibration is the calibration configuration's fastest repeat, and all repeats are printed.
-Measured step: the median traced step (``measured.read_run``).
+Measured step: the median traced step (``measured.read_run``). Writes the record
+``benchmarks/results/simulator_validation.json`` (``benchmarks/record.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ import numpy as np
 from nestpipe.measure import measured, validate_local
 from nestpipe.measure.validate_local import Config
 from nestpipe.utils.jsonio import read_json, write_json_atomic
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from record import Recorder  # noqa: E402
 
 
 def configs(cap_bit):
@@ -55,6 +59,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.predict_only:
         return predict_again(args.out)
+    rec = Recorder("simulator_validation", argv, __file__)
     os.makedirs(args.out, exist_ok=True)
     cap = None
     if not args.no_cap:
@@ -100,6 +105,11 @@ def main(argv=None):
         "args": vars(args), "load_average": [load0, load1], "summary": summary, "hardware": hw.as_dict()},
         sort_keys=False)
     print(f"results: {os.path.join(args.out, 'results.json')}")
+    rec.write({"calibration": calib.tag, "cap_mbit": args.cap_mbit if cap else None, "repeats": args.repeats,
+               "steps": args.steps, "held_out_within_15pct": within, "held_out": len(held),
+               "median_abs_error": float(np.median([abs(x.error) for x in held])), "hardware": hw.as_dict(),
+               "rows": [{"config": tag, **{k: v for k, v in row.items() if k != "run"}}
+                        for tag, row in summary.items()]})
     return 0
 
 

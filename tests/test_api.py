@@ -51,7 +51,7 @@ def test_to_kjt_without_torchrec_names_the_install():
     pytest.importorskip("torch")
     try:
         import torchrec  # noqa: F401
-        pytest.skip("torchrec is installed here: the benchmarks' TorchRec environment checks to_kjt")
+        pytest.skip("torchrec is installed here: tests/test_torchrec_kjt.py checks to_kjt against it")
     except ImportError:
         pass
     with pytest.raises(ImportError, match="pip install torchrec"):

@@ -21,7 +21,7 @@ EXTREMES = [I64_MIN, I64_MIN + 1, -1, 0, 1, 2**31 - 1, 2**31, 2**62, I64_MAX - 1
 def _fast_paths_active():
     # The tests below claim to test these paths: fail (not skip) when an extra is missing.
     assert kernels.select_path("route_keys", "cpu") == "fbgemm", "fbgemm-gpu-cpu is not installed"
-    for op in ("gather_rows", "lookup", "adagrad_update", "dual_buffer_sync"):
+    for op in ("lookup", "adagrad_update", "dual_buffer_sync"):
         assert kernels.select_path(op, "cpu") == "numba", "numba is not installed"
 
 

@@ -539,6 +539,21 @@ TRAINER_KERNEL_OPS = {"place_keys", "gather_rows", "adagrad_update", "adagrad_ba
                       "hstu_attention"}
 
 
+def _expected_paths(op, rule):
+    """The paths op ``op`` may execute on this host by its rule (``kernel_rule``): the rule's own path, except where
+    the op's CPU body is another library's (pool_segments' sums: ATen's embedding_bag; the sequence lookup:
+    index_select) or the rule picks by shape (hstu_attention: exact loops or blocked tiles)."""
+    if op == "pool_segments":
+        return {"aten", rule["lookup"]}  # sums through embedding_bag, row copies on the lookup's path
+    if op == "lookup":
+        return {rule["lookup"], "reference"}  # pooled: the rule's segment sum; sequence: index_select on CPU
+    if op == "dual_buffer_sync_rows":
+        return {"numba" if rule["dual_buffer_sync"] == "numba" else "reference"}
+    if op == "hstu_attention" and rule[op] == "numba":
+        return {"numba", "blocked"}
+    return {rule[op]}
+
+
 def _paths_problem(recorded, rule):
     """Why a run's ``kernel_paths`` record is not what the run took (None when it is)."""
     if not recorded:
@@ -546,9 +561,9 @@ def _paths_problem(recorded, rule):
     for op, paths in recorded.items():
         if op not in TRAINER_KERNEL_OPS:
             return f"{op} recorded, but the trainer never calls it"
-        allowed = (rule.get(op), "reference") + (("blocked",) if op == "hstu_attention" else ())
-        if op in rule and any(p not in allowed for p in paths):
-            return f"{op}: {paths} is not what the rule selects ({rule[op]})"
+        wrong = set(paths) - _expected_paths(op, rule)
+        if wrong:
+            return f"{op}: {sorted(wrong)} is not what the rule selects on this host ({rule.get(op)})"
     return None
 
 
@@ -561,12 +576,19 @@ def test_kernel_paths_record_what_ran(runs, model, name):
     # the data stage, the routing, the owner update and the exchange all went through the dispatch
     assert set(m["kernel_paths"]) >= {"place_keys", "adagrad_bags", "pool_segments", "micro_batch_values"}, \
         m["kernel_paths"]
+    # the owner update took the host's rule (fbgemm's TBE on AVX-512 hosts with fbgemm_gpu, else numba), not a fallback
+    assert set(m["kernel_paths"]["adagrad_bags"]) == {m["kernel_rule"]["adagrad_bags"]}, m["kernel_paths"]
     if model == "dlrm":  # its pooled tables' owner plans too
         assert "pooled_owner_plan" in m["kernel_paths"], m["kernel_paths"]
+        # the record is this run's own: the hstu runs trained before it in the same rank processes are not in it
+        assert "hstu_attention" not in m["kernel_paths"], m["kernel_paths"]
     if model == "hstu":  # the dense model's jagged attention went through the dispatch too
         assert set(m["kernel_paths"].get("hstu_attention", [])) & {"numba", "blocked"}, m["kernel_paths"]
-    # negative control: the rule's table (what metrics.json held before) lists paths this run never took
+    # negative controls: the rule's table (what metrics.json held before) lists paths this run never took; a
+    # fallback to the references where the rule picks a kernel is caught
     assert _paths_problem({op: [p] for op, p in m["kernel_rule"].items()}, m["kernel_rule"]) is not None
+    fallback = {op: ["reference"] for op in m["kernel_paths"] if m["kernel_rule"].get(op, "reference") != "reference"}
+    assert not fallback or _paths_problem(fallback, m["kernel_rule"]) is not None
 
 
 def test_export_refuses_diverged_data_parallel_replicas(runs, tmp_path):

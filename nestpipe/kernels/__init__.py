@@ -103,9 +103,12 @@ def gather_rows(weights: torch.Tensor, rows: torch.Tensor, out: Optional[torch.T
     if weights.dim() != 2:
         raise ValueError(f"weights must be [rows, dim], got shape {tuple(weights.shape)}")
     path = note("gather_rows", select_path("gather_rows", weights.device))
-    if path == "reference":
-        result = reference.gather_rows(weights, rows)
-        return out.copy_(result) if out is not None else result
+    if path == "reference":  # torch's index_select (on CPU too: a Numba loop gains nothing on a memory-bound copy)
+        if out is None:
+            return reference.gather_rows(weights, rows.to(weights.device))
+        return torch.index_select(weights, 0, rows.to(weights.device, torch.int64), out=out)
+    if path == "numba":
+        raise ValueError("gather_rows has no numba path (it is torch's index_select on the CPU)")
     return backend(path).gather_rows(weights, rows.to(weights.device), out)
 
 
@@ -447,8 +450,8 @@ class _SequenceLookup(torch.autograd.Function):
     def forward(ctx, rows, inverse, path):
         ctx.save_for_backward(inverse)
         ctx.num_rows, ctx.path = rows.shape[0], path
-        # index_select on every path: it measured as fast as the Numba gather here (both memory-bound) and is a
-        # single well-tuned op on CUDA and NPU too.
+        # index_select on every path: a memory-bound copy that a loop of ours does not beat, and a single
+        # well-tuned op on CUDA and NPU too.
         return reference.sequence_lookup(rows.detach(), inverse)
 
     @staticmethod
@@ -457,7 +460,7 @@ class _SequenceLookup(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         if ctx.path in ("reference", "numba"):
             # On CPU index_add_ is a serial loop in ascending token order (bitwise equal to the ordered segment
-            # sum, tested) and measured faster than counting sort + segment sum, so the CPU path uses it too.
+            # sum, tested) and needs no counting sort first, so the CPU path uses it too.
             return reference.sequence_lookup_backward(grad_out, inverse, ctx.num_rows), None, None
         kernels = backend(ctx.path)
         order, offsets = kernels.csr_by_segment(inverse, ctx.num_rows)
@@ -498,7 +501,9 @@ def sequence_lookup(rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """Jagged lookup: ``out[i] = rows[inverse[i]]`` ([n, D]). Backward: ``grad_rows[u]`` = sum of ``grad_out[i]``
     over tokens with ``inverse[i] == u``, added in ascending ``i`` (bitwise reproducible)."""
     _check_lookup(rows, inverse)
-    return _SequenceLookup.apply(rows, inverse.to(torch.int64), note("lookup", select_path("lookup", rows.device)))
+    path = select_path("lookup", rows.device)
+    note("lookup", "reference" if path == "numba" else path)  # the CPU runs index_select / index_add_ (see above)
+    return _SequenceLookup.apply(rows, inverse.to(torch.int64), path)
 
 
 def pooled_lookup(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -74,19 +74,20 @@ def hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: t
         note("hstu_attention", "blocked")
         return blocked_attention(q, k, v, offsets, scale, inv_norm, pos_bias, block_size(max_len),
                                  time_bias=time_bias, times=times)
-    note("hstu_attention", path)
     if path == "triton" and q.dtype in (torch.float32, torch.float16, torch.bfloat16):
         from . import attention_triton  # optional: triton
 
+        note("hstu_attention", "triton")
         return attention_triton.hstu_attention(q, k, v, offsets, int(max_len), float(scale), float(inv_norm),
                                                pos_bias, time_bias, times)
+    note("hstu_attention", "reference")  # what runs: the rule's path, when it cannot take these tensors, falls back
     return padded_reference(q, k, v, offsets, scale, inv_norm, pos_bias, time_bias, times)
 
 
 # The CPU rule, by the micro-batch's longest sequence (a shape, the same in every schedule): up to 64 tokens the
 # exact Numba loops (no tile waste, no per-op overhead), longer the blocked tiles (batched matmuls and torch's
-# vectorised SiLU, 2-5x faster per score than the scalar loops), 32-token tiles up to 512 tokens, 64 beyond.
-# Measured per micro-batch of 16 sequences, forward + backward, one thread (docs/kernels.md).
+# vectorised SiLU, faster per score than the scalar loops, whose SiLU is not vectorised), 32-token tiles up to 512
+# tokens, 64 beyond. `python benchmarks/hstu_bench.py --cpu-paths` times the paths (docs/kernels.md).
 EXACT_MAX_LEN = 64
 
 

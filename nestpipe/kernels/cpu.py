@@ -2,12 +2,11 @@
 
 Why Numba: fbgemm's CPU build has no standalone row-wise AdaGrad, gather-into-buffer or sorted-intersection op
 (its fused AdaGrad lives inside the table-batched embedding backward and cannot update a store we own), and
-Inductor lowers ``index_put_`` to separate kernels with extra passes plus an 18 s cold compile. A Numba loop reads
-each store row once and writes it once, touches no temporaries, and compiles in about a second (cached on disk).
-Measured here on fresh batches of ~24k sorted rows of a 32M x 64 store (one thread, CPU time): AdaGrad 3.0x
-faster than the unfused torch composition, dual-buffer sync 3.7x, pooled lookup fwd+bwd 2.0x faster than
-``embedding_bag`` autograd (see docs/kernels.md for the benchmark).
-Where a torch op measured as fast (row gather, the sequence backward's serial ``index_add_``), it is used instead.
+Inductor lowers ``index_put_`` to separate kernels with extra passes behind a long cold compile. A Numba loop reads
+each store row once and writes it once, touches no temporaries, and compiles quickly (cached on disk).
+``benchmarks/kernels_bench.py`` times the kernels the trainer runs against the unfused torch composition
+(docs/kernels.md). Where a torch op does the same memory-bound work (the row gather, the sequence backward's serial
+``index_add_``), it is used instead: a loop of ours has nothing to save there.
 
 Determinism: every parallel loop gives one output row to one iteration, and that iteration sums in a fixed order
 (ascending source position), so results are bitwise identical run to run and for any thread count. ``fastmath``
@@ -29,7 +28,8 @@ _JIT = dict(nopython=True, nogil=True, cache=True)
 # Rows ahead of the current one whose cache lines are prefetched by the store-row loops. A store row of a random
 # id misses every cache and (with 4 KiB pages) the TLB; a loop body of a few hundred instructions leaves the
 # out-of-order window room for one or two such misses, so without prefetching the loop waits on each row in turn.
-# 16 rows is the distance that paid on the 32M x 64 store (docs/kernels.md, `kernels_bench.py --prefetch-grid`).
+# 16 rows ahead is a tuning choice: `python benchmarks/kernels_bench.py --prefetch-grid` times the AdaGrad loop at
+# other distances, cache levels and lines per row.
 # The plain gather loop gains nothing (its short body already keeps many rows in flight), so ``gather_rows`` stays
 # on ``index_select``.
 PREFETCH_DISTANCE = 16
@@ -84,8 +84,8 @@ def _np(t: torch.Tensor) -> np.ndarray:
 def _sum_squares(g, dim):
     """``sum(g[:dim] ** 2)`` in a fixed order: 8 interleaved partial sums (lane ``k`` adds ``d = k, k + 8, ...``),
     the tail into lane 0, then a fixed pairwise tree. One serial chain of ``dim`` dependent float adds (no
-    ``fastmath``, so no reassociation) made the update latency-bound: 64 adds x 4 cycles per row, about 12 ms of
-    a 135k-row update here; 8 chains measured 3x faster. Every CPU AdaGrad kernel uses this one order."""
+    ``fastmath``, so no reassociation) makes the update latency-bound (every add waits for the one before); 8
+    independent chains keep the adder busy. Every CPU AdaGrad kernel uses this one order."""
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
     d = 0
     while d + 8 <= dim:
@@ -105,8 +105,8 @@ def _sum_squares(g, dim):
 
 
 # Shared row bodies of the kernels below. ``inline="always"`` inlines them at Numba's IR level into every caller, so
-# the serial and parallel twins share one body without a call per row (a plain, non-inlined helper kept the loops
-# from vectorising: measured 1.5x slower).
+# the serial and parallel twins share one body without a call per row (a plain, non-inlined helper keeps the loops
+# from vectorising).
 @numba.jit(inline="always", **_JIT)
 def _apply_row(weights, state, r, g, dim, inv_dim, lr, eps, momentum_scale, scale_state):
     """Row-wise AdaGrad of row ``r`` with its summed gradient ``g``: ``v += mean(g^2)``, ``w -= lr g / (sqrt(v') +
@@ -148,8 +148,8 @@ def _add_pairs(g, e_acc, src, order, j0, j1, entry_offsets, pair_src, dim):
         e = order[j]
         p0 = entry_offsets[e]
         p1 = entry_offsets[e + 1]
-        # row slices, not ``src[b + d]``: a flat signed index is wrap-around checked per element, which kept these
-        # loops from vectorising (measured 1.5x slower)
+        # row slices, not ``src[b + d]``: a flat signed index is wrap-around checked per element, which keeps these
+        # loops from vectorising
         if p1 - p0 == 1:
             row = src[pair_src[p0]:pair_src[p0] + dim]
             for d in range(dim):
@@ -640,8 +640,8 @@ def _segment_sum(src, src_index, offsets, out):
 
 @numba.jit(parallel=True, **_JIT)
 def _gather(weights, rows, out, distance):
-    """``out[i] = weights[rows[i]]``, prefetching the row ``distance`` positions ahead. Not selected (it measured
-    no faster than ``index_select``); kept so the benchmark can compare it."""
+    """``out[i] = weights[rows[i]]``, prefetching the row ``distance`` positions ahead. Not selected: the gather is
+    a memory-bound copy that ``index_select`` already does; kept so ``benchmarks/kernels_bench.py`` can compare it."""
     n = rows.shape[0]
     dim = weights.shape[1]
     flat = weights.reshape(-1)
@@ -659,15 +659,6 @@ def _take(values, index, out):
 
 def _rows64(rows: torch.Tensor) -> np.ndarray:
     return _np(rows.to(torch.int64))
-
-
-def gather_rows(weights: torch.Tensor, rows: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
-    """``weights[rows]`` into ``out`` (allocated when None; may be pinned memory)."""
-    # torch's index_select, not a Numba loop: on the 32M-row store it measured 1.3x faster than our loop
-    # (both memory-bound; see docs/kernels.md).
-    if out is None:
-        out = torch.empty(rows.numel(), weights.shape[1], dtype=weights.dtype)
-    return torch.index_select(weights, 0, rows.to(torch.int64), out=out)
 
 
 def adagrad_update(weights, state, rows, grads, lr: float, eps: float, momentum_scale: float = 1.0,

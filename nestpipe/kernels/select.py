@@ -5,7 +5,7 @@ run's metadata.
 
 | device | ``route_keys``                                | ``adagrad_bags``                          | every other op                          |
 |--------|-----------------------------------------------|-------------------------------------------|-----------------------------------------|
-| cpu    | ``fbgemm`` if fbgemm_gpu imports, else torch   | ``fbgemm`` (its CPU TBE op) on AVX-512 hosts, else ``numba``, else torch | ``numba`` if numba imports, else torch  |
+| cpu    | ``fbgemm`` if fbgemm_gpu imports, else torch   | ``fbgemm`` (its CPU TBE op) on AVX-512 hosts, else ``numba``, else torch | ``numba`` if numba imports, else torch (``gather_rows``: torch's ``index_select`` always) |
 | cuda   | ``fbgemm`` if its op has a CUDA kernel, else torch | torch                                 | ``triton`` if triton imports, else torch |
 | npu    | ``npu`` (torch_npu required)                   | torch                                     | ``npu``                                 |
 | other  | ``reference``                                  | ``reference``                             | ``reference``                           |
@@ -36,6 +36,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+import threading
 from typing import Dict, Iterator, Union
 
 import torch
@@ -123,6 +124,8 @@ def select_path(op: str, device: Union[str, torch.device]) -> str:
     if op in HOST_OPS:  # host-side bookkeeping of the step's keys (NumPy arrays), whatever the device
         return "numba" if has_numba() else "reference"
     if kind == "cpu":
+        if op == "gather_rows":  # torch's index_select: no CPU kernel of ours beats a memory-bound copy
+            return "reference"
         if op == "route_keys":
             return "fbgemm" if has_fbgemm() else "reference"
         return "numba" if has_numba() else "reference"
@@ -186,20 +189,27 @@ def kernel_paths(device: Union[str, torch.device]) -> Dict[str, str]:
 
 # What this process executed: every public op of nestpipe.kernels notes (op, path) at the call, so a run's metadata
 # lists only paths it took (``taken_paths``), never the rule's table of paths it might take.
+# A trainer resets it at the start of every run (a process may run several), so a run's record is its own.
 _TAKEN: Dict[str, Dict[str, int]] = {}
+_TAKEN_LOCK = threading.Lock()  # the pipeline's stage threads note concurrently
 
 
 def note(op: str, path: str) -> str:
-    """Record one call of ``op`` on ``path`` in this process; returns ``path``."""
-    calls = _TAKEN.setdefault(op, {})
-    calls[path] = calls.get(path, 0) + 1
+    """Record one call of ``op`` on ``path`` (the path that executes, fallbacks included) in this process; returns
+    ``path``."""
+    with _TAKEN_LOCK:
+        calls = _TAKEN.setdefault(op, {})
+        calls[path] = calls.get(path, 0) + 1
     return path
 
 
 def taken_paths() -> Dict[str, Dict[str, int]]:
     """``{op: {path: calls}}`` of every kernel op this process executed since the last :func:`reset_taken`."""
-    return {op: dict(sorted(paths.items())) for op, paths in sorted(_TAKEN.items())}
+    with _TAKEN_LOCK:
+        return {op: dict(sorted(paths.items())) for op, paths in sorted(_TAKEN.items())}
 
 
 def reset_taken() -> None:
-    _TAKEN.clear()
+    """Forget the calls noted so far (a trainer calls it when a run starts)."""
+    with _TAKEN_LOCK:
+        _TAKEN.clear()

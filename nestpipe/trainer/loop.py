@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nestpipe.kernels import kernel_paths, taken_paths
+from nestpipe.kernels import kernel_paths, reset_taken, taken_paths
 from nestpipe.kernels.memory import huge_pages_mode
 from nestpipe.planning.planner import format_plan, save_plan
 from nestpipe.trainer import testing_hooks
@@ -153,6 +153,7 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
 def set_up(cfg: TrainConfig, device: Device, rank: int, world: int) -> RankRun:
     """Threads, floating-point mode, this rank's data stream, the stage process groups and the state."""
     torch.set_num_threads(cfg.threads)
+    reset_taken()  # metrics.json's kernel_paths: the calls of this run, not of earlier runs in this process
     hooks = testing_hooks.active()
     if rank == 0 and hooks.changed():
         print(f"testing hooks set (not a normal run): {hooks.changed()}", flush=True)
@@ -165,7 +166,8 @@ def set_up(cfg: TrainConfig, device: Device, rank: int, world: int) -> RankRun:
     groups = sparse_groups.create_stage_groups(sparse_groups.resolve(cfg.sparse_groups, world, rank))
     state = build_state(cfg, stream.manifest, rank, world, device.torch, groups=groups)
     schedule = auto.choose(cfg.pipeline, device.torch, world, micro_batching=cfg.pipe.micro_batching,
-                           partition_invariant=model_spec(cfg.model).partition_invariant(cfg))
+                           partition_invariant=model_spec(cfg.model).partition_invariant(cfg),
+                           intra_op_threads=cfg.threads)
     state.micro_batching = schedule.micro_batching
     state.total_steps = steps
     return RankRun(cfg, device, rank, world, hooks, flush_denormal, stream, steps, state, schedule, early)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from nestpipe.trainer.config import PIPELINE_MODES
 
-# 2 Gbit/s: well below loopback (about 1 GB/s here, noisy under load) and a 10 GbE link, where a rank's
+# 2 Gbit/s: well below loopback and a 10 GbE link, where a rank's
 # embedding traffic takes a small part of its compute; well above a capped or congested link, where it does not
 LINK_BOUND_GBPS = 0.25
 PROBE_BYTES = 4 << 20

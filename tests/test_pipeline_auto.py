@@ -25,6 +25,33 @@ def test_decide(device, world, cores, gbps, expect):
         assert "overlap cannot pay" in reason
 
 
+@pytest.mark.parametrize("device,world,cores,gbps", [("cpu", 2, 4, None), ("cpu", 2, 1, 0.03), ("cpu", 1, 8, None)])
+def test_decide_keeps_parallel_kernels_on_one_thread(device, world, cores, gbps):
+    """threads > 1 selects the parallel Numba kernels, unsafe from several pipeline threads: auto chooses off where it
+    would otherwise choose nested (negative control: the same measurements with one thread choose nested)."""
+    schedule, reason, pays = auto.decide(device, world, cores, gbps, intra_op_threads=2)
+    assert schedule == "off" and not pays and "threads = 2" in reason
+    if world > 1:
+        assert auto.decide(device, world, cores, gbps, intra_op_threads=1)[0] == "nested"
+    assert auto.decide("cuda", world, cores, gbps, intra_op_threads=2)[0] == "nested"  # no Numba kernels there
+
+
+def test_threads_above_one_are_refused_with_pipelined_schedules():
+    import torch
+
+    from nestpipe.trainer.config import TrainConfig, validate
+
+    for mode in ("dbp", "fwp", "nested"):
+        with pytest.raises(ValueError, match=f"threads = 2 with pipeline = {mode}"):
+            validate(TrainConfig(pipeline=mode, threads=2))
+        with pytest.raises(ValueError, match="several pipeline threads"):
+            auto.choose(mode, torch.device("cpu"), 1, intra_op_threads=2)
+    for mode in ("off", "auto"):
+        validate(TrainConfig(pipeline=mode, threads=2))
+        assert auto.choose(mode, torch.device("cpu"), 1, intra_op_threads=2).schedule == "off"
+    validate(TrainConfig(pipeline="nested", threads=1))
+
+
 def test_explicit_schedule_is_kept_and_unknown_refused():
     import torch
 

@@ -135,7 +135,9 @@ class _TrainConfigBase:
     device: str = opt("auto", help="auto | cpu | cuda | npu", choices=("auto", "cpu", "cuda", "npu"))
     dtype: str = opt("float32", help="float32, or float64 (verification against the float64 reference)",
                      choices=("float32", "float64"))
-    threads: int = opt(1, help="torch intra-op threads per rank", minimum=1)
+    threads: int = opt(1, help="torch intra-op threads per rank; more than 1 needs pipeline off or auto (auto then "
+                               "chooses off: the parallel CPU kernels must not run from several pipeline threads)",
+                       minimum=1)
     flush_denormal: bool = opt(True, help="flush subnormal floats to zero (FTZ/DAZ) in the rank's threads")
     timeout_s: float = opt(60.0, help="process-group timeout in seconds", minimum=0)
     checkpoint_every: int = opt(0, help="checkpoint every K steps (0: only at the end)", minimum=0)
@@ -239,6 +241,12 @@ def validate(cfg: TrainConfig, where: str = "config") -> None:
     """Every check of a config in one place: types per field, allowed values, ranges, and the few rules across
     keys (exchange kinds per table). Raises ValueError naming the source and the key."""
     _check_fields(cfg, where)
+    if cfg.threads > 1 and cfg.pipeline not in ("off", "auto"):
+        # threads > 1 selects the parallel Numba kernels, whose parallel regions are not safe to enter from the
+        # pipeline's several stage threads at once (nestpipe.kernels.cpu)
+        raise ValueError(f"{where}: threads = {cfg.threads} with pipeline = {cfg.pipeline}: more than one intra-op "
+                         f"thread per rank needs --pipeline off (or auto, which then chooses off); the pipelined "
+                         f"schedules run kernels from several threads at once")
     for table, kind in cfg.embedding.kinds.items():
         if kind not in EXCHANGE_KINDS:
             raise ValueError(f"{where}: embedding.kinds.{table} = {kind!r}: expected one of "

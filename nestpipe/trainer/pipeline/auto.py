@@ -12,9 +12,12 @@ clustered micro-batches for ``fwp`` and ``nested``.
 The rule (:func:`decide`, a pure function of the reduced measurements, so every rank computes the same answer;
 rank 0's answer is broadcast anyway):
 
+0. on the CPU with more than one intra-op thread per rank (``threads``): ``off`` -- ``threads > 1`` selects the
+   parallel Numba kernels, which must not be entered from several pipeline threads at once;
 1. an accelerator (CUDA, Ascend): ``nested`` -- its streams run the stages concurrently;
 2. one rank: ``off`` -- no exchange to overlap;
-3. at least 2 cores per rank on the slowest rank: ``nested``;
+3. at least 2 cores per rank on the slowest rank: ``nested`` (a rule, not yet a measurement on such a host: the
+   stage threads get a core beside the compute, so their work comes off the step's critical path);
 4. 1 core per rank but a link slower than :data:`LINK_BOUND_GBPS` (the slowest rank's probe All2All): ``nested``
    -- the wire time is waiting that the pipeline hides;
 5. otherwise ``off``: each rank's pipeline threads would take turns on one core with the compute, and the link
@@ -71,8 +74,13 @@ def micro_batching_for(requested: str, schedule: str, partition_invariant: bool 
     return "whole" if schedule in ("off", "dbp") and partition_invariant else "clustered"
 
 
-def decide(device_type: str, world: int, cores_per_rank: int, link_gbps: Optional[float]) -> Tuple[str, str, bool]:
+def decide(device_type: str, world: int, cores_per_rank: int, link_gbps: Optional[float],
+           intra_op_threads: int = 1) -> Tuple[str, str, bool]:
     """(schedule, reason, whether overlap can pay) from the reduced measurements (the module's rule)."""
+    if device_type == "cpu" and intra_op_threads > 1:
+        # threads > 1 selects the parallel Numba kernels, not safe from several pipeline threads at once
+        return "off", (f"threads = {intra_op_threads}: the parallel CPU kernels must run from one thread "
+                       "(the pipelined schedules run kernels from several)"), False
     if device_type != "cpu":
         return "nested", f"{device_type} streams run the pipeline's stages concurrently", True
     if world == 1:
@@ -115,12 +123,15 @@ def probe_link_gbps(world: int, device: torch.device, group=None, nbytes: int = 
 
 
 def choose(requested: str, device: torch.device, world: int, group=None, micro_batching: str = "clustered",
-           partition_invariant: bool = True) -> ScheduleChoice:
+           partition_invariant: bool = True, intra_op_threads: int = 1) -> ScheduleChoice:
     """The run's schedule. ``requested`` = auto: measured and decided (collective: every rank must call this);
     an explicit schedule is kept, with a note where overlap cannot pay. ``micro_batching`` (``pipe.micro_batching``)
     is resolved for the schedule that runs."""
     if requested != "auto" and requested not in PIPELINE_MODES:
         raise ValueError(f"--pipeline {requested!r}: expected auto or one of {', '.join(PIPELINE_MODES)}")
+    if device.type == "cpu" and intra_op_threads > 1 and requested not in ("auto", "off"):
+        raise ValueError(f"--pipeline {requested} with threads = {intra_op_threads}: the parallel CPU kernels must not "
+                         "run from several pipeline threads at once; use --pipeline off (or auto), or threads = 1")
     cores = local_cores_per_rank()
     gbps = None
     if world > 1:
@@ -131,7 +142,7 @@ def choose(requested: str, device: torch.device, world: int, group=None, micro_b
         dist.all_reduce(vals, op=dist.ReduceOp.MIN, group=group)
         cores = int(vals[0].item())
         gbps = float(vals[1].item()) if vals[1].item() != float("inf") else None
-    schedule, reason, pays = decide(device.type, world, cores, gbps)
+    schedule, reason, pays = decide(device.type, world, cores, gbps, intra_op_threads)
     if requested == "auto" and world > 1:
         pick = [schedule]
         dist.broadcast_object_list(pick, src=0, group=group)  # one decision, rank 0's, on every rank

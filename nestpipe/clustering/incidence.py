@@ -1,7 +1,7 @@
 """Input validation and the sample-key incidence of a batch, built with sorts only (no Python loops).
 
-Why hand-written: ``np.unique(..., return_inverse=True)`` costs 2-3x more here than one ``np.argsort`` plus a
-boundary mask (it takes a slower general path), and these helpers run on every batch of the ingest.
+Why hand-written: ``np.unique(..., return_inverse=True)`` takes a general path with more passes than one
+``np.argsort`` plus a boundary mask, which gives the same groups, and these helpers run on every batch of the ingest.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ exactly ``caps[g]`` samples) and is deterministic for the seed.
 ``minhash``  (the default) rarity-weighted MinHash signatures order the samples, runs of that order seed a
              balanced spherical k-means on IDF-weighted key vectors (8 rounds, each one sparse product
              [B, K] x [K, N] plus a vectorised capacity-constrained assignment), then 3 passes of exact-gain swaps.
-             O(m * nnz + rounds * nnz * N); about 10 ms for 512 GR windows of up to 256 keys at N = 8 on one core.
+             O(m * nnz + rounds * nnz * N): cheap enough for every batch of the ingest
+             (``benchmarks/clustering_bench.py`` times it).
 ``kmeans``   the stronger, slower one: scikit-learn KMeans (several restarts) on a TruncatedSVD embedding of the
              IDF-weighted key vectors, an optimal balanced assignment to its centroids (scipy
              ``linear_sum_assignment`` on a B x B cost), the same k-means rounds, then exact-gain reassignment and up

@@ -21,8 +21,7 @@ and one of the cheapest are swapped (counts stay equal): among the swaps that at
 adds the fewest distinct keys to the two micro-batches. The clustering groups users with similar (so often similarly
 long) histories, so its micro-batches can differ twofold in cost; evening them out costs exchanged rows, part of
 which single exact-gain swaps that keep every micro-batch under the cap win back afterwards
-(``nestpipe.clustering.refine``, called by ``nestpipe.ingest.common.cluster_fields``; docs/benchmarks.md,
-cost-balanced batches).
+(``nestpipe.clustering.refine``, called by ``nestpipe.ingest.common.cluster_fields``).
 
 Both tolerances bound the costliest against the mean (``max / mean - 1``, :func:`imbalance`, the trainer's
 ``token_imbalance``), not the spread max - min: a synchronous step, or a frozen-window exchange of micro-batch i,

@@ -190,7 +190,7 @@ def cluster_fields(batch: Dict[str, Any], tables: Sequence[str], cluster_tables:
         mb, _ = balance_micro_batches(mb, sample_costs, n, keys=(values, offsets))
         if method != "random":
             # exact-gain swaps that keep the costs within the tolerance win back part of the rows the balancing
-            # cost the clustering (docs/benchmarks.md, cost-balanced batches)
+            # cost the clustering
             costs = np.asarray(sample_costs, dtype=np.float64)
             mb = clustering.refine(values, offsets, mb, n, costs=costs,
                                    max_load=(1.0 + MICRO_TOLERANCE) * costs.sum() / n)

@@ -24,12 +24,13 @@ CONNECT_TIMEOUT_S = 10
 # The LocalCluster's settings (a cluster given by --scheduler keeps its own). The units are CPU-bound Python and
 # NumPy on few cores, so what Dask runs beside them is overhead:
 # - MALLOC_TRIM_THRESHOLD_: Dask's nannies set 65536 in their workers by default, which makes glibc return freed
-#   memory to the system at once; the units allocate and free large arrays all the time, and the shard stage ran
-#   1.9x slower so (the local engine with that variable set: 1.6x). glibc's adaptive threshold is kept (None unsets).
+#   memory to the system at once; the units allocate and free large arrays all the time, so every allocation
+#   faults fresh pages in and the shard stage slows down markedly (the local engine does too with that variable
+#   set). glibc's adaptive threshold is kept (None unsets).
 # - the worker's statistical profiler samples the task thread's stack every 10 ms on the event loop, taking the GIL
-#   from the unit each time: a unit of NumPy sorts and Python dicts ran 8% slower in a default worker than in a
-#   process pool, 1-2% with the profiler off and the periodic monitors below slowed from 20-500 ms to 1-5 s.
-#   (An idle 2-worker cluster used 6% of a core, 1% so.) Nobody reads the profile: the dashboard is off.
+#   from the unit each time, and the periodic monitors wake the event loop often: on few cores both take time from
+#   the units, and an idle cluster keeps a core busy. With the profiler off and the monitors below slowed, a unit
+#   runs about as fast as in a process pool. Nobody reads the profile: the dashboard is off.
 LOCAL_CLUSTER_CONFIG = {
     "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
     "distributed.worker.profile.enabled": False,

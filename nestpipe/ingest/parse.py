@@ -95,7 +95,7 @@ def byte_counts(data: bytes, values: Sequence[int]) -> List[int]:
 
     Blocked because a whole-chunk comparison (``buf == x``) allocates a chunk-sized temporary per value: fresh
     pages to fault in every time, and a pass through memory each; one cache-sized scratch is reused for every block
-    and value instead (docs/benchmarks.md has the figures)."""
+    and value instead."""
     buf = np.frombuffer(data, dtype=np.uint8)
     out = [0] * len(values)
     scratch = np.empty(min(len(buf), _COUNT_BLOCK), dtype=bool)

@@ -1,12 +1,11 @@
 """Host memory for the DRAM tier: large store tensors backed by transparent huge pages where Linux offers them.
 
 Why: a store row of a random id costs a TLB miss. With 4 KiB pages every miss walks the page tables (a nested walk
-in a virtual machine), and the walks, not DRAM bandwidth, bound the random row gather: on the 32M x 64 store here
-the gather reached 29% of the memory-copy bandwidth with 4 KiB pages and 38-56% with 2 MiB pages
-(``benchmarks/kernels_bench.py``; docs/kernels.md). PyTorch's CPU allocator gives no way to ask for huge pages, so
-large tensors are mapped here: a private anonymous mapping advised ``MADV_HUGEPAGE`` (a *shared* anonymous mapping
-is shmem, which THP leaves alone unless ``shmem_enabled`` allows it), wrapped by ``torch.frombuffer`` (the tensor
-keeps the mapping alive).
+in a virtual machine), and the walks, not DRAM bandwidth, bound the random row gather of a large store; 2 MiB pages
+shorten them (``benchmarks/kernels_bench.py --default-pages`` compares the two; docs/kernels.md). PyTorch's CPU
+allocator gives no way to ask for huge pages, so large tensors are mapped here: a private anonymous mapping advised
+``MADV_HUGEPAGE`` (a *shared* anonymous mapping is shmem, which THP leaves alone unless ``shmem_enabled`` allows it),
+wrapped by ``torch.frombuffer`` (the tensor keeps the mapping alive).
 
 The trainer asks for huge pages for the stores it initialises whole (``embedding.huge_pages``): a lazily
 initialised store on huge pages would make 2 MiB of rows resident at the first touch of one of them.

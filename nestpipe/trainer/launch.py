@@ -35,7 +35,8 @@ def launch_training(run: str, nproc_per_node: int, resume: bool, torchrun_args: 
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "TORCHELASTIC_ERROR_FILE")}
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Numba's parallel kernels default to an all-core OpenMP pool: with several ranks per machine that
-    # oversubscribes the cores (2 ranks x 1 thread ran 7x slower); each rank gets the intra-op thread count.
+    # oversubscribes the cores (every rank's pool contends for all of them, and the ranks wait for the slowest at
+    # every collective); each rank gets the intra-op thread count.
     os.environ.setdefault("NUMBA_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
     os.environ.setdefault("TORCHELASTIC_ERROR_FILE", os.path.join(run, "error.json"))
     try:

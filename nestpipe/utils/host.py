@@ -1,8 +1,8 @@
 """What a benchmark figure depends on besides the code: the host's CPU model, core count and vector instruction sets.
 
-Kernel speed differs between machines with the same package versions (fbgemm's row-wise AdaGrad backward took 1.2 ms
-per table on one 2-core machine and 20-25 ms on another, docs/benchmarks.md), so every comparing benchmark records
-this beside its versions.
+Kernel speed differs between machines with the same package versions (the vector instruction sets decide which code a
+JIT kernel generates and which path torch dispatches to, and a virtual machine's page walks and shared cores change
+memory-bound kernels), so every comparing benchmark records this beside its versions.
 """
 
 from __future__ import annotations

@@ -67,11 +67,10 @@ def set_flush_denormal(enabled: bool) -> bool:
 
     Why: an x86 core takes a microcode assist, about a hundred times the cost, for every arithmetic operation on a
     subnormal (below 1.2e-38 in float32), and confident predictions produce them (the sigmoid of a logit below
-    about -87): on the pipeline benchmark's pooled workload trained to a loss near zero (300 steps, ``off``) the
-    sparse update took 46 instead of 14.5 ms per step and the step 130 instead of 95 ms (``docs/trainer.md``).
-    Values that small change no parameter that matters. Every schedule (``--pipeline off`` ... ``nested``) runs in
-    the same mode, so their bitwise equality is unaffected. Called before the process group starts, so gloo's
-    threads share the mode."""
+    about -87): once a model fits its training data closely, the gradients that reach the sparse update are full
+    of them, and the update and the step slow down several-fold (``docs/trainer.md``). Values that small change no
+    parameter that matters. Every schedule (``--pipeline off`` ... ``nested``) runs in the same mode, so their
+    bitwise equality is unaffected. Called before the process group starts, so gloo's threads share the mode."""
     ok = bool(torch.set_flush_denormal(bool(enabled)))
     return ok and bool(enabled)
 

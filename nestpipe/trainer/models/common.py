@@ -49,7 +49,7 @@ OUTPUT_EMBEDDING_HELP = (
 
 
 # The sequential models' defaults for shared keys: the item table learns at 3x the other tables' rate. Chosen on the
-# valid split of the demo's data (three seeds) and of the medium data (seed 0), docs/benchmarks.md (Model quality):
+# valid split of the demo's data (three seeds) and of the medium data (seed 0), docs/trainer.md (the item table's rate):
 # the item rows carry which video follows which, the pairs a next-item model must memorise from a few occurrences.
 SEQUENTIAL_TRAIN_DEFAULTS = {"embedding": {"table_lr": {"item": 0.15}}}
 

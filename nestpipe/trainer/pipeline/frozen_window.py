@@ -18,8 +18,8 @@ advances (e1 when micro-batch 0 starts).
 Alternative layout (``pipe.comm_threads = 1``): one ``comm`` thread issues on both groups in the queue order
 above (e0 e1 | e2 g0 | e3 g1 | ...), the same on every rank, so blocking collectives on two groups cannot deadlock
 and it is still exactly one issuing thread per group; the embeddings micro-batch i+1 needs go before gradient i-1.
-Measured here it was not faster than two threads (docs/pipeline.md): on this CPU testbed an All2All's time is
-dominated by waiting (for the peer rank, for the GIL), which two threads overlap, not by the link's bytes.
+Two threads stay the default: on a CPU host an All2All's time is dominated by waiting (for the peer rank, for the
+GIL), not by the link's bytes, and two threads overlap that waiting where one issues the collectives in turn.
 
 Each micro-batch's gradient lands in its own slice of the batch's gradient payload and the update sums every entry's
 micro-batches in index order, the order the synchronous step uses, whatever order the All2Alls completed in; dense

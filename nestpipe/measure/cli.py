@@ -188,7 +188,7 @@ def _measure_sequence_cost(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     import torch  # start-up time: torch and the model only when measuring
 
-    from nestpipe.measure.sequence_cost import fit, relative_errors, sequence_seconds
+    from nestpipe.measure.sequence_cost import fit, relative_errors, sequence_seconds  # start-up time: torch, HSTU
 
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)

@@ -1,20 +1,29 @@
 """nestpipe.kernels: the embedding hot paths, each with a plain-torch reference and a fast path per device.
 
-Public API (the trainer calls only these):
+What the trainer calls (docs/kernels.md lists each op's caller and path per device):
 
-* placement: :func:`placement`, :func:`placement_hash`, :func:`block_size`, :func:`owner_num_rows`,
-  :func:`affine_params`, :func:`map_into_vocab` (see :mod:`nestpipe.kernels.row_placement`).
-* :func:`route_keys`: dedup a batch's keys and bucket them by owner -> :class:`RoutedKeys` (All2All splits,
-  local rows per owner, permutation back to the requester's unique-key order).
-* :func:`gather_rows` / :func:`gather_to_device`: store rows at local ids -> a contiguous buffer (on CUDA via a
-  pinned host buffer and an asynchronous host-to-device copy).
-* :func:`sequence_lookup` / :func:`pooled_lookup`: lookups by inverse index with an order-stable backward.
-* :func:`adagrad_update`: fused row-wise AdaGrad into the store (optionally momentum-scaled for 2D-SP).
-* :func:`adagrad_bags`: row-wise AdaGrad from per-bag gradients (fbgemm's TBE CPU backward), in place.
-* :func:`dual_buffer_sync`: copy the rows of keys(t) ∩ keys(t+1) from the active into the prefetch buffer.
+* :func:`place_keys`: the requester's key routing arithmetic (owner rank and local row of every key), with each
+  table's :func:`affine_params`.
+* :func:`micro_batch_values`, :func:`dedup_rows`, :func:`csr_by_segment`, :func:`pooled_owner_plan`: the host-side
+  bookkeeping of a batch's keys and the owner's plans (NumPy arrays, whatever the device).
+* :func:`gather_rows`: store rows at local ids -> a contiguous buffer (the DRAM store's gather).
+* :func:`pool_segments`: the owner's ordered segment sums and row copies into the All2All payload.
+* :func:`adagrad_bags`: row-wise AdaGrad from per-bag gradients (the bag update; fbgemm's TBE CPU backward's
+  arithmetic), in place.
+* :func:`adagrad_update` (and :func:`entry_grads_from_pairs`): fused row-wise AdaGrad into the store from per-pair
+  gradients (the entry update; optionally momentum-scaled for 2D-SP).
+* :func:`dual_buffer_sync_rows`: copy the rows of keys(t) ∩ keys(t+1) into the prefetch buffer (DBP's hand-over).
 * :func:`hstu_attention`: HSTU's causal pointwise attention over jagged sequences, forward and backward (the dense
   model's hot path; :mod:`nestpipe.kernels.attention`).
-* :func:`select_path` / :func:`kernel_paths`: the fixed path rule and its record for run metadata.
+* :func:`select_path` / :func:`kernel_paths` / :func:`taken_paths`: the fixed path rule, its table and the record
+  of what ran, for run metadata.
+
+Also public, not on the trainer's path: the rest of :mod:`nestpipe.kernels.row_placement` (:func:`placement`,
+:func:`placement_hash`, :func:`block_size`, :func:`owner_num_rows`, :func:`map_into_vocab`: the placement rule in
+full); :func:`route_keys` (dedup a batch's raw keys and bucket them by owner ->
+:class:`RoutedKeys`); :func:`gather_to_device` (a gather into pinned host memory and an asynchronous copy to the
+device); :func:`sequence_lookup` / :func:`pooled_lookup` (lookups by inverse index with an order-stable backward);
+:func:`dual_buffer_sync` (the key/row form of the sync).
 
 Paths are chosen per op from the device of the tensors (see :mod:`nestpipe.kernels.select`), never by timing.
 """

@@ -21,9 +21,10 @@ Per batch (each step is a method, called in this order by :mod:`nestpipe.trainer
    and, after the micro-batch's backward, one fused gradient All2All (requester -> owner) received into the
    batch's gradient payload (micro-batch ``i`` at its own offset).
 4. :meth:`update`: one row-wise AdaGrad step per store and batch, on every row the batch touched. The *bag update*
-   (float32, fbgemm installed, no 2D-SP momentum scale: :meth:`bag_update`, a fixed rule) hands fbgemm's TBE
-   backward all of the batch's bags -- (micro-batch, requester, sample) segments, or single requested rows -- in
-   that order with their gradient rows; the *entry update* (``nestpipe.kernels.adagrad_update``, every other case)
+   (float32, the ``adagrad_bags`` rule picks a compiled path -- fbgemm's TBE backward or its bitwise Numba twin --,
+   no 2D-SP momentum scale or replica sync: :meth:`bag_update`, a fixed rule) hands ``nestpipe.kernels.adagrad_bags``
+   all of the batch's bags -- (micro-batch, requester, sample) segments, or single requested rows -- in that order
+   with their gradient rows; the *entry update* (``nestpipe.kernels.adagrad_update``, every other case)
    sums each entry's pairs in (micro-batch, pair) order and each row's entries in entry (= requester rank) order.
    Either way the bags, and so the arithmetic, are the same in every schedule. The updated rows are in the store
    when it returns; in DBP they stay in the batch's buffer (now the *active* buffer) until

@@ -1,10 +1,12 @@
 """Stage execution resources on each device kind, and the hand-off between stages.
 
-- CUDA / NPU: every stage that touches the device gets its own stream (:class:`StageStream`). A stage enqueues its
-  kernels and copies on its stream, records an event, and passes the event along with its outputs; the consumer
-  makes its current stream wait on the event (:func:`wait_handoff`) and marks the tensors as used on its stream
-  (``record_stream``) so the caching allocator does not recycle them early. H2D copies are ``non_blocking`` from
-  pinned memory. Collectives run on NCCL/HCCL's internal streams; the issuing thread waits on the work handle.
+- CUDA / NPU: a stage given a :class:`StageStream` (the scheduler gives one to the h2d stage; the other stages
+  enqueue on the device's default stream) enqueues its copies on that stream, records an event, and passes the event
+  along with its outputs; the consumer makes its current stream wait on the event (:func:`wait_handoff`) and marks
+  the tensors as used on its stream (``record_stream``) so the caching allocator does not recycle them early. The
+  copies are plain ``.to(device)`` calls from pageable host memory (nothing is pinned, so they do not overlap the
+  host thread). Collectives run on NCCL/HCCL's internal streams; the issuing thread waits on the work handle. None
+  of this has run on accelerator hardware yet.
 - CPU: a stage's thread *is* its stream. Everything a stage produces is complete when it is put on the bounded
   queue to the next stage, and the queue hand-off is the happens-before edge; events are ``None``.
 """

@@ -21,6 +21,7 @@ from nestpipe.trainer import testing_hooks
 from nestpipe.trainer.config import TrainConfig, default_config, load_run_config, merge, save_config
 from nestpipe.trainer.distributed import process_groups
 from nestpipe.trainer.distributed import device as devmod
+from nestpipe.trainer import dense_optim
 from nestpipe.trainer.loop import train_worker
 from nestpipe.utils.jsonio import read_json, write_json_atomic
 
@@ -51,6 +52,7 @@ def run_plan(plan: List[Dict], world: int, plan_path: str, timeout: float = 300,
 def main(argv=None) -> int:
     plan_path = (argv or sys.argv[1:])[0]
     plan = read_json(plan_path, "run plan", expect=list)
+    dense_optim.skip_dynamo_import()  # as nestpipe train's rank processes
     dev = devmod.resolve("cpu")
     # before any thread starts (they inherit it); every run of a plan must ask for the same mode
     modes = {load_run_config(item["run"]).flush_denormal for item in plan}

@@ -16,6 +16,7 @@ import traceback
 from typing import List, Optional
 
 import torch.distributed as dist
+from nestpipe.trainer import dense_optim
 from nestpipe.trainer.distributed import device as devmod
 from nestpipe.trainer.config import load_run_config
 from nestpipe.trainer.loop import train_worker
@@ -88,7 +89,7 @@ def worker_main(argv: Optional[List[str]] = None) -> int:
 
     @record
     def _main() -> int:
-
+        dense_optim.skip_dynamo_import()  # a rank process never compiles: seconds less at every start
         cfg = load_run_config(a.worker_run)
         dev = devmod.resolve(cfg.device, devmod.local_rank())
         devmod.set_flush_denormal(cfg.flush_denormal)  # before any thread starts: they inherit the mode

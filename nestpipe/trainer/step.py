@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from nestpipe.datasets.sequence_cost import DEFAULT_COST, SequenceCost
 from nestpipe.datasets.shards import Manifest
-from nestpipe.trainer import testing_hooks
+from nestpipe.trainer import dense_optim, testing_hooks
 from nestpipe.trainer.config import TrainConfig, lr_factor
 from nestpipe.trainer.data import prepare_batch
 from nestpipe.trainer.distributed import sparse_groups
@@ -274,7 +274,7 @@ def update_dense(state: StepState, red: DenseReduce) -> float:
     for g in red.rep:
         rep_red.append(flat[off:off + g.numel()].view_as(g).clone())
         off += g.numel()
-    state.optimizer.step()
+    dense_optim.step(state.optimizer)
     state.optimizer.zero_grad(set_to_none=True)
     state.emb.update_replicated(rep_red)
     state.timer.add("update.dense", time.perf_counter() - t0)

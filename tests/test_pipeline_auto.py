@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from nestpipe.trainer.pipeline import auto
@@ -91,3 +93,23 @@ def test_model_specs_say_whether_their_loss_depends_on_the_partition():
     assert model_spec("dlrm").partition_invariant(TrainConfig.from_dict(default_config("dlrm")))
     ch = auto.choose("off", torch.device("cpu"), 1, micro_batching="auto", partition_invariant=True)
     assert (ch.schedule, ch.micro_batching) == ("off", "whole")
+
+
+def test_a_launch_gives_the_ranks_the_configs_intra_op_threads(tmp_path, monkeypatch):
+    """The ranks' OpenMP and Numba pools get ``threads`` (a user's own setting wins); negative control: a run of one
+    thread gets 1."""
+    from nestpipe.measure.launcher import write_run
+    from nestpipe.trainer import launch
+
+    seen = {}
+    monkeypatch.setattr(launch, "_launch", lambda args, run: seen.update(
+        {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}) or 0)
+    for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        monkeypatch.delenv(k, raising=False)
+    for threads in (2, 1):
+        run = write_run(str(tmp_path / f"t{threads}"), str(tmp_path), "dlrm", "off", 1, {"threads": threads})
+        assert launch.launch_training(run, 2, False) == 0
+        assert seen == {"OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads)}, seen
+        assert "OMP_NUM_THREADS" not in os.environ  # restored after the launch
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert launch.launch_training(run, 2, False) == 0 and seen["NUMBA_NUM_THREADS"] == "3"

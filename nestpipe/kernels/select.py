@@ -18,10 +18,10 @@ numba), ``triton`` on CUDA when triton imports, and the padded torch reference o
 
 ``adagrad_bags`` on CPU takes fbgemm's TBE backward where fbgemm_gpu imports and torch dispatches at AVX-512
 (:func:`cpu_has_avx512`), the Numba kernel (bitwise the same arithmetic) elsewhere. Why the instruction set: fbgemm
-generates its row-wise AdaGrad loop per instruction set (asmjit), and its speed is what differs between hosts. On an
-AVX-512 host fbgemm's op took 1.46 ms per table of the pooled benchmark against the Numba kernel's 2.95 ms; on an
-earlier host, whose instruction sets were not recorded, it took 20-25 ms against 4.5-7.9 ms (docs/benchmarks.md).
-Hosts below AVX-512 keep the Numba kernel until a measurement there says otherwise.
+generates its row-wise AdaGrad loop per instruction set (asmjit), and its speed is what differs between hosts: its
+AVX-512 loop beats the Numba kernel, while below AVX-512 it has been slower (``benchmarks/kernels_bench.py`` times
+both in one run; docs/benchmarks.md). Hosts below AVX-512 keep the Numba kernel until a measurement there says
+otherwise.
 
 Overrides, for tests and debugging (set them on every rank alike): ``NESTPIPE_KERNELS=reference`` forces the
 plain-torch references everywhere; ``NESTPIPE_KERNELS=op:path,...`` forces the named ops only (for example

@@ -34,7 +34,7 @@ def launch_training(run: str, nproc_per_node: int, resume: bool, torchrun_args: 
     # The ranks inherit this process's environment; it is set for the launch only and restored after, so a Python
     # session that calls nestpipe.train keeps its own (Numba refuses a thread count changed after it started).
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "TORCHELASTIC_ERROR_FILE")}
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", str(load_run_config(run).threads))  # the config's intra-op threads
     # Numba's parallel kernels default to an all-core OpenMP pool: with several ranks per machine that
     # oversubscribes the cores (every rank's pool contends for all of them, and the ranks wait for the slowest at
     # every collective); each rank gets the intra-op thread count.

@@ -9,7 +9,7 @@
 A record holds: ``benchmark`` (its name), ``command`` (the command line as run, from the repository root),
 ``commit`` (HEAD, with ``+dirty`` where files that change a measurement, ``nestpipe/``, ``benchmarks/*.py`` or
 ``pyproject.toml``, had uncommitted changes; ``dirty_paths`` lists them), ``host``, ``cpu`` (the CPU model),
-``cpus`` (cores this process may use), ``versions`` (python and the libraries a benchmark runs on), ``load_before``
+``cpus`` (cores the benchmark could use when it started), ``versions`` (python and the libraries a benchmark runs on), ``load_before``
 and ``load_after`` (the 1, 5 and 15-minute load averages: the cores are shared), ``date`` (UTC, ISO 8601),
 ``seconds`` (the benchmark's wall time) and ``figures``. The file is written to a temporary name and renamed, so a
 reader never sees half a record.
@@ -97,33 +97,30 @@ class Recorder:
         self.command = command(argv, script)
         self.results = results
         self.load_before = [round(x, 2) for x in os.getloadavg()]
+        self.cpus = _usable_cpus()  # before a benchmark pins itself to fewer
         self.start = time.time()
 
     def write(self, figures: Optional[Dict] = None, fields: Optional[Dict] = None,
               extra_versions: Optional[Dict[str, str]] = None, path: Optional[str] = None) -> str:
         """Write ``results/NAME.json`` (or ``path``); ``fields`` are added at the top level beside ``figures``."""
         return write_record(self.name, figures, command_line=self.command, load_before=self.load_before,
-                            started=self.start, fields=fields, extra_versions=extra_versions, results=self.results,
+                            started=self.start, cpus=self.cpus, fields=fields, extra_versions=extra_versions, results=self.results,
                             path=path)
 
 
 def write_record(name: str, figures: Optional[Dict] = None, argv: Optional[Sequence[str]] = None, *,
                  command_line: Optional[str] = None, load_before: Optional[List[float]] = None,
-                 started: Optional[float] = None, fields: Optional[Dict] = None,
+                 started: Optional[float] = None, cpus: Optional[int] = None, fields: Optional[Dict] = None,
                  extra_versions: Optional[Dict[str, str]] = None, results: str = RESULTS,
                  path: Optional[str] = None) -> str:
     now = time.time()
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = os.cpu_count()
     record = {
         "benchmark": name,
         "command": command_line or command(argv),
         **commit(),
         "host": platform.node(),
         "cpu": cpu_model(),
-        "cpus": cpus,
+        "cpus": cpus or _usable_cpus(),
         "versions": versions(extra_versions),
         "load_before": load_before if load_before is not None else [round(x, 2) for x in os.getloadavg()],
         "load_after": [round(x, 2) for x in os.getloadavg()],
@@ -142,6 +139,13 @@ def write_record(name: str, figures: Optional[Dict] = None, argv: Optional[Seque
     os.replace(tmp, path)
     print(f"record: {os.path.relpath(path, ROOT) if path.startswith(ROOT) else path}", flush=True)
     return path
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def _plain(x):

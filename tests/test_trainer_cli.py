@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
 import json
 import re
@@ -35,8 +37,29 @@ def env(**hooks):
     return dict(os.environ, OMP_NUM_THREADS="1", **(testing_hooks.as_env(**hooks) if hooks else {}))
 
 
+IN_PROCESS = ("eval", "export", "plan")  # single-process commands: run here, without a process start-up each
+
+
 def run(*args, timeout=180, hooks=None):
+    if args[0] in IN_PROCESS and not hooks:
+        return run_here(*args)
     return subprocess.run(cmd(*args), capture_output=True, text=True, timeout=timeout, env=env(**(hooks or {})))
+
+
+def run_here(*args):
+    """``nestpipe ARGS`` through the CLI's own entry point in this process: its exit code, stdout and stderr as a
+    finished process would give them (an uncaught exception fails the test, as a traceback would)."""
+    from nestpipe.cli import main
+
+    out, err, threads = io.StringIO(), io.StringIO(), torch.get_num_threads()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            rc = e.code if isinstance(e.code, int) else 1
+        finally:
+            torch.set_num_threads(threads)  # eval sets the run's intra-op threads
+    return subprocess.CompletedProcess(list(args), rc, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,11 @@
   stays near 0.5: the negative control); its crosses of bags equal a brute-force enumeration of every id pair; the
   pairs cover every single-id table pair and the DLRM's ``dot_pairs``; the strongest CTR baseline is the one of
   highest AUC.
+- The factorization machine learns the same pairwise signal with its default settings (negative control: without
+  factors, ``dim`` 0, it stays at AUC 0.5); its logits and gradient equal a pair-by-pair sum and finite differences
+  (negative control: the gradient without the self-interaction term differs); two fits give identical predictions,
+  it keeps the epoch of least tail logloss; a CTR eval reports it with intervals and paired verdicts, and compares
+  the model with the strongest of all baselines.
 """
 
 from __future__ import annotations
@@ -231,6 +236,132 @@ def test_strongest_ctr_baseline_is_the_highest_auc():
     assert strongest_ctr_baseline(res, ["constant", "lr", "lrx"]) == "lrx"
     res["baseline_lrx"]["AUC"] = float("nan")
     assert strongest_ctr_baseline(res, ["constant", "lr", "lrx"]) == "lr"
+
+
+@pytest.mark.parametrize("dim", [8, 0])
+def test_factorization_machine_learns_a_pairwise_signal_the_plain_regression_cannot(dim):
+    """The parity of two ids is a rank-one interaction (``v_a = (-1)^a``): the factorization machine with its
+    default settings learns it; negative control: without factors (``dim`` 0: the regression's form) it cannot."""
+    rng = np.random.default_rng(2)
+    train, ev = _xor_records(rng, 16, 256), _xor_records(rng, 4, 256)
+    y = np.concatenate([r["labels"][:, 0] for r in ev])
+    plain = baselines.LogisticBaseline(["a", "c"], {"a": 20, "c": 20}, 0).fit(train)
+    fm = baselines.FactorizationMachineBaseline(["a", "c"], {"a": 20, "c": 20}, 0,
+                                                baselines.FMConfig(dim=dim)).fit(train)
+    auc_plain = _auc(y, np.concatenate([plain.predict(r) for r in ev]))
+    auc_fm = _auc(y, np.concatenate([fm.predict(r) for r in ev]))
+    assert abs(auc_plain - 0.5) < 0.05, auc_plain
+    assert fm.fit_info["features"] == 40 + 2 and fm.fit_info["train_samples"] == 16 * 256
+    if dim:
+        assert auc_fm > 0.8 and auc_fm > auc_plain + 0.25, (auc_fm, auc_plain)  # Bayes AUC: 0.9
+    else:
+        assert abs(auc_fm - 0.5) < 0.05, auc_fm
+
+
+def test_factorization_machine_logits_and_gradient_are_the_brute_force_ones():
+    """:func:`fm_logits` equals ``b + sum_i w_i x_i + sum_{i<j} <v_i, v_j> x_i x_j`` summed pair by pair, and
+    :func:`fm_gradient` the central finite differences of the batch's mean logloss (float64)."""
+    from scipy.sparse import csr_matrix
+
+    rng = np.random.default_rng(5)
+    b, rows, dim = 6, 9, 3
+    dense = np.where(rng.random((b, rows)) < 0.4, rng.normal(size=(b, rows)), 0.0)
+    x = csr_matrix(dense)
+    theta = rng.normal(size=(rows + 1, dim + 1)) * 0.7
+    y = (rng.random(b) < 0.5).astype(np.float64)
+    want = np.full(b, theta[rows, dim]) + dense @ theta[:rows, dim]
+    for s in range(b):
+        for i in range(rows):
+            for j in range(i + 1, rows):
+                want[s] += theta[i, :dim] @ theta[j, :dim] * dense[s, i] * dense[s, j]
+    assert np.allclose(baselines.fm_logits(theta, x, dim), want, rtol=1e-12, atol=1e-12)
+
+    def loss(th, bias):
+        full = np.vstack([th, np.r_[np.zeros(dim), bias][None]])
+        return baselines.logloss(y, 1 / (1 + np.exp(-baselines.fm_logits(full, x, dim))))
+
+    th, bias = theta[:rows].copy(), theta[rows, dim]
+    grad, g_bias = baselines.fm_gradient(th.copy(), bias, x, x.multiply(x).tocsr(), y)
+    eps = 1e-6
+    numeric = np.zeros_like(th)
+    for idx in np.ndindex(*th.shape):
+        up, down = th.copy(), th.copy()
+        up[idx] += eps
+        down[idx] -= eps
+        numeric[idx] = (loss(up, bias) - loss(down, bias)) / (2 * eps)
+    assert np.allclose(grad, numeric, atol=1e-7), np.abs(grad - numeric).max()
+    assert abs(g_bias - (loss(th, bias + eps) - loss(th, bias - eps)) / (2 * eps)) < 1e-7
+    # negative control: without the self-interaction correction the gradient is not the loss's
+    wrong = grad.copy()
+    wrong[:, :dim] += (x.multiply(x).T @ (np.ones(b) / b))[:, None] * th[:, :dim]
+    assert not np.allclose(wrong, numeric, atol=1e-4)
+
+
+def test_factorization_machine_is_deterministic_and_keeps_the_epoch_of_least_tail_logloss():
+    rng = np.random.default_rng(7)
+    train, ev = _xor_records(rng, 12, 256), _xor_records(rng, 2, 256)
+    make = lambda **kw: baselines.FactorizationMachineBaseline(  # noqa: E731
+        ["a", "c"], {"a": 20, "c": 20}, 0, baselines.FMConfig(lr=0.01, batch_size=128, **kw)).fit(train)
+    one, two, other = make(), make(), make(seed=1)
+    p1, p2 = np.concatenate([one.predict(r) for r in ev]), np.concatenate([two.predict(r) for r in ev])
+    assert np.array_equal(p1, p2) and np.array_equal(one.theta, two.theta)
+    drop = lambda info: {k: v for k, v in info.items() if k != "fit_s"}  # noqa: E731
+    assert drop(one.fit_info) == drop(two.fit_info)
+    assert not np.array_equal(p1, np.concatenate([other.predict(r) for r in ev]))  # the seed is what is fixed
+    info = one.fit_info
+    history = info["validation_logloss"]
+    # early stopping: the kept epoch has the least tail logloss, and training stopped `patience` epochs after it
+    assert info["epochs"] == 1 + int(np.argmin(history)) and info["epochs"] < info["max_epochs"], info
+    assert len(history) == info["epochs"] + info["patience"], info
+    # refitted on every training sample for that many epochs: not the model that was scored on the tail
+    tail_model = make(refit=False)
+    assert not np.array_equal(tail_model.theta, one.theta)
+    assert tail_model.fit_info["epochs"] == info["epochs"]
+
+
+def test_ctr_eval_reports_the_factorization_machine_beside_the_strongest_baseline(tmp_path):
+    """``evaluate_ctr`` (what eval.json holds for a CTR run) fits the factorization machine by default and reports
+    it like every baseline: its figures and fit, a 95% interval per metric, the paired comparison and verdict
+    against the model; the strongest baseline is the one of highest AUC among all of them."""
+    import json
+
+    import torch
+
+    from shard_sets import make_shards
+
+    from nestpipe.measure.launcher import write_run
+    from nestpipe.trainer.config import load_run_config
+    from nestpipe.trainer.evaluate import evaluate_ctr
+    from nestpipe.trainer.models import build_model, model_table_dims
+
+    shards = str(tmp_path / "ctr")
+    man = make_shards(shards, "ctr", batch_size=64, micro_batches=2, shards=(12,), eval_shards=(4,), vocab=300,
+                      seed=3)
+    cfg = load_run_config(write_run(str(tmp_path / "run"), shards, "dlrm", "auto", 1))
+    torch.manual_seed(0)
+    model = build_model(cfg, man, model_table_dims(cfg, man)).eval()
+    full = {f"embedding.{t}.weight": 0.1 * torch.randn(man.tables[t].vocab, model_table_dims(cfg, man)[t])
+            for t in model.tables}
+    ev = evaluate_ctr(cfg, man, full, model, None, fm=baselines.FMConfig(lr=0.01))
+    json.dumps(ev)  # eval.json's content
+    names = ["constant", "logistic_regression", "factorization_machine"]
+    assert "baseline_logistic_regression_crosses" not in ev  # asked for only
+    fm = ev["baseline_factorization_machine"]
+    assert set(fm) == {"AUC", "logloss", "fit"} and fm["fit"]["train_samples"] == 12 * 64
+    assert fm["fit"]["epochs"] >= 1 and fm["fit"]["validation_logloss"]
+    assert fm["AUC"] > 0.6, fm  # the planted signal of the test shards (clicks by video id and a dense feature)
+    for name in ["model"] + [f"baseline_{n}" for n in names]:
+        for m in ("AUC", "logloss"):
+            lo, hi = ev["intervals"][name][m]
+            assert lo <= ev[name][m] + 1e-12 <= hi + 2e-12, (name, m)
+    for m in ("AUC", "logloss"):
+        c = ev["comparisons"]["baseline_factorization_machine"][m]
+        assert c["interval"][0] <= c["difference"] + 1e-12 <= c["interval"][1] + 2e-12, c
+        assert c["verdict"] in ("tie", "better", "worse")
+    assert ev["strongest_baseline"] == max(names, key=lambda n: ev[f"baseline_{n}"]["AUC"]), ev
+    best = f"baseline_{ev['strongest_baseline']}"
+    assert ev["vs_strongest_baseline"] == {"baseline": ev["strongest_baseline"],
+                                           **{m: ev["comparisons"][best][m]["verdict"] for m in ("AUC", "logloss")}}
 
 
 def _leaks(w, validation):

@@ -105,9 +105,10 @@ def test_dlrm_beats_constant(data, runs):
     assert ev["samples"] >= 1000
     assert ev["samples"] == load_manifest(data["ctr"]).stats["samples"]["eval"]  # every eval interaction
     assert dlrm_beats(ev), ev
-    names = ["constant", "logistic_regression"]
+    names = ["constant", "logistic_regression", "factorization_machine"]  # the pairwise baseline of every eval
     _check_intervals(ev, ("AUC", "logloss"), names)
     assert ev["strongest_baseline"] == max(names, key=lambda n: ev[f"baseline_{n}"]["AUC"]), ev
+    assert ev["baseline_factorization_machine"]["fit"]["train_samples"] > 20_000
     assert ev["comparisons"]["baseline_constant"]["AUC"]["verdict"] == "better", ev["comparisons"]
     assert "baseline_logistic_regression_crosses" not in ev  # asked for only (its cost: docs/trainer.md)
     # asked for (here on 3,000 training samples, to keep the test short), the crosses baseline joins the report

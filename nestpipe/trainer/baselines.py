@@ -19,10 +19,15 @@ CTR (``ctr`` shards; AUC and logloss):
   under the model's transform ``sign(x) log1p(|x|)``, standardised with the training split's moments. Fitted on at
   most ``max_train_samples`` training samples (the first ones in shard order), its regularisation chosen on a
   validation tail of them (:class:`LogisticConfig`); its settings, validation figures and fit time are recorded.
-- :class:`CrossLogisticBaseline`: the same regression with pairwise interactions: beside those columns, one hashed
-  column per (pair of tables, pair of ids) for every pair of the model's single-id tables and every pair the model
-  takes a dot product of (``dlrm.dot_pairs``), so that it can express every cross the DLRM is given explicitly
-  (and every cross of two single-id tables its cross network can form). The crosses are hashed into a fixed
+- :class:`FactorizationMachineBaseline`: a factorization machine over the same inputs (bags weighted by
+  ``1 / length``): a factorised pairwise interaction of every pair of them, fitted by minibatch Adam with early
+  stopping on a validation tail of the training samples and a refit on all of them (:class:`FMConfig`); fitted by
+  every CTR eval (seconds to a minute), its settings, epochs, tail loglosses and fit time recorded.
+- :class:`CrossLogisticBaseline` (``nestpipe eval --pairwise-baseline`` only: minutes to fit): the same regression
+  with unfactorised pairwise interactions: beside those columns, one hashed column per (pair of tables, pair of
+  ids) for every pair of the model's single-id tables and every pair the model takes a dot product of
+  (``dlrm.dot_pairs``), so that it can express every cross the DLRM is given explicitly (and every cross of two
+  single-id tables its cross network can form). The crosses are hashed into a fixed
   number of buckets (:class:`CrossConfig`, ``2**20`` by default), bounding the coefficients whatever the vocabularies;
   the model matrix holds at most ``max_train_samples x (pairs + ids + dense features)`` values.
 """
@@ -335,6 +340,218 @@ class CrossLogisticBaseline(LogisticBaseline):
         self.fit_info.update({"pairs": ["*".join(ab) for ab in self.pairs], "buckets": self.buckets,
                               "hash": "splitmix64(id_a * vocab_b + id_b, pair index + 1) mod buckets"})
         return self
+
+
+@dataclasses.dataclass
+class FMConfig:
+    """:class:`FactorizationMachineBaseline`'s settings. The number of epochs is chosen by early stopping on the
+    last ``validation_share`` of the training samples (at most ``max_epochs``; stop after ``patience`` epochs
+    without a lower logloss there), then the model is refitted on all of them for that many epochs (the eval split
+    is never read). The other defaults were chosen on that tail of MovieLens-100K's CTR shards (docs/trainer.md,
+    Evaluation)."""
+
+    dim: int = 8
+    lr: float = 0.001
+    # decoupled weight decay: every parameter row shrinks by (1 - lr * weight_decay) per step
+    weight_decay: float = 0.1
+    batch_size: int = 1024
+    max_epochs: int = 20
+    patience: int = 2
+    validation_share: float = 0.1
+    refit: bool = True
+    max_train_samples: int = 400_000
+    init_scale: float = 0.01
+    seed: int = 0
+
+
+class FactorizationMachineBaseline:
+    """A second-order factorization machine (Rendle, 2010) over the logistic regression's inputs: every id of every
+    sparse table the model embeds (bags: each id weighted ``1 / bag length``) and every dense feature (its
+    standardised ``sign(x) log1p(|x|)`` as the value), ``logit = b + sum_i w_i x_i + sum_{i<j} <v_i, v_j> x_i x_j``
+    with ``v_i`` of ``dim`` values: a pairwise interaction of every pair of inputs (every pair of tables the DLRM is
+    given, ``dot_pairs`` among them), each factorised, in ``O(inputs x dim)`` per sample.
+
+    Fitted by minibatch Adam in numpy/scipy (single thread, deterministic from ``seed``): the moments of the rows a
+    batch touches (lazy Adam), decoupled weight decay on every row every step (applied to a row when next touched,
+    and to all before predicting), early stopping on the training tail (:class:`FMConfig`)."""
+
+    def __init__(self, tables: Sequence[str], vocabs: Dict[str, int], target_col: int,
+                 cfg: Optional[FMConfig] = None):
+        self.tables = list(tables)
+        self.vocabs = vocabs
+        self.k = target_col
+        self.cfg = cfg or FMConfig()
+        self.base = {}
+        c = 0
+        for t in self.tables:
+            self.base[t] = c
+            c += vocabs[t]
+        self.sparse_cols = c
+
+    def _sparse(self, rec: Dict):
+        from scipy.sparse import csr_matrix
+
+        b = len(rec["labels"])
+        rows, cols, vals = [], [], []
+        for t in self.tables:
+            off = table_offsets(rec, t)
+            lengths = np.diff(off)
+            r = np.repeat(np.arange(b), lengths)
+            rows.append(r)
+            cols.append(self.base[t] + to_vocab(rec[f"{t}.values"], self.vocabs[t]))
+            vals.append((1.0 / np.maximum(lengths, 1))[r])
+        r, c = np.concatenate(rows), np.concatenate(cols)
+        sp = csr_matrix((np.concatenate(vals).astype(np.float32), (r, c)), shape=(b, self.sparse_cols))
+        sp.sum_duplicates()
+        return sp, dense_transform(rec["dense"])
+
+    def _matrix(self, sparse, dense: np.ndarray):
+        from scipy.sparse import csr_matrix, hstack
+
+        dense = csr_matrix(((dense - self.mean) / self.std).astype(np.float32))
+        x = hstack([sparse, dense], format="csr").astype(np.float32, copy=False)
+        x.sort_indices()
+        return x
+
+    def fit(self, records: Iterable[Dict]) -> "FactorizationMachineBaseline":
+        from scipy.sparse import vstack
+
+        cfg = self.cfg
+        sps, dens, ys, n = [], [], [], 0
+        for rec in records:
+            sp, d = self._sparse(rec)
+            sps.append(sp)
+            dens.append(d)
+            ys.append(np.asarray(rec["labels"][:, self.k], np.float32))
+            n += len(d)
+            if n >= cfg.max_train_samples:
+                break
+        d = np.concatenate(dens)[: cfg.max_train_samples]
+        self.mean, self.std = d.mean(0), d.std(0) + 1e-6
+        x = self._matrix(vstack(sps, format="csr")[: cfg.max_train_samples], d)
+        y = np.concatenate(ys)[: cfg.max_train_samples]
+        t0 = time.perf_counter()
+        cut = int(len(y) * (1 - cfg.validation_share))
+        theta, history = self._train(x[:cut], y[:cut], cfg.max_epochs, (x[cut:], y[cut:]))
+        epochs = 1 + int(np.argmin(history)) if history else cfg.max_epochs
+        if cfg.refit and history:
+            theta, _ = self._train(x, y, epochs)
+        self.theta = theta
+        self.fit_info = {**dataclasses.asdict(cfg), "epochs": epochs,
+                         "validation_logloss": [round(v, 6) for v in history],
+                         "train_samples": int(len(y)), "features": int(x.shape[1]),
+                         "fit_s": round(time.perf_counter() - t0, 3),
+                         "library": "numpy/scipy (nestpipe.trainer.baselines.FactorizationMachineBaseline)"}
+        return self
+
+    def _scores(self, theta: np.ndarray, x) -> np.ndarray:
+        return _sigmoid(fm_logits(theta, x, self.cfg.dim).astype(np.float64))
+
+    def _train(self, x, y: np.ndarray, epochs: int, tail=None):
+        """``epochs`` of lazy Adam on ``(x, y)`` from the seed's start. With ``tail``: stop early (``patience``),
+        return the parameters of the epoch of least tail logloss and every epoch's tail logloss."""
+        from scipy.sparse import csr_matrix
+
+        cfg = self.cfg
+        dim, rows = cfg.dim, x.shape[1]
+        rng = np.random.default_rng(cfg.seed)
+        # one row per input: [v (dim) | w] then the Adam moments of both; row ``rows`` holds the global bias
+        theta = np.zeros((rows + 1, dim + 1), np.float32)
+        theta[:rows, :dim] = rng.standard_normal((rows, dim)) * cfg.init_scale
+        state = np.zeros((rows + 1, 2, dim + 1), np.float32)
+        last = np.zeros(rows, np.int64)
+        mask, pos = np.zeros(rows, bool), np.zeros(rows, np.int64)
+        b1, b2, eps = 0.9, 0.999, 1e-8
+        keep = np.float32(1.0 - cfg.lr * cfg.weight_decay)
+        step, history, best = 0, [], None
+
+        def catch_up():
+            theta[:rows] *= (keep ** (step - last).astype(np.float32))[:, None]
+            last[:] = step
+
+        n = x.shape[0]
+        if tail is not None and tail[0].shape[0] == 0:  # too few samples for a tail: no early stopping
+            tail = None
+        for _ in range(epochs):
+            order = rng.permutation(n)
+            xs, ys = x[order], y[order]
+            for s in range(0, n, cfg.batch_size):
+                xb, yb = xs[s:s + cfg.batch_size], ys[s:s + cfg.batch_size]
+                b = xb.shape[0]
+                mask[xb.indices] = True
+                u = np.flatnonzero(mask)
+                mask[u] = False
+                pos[u] = np.arange(len(u))
+                step += 1
+                # the decay a touched row is owed since it was last touched, then this step's
+                th = theta.take(u, axis=0) * (keep ** (step - 1 - last[u]).astype(np.float32))[:, None]
+                xl = csr_matrix((xb.data, pos[xb.indices], xb.indptr), shape=(b, len(u)))
+                x2 = csr_matrix((np.square(xb.data), xl.indices, xl.indptr), shape=(b, len(u)))
+                grad, gb = fm_gradient(th, theta[rows, dim], xl, x2, yb)
+                st = state.take(u, axis=0)
+                st[:, 0] = b1 * st[:, 0] + (1 - b1) * grad
+                st[:, 1] = b2 * st[:, 1] + (1 - b2) * np.square(grad)
+                c1, c2 = 1 - b1 ** step, 1 - b2 ** step
+                th = th * keep - (cfg.lr / c1) * st[:, 0] / (np.sqrt(st[:, 1] / c2) + eps)
+                _put_rows(theta, u, th)
+                _put_rows(state, u, st)
+                last[u] = step
+                # the bias: plain Adam, no decay
+                state[rows, 0, dim] = b1 * state[rows, 0, dim] + (1 - b1) * gb
+                state[rows, 1, dim] = b2 * state[rows, 1, dim] + (1 - b2) * gb * gb
+                theta[rows, dim] -= (cfg.lr / c1) * state[rows, 0, dim] / (np.sqrt(state[rows, 1, dim] / c2) + eps)
+            if tail is None:
+                continue
+            catch_up()
+            history.append(logloss(tail[1], self._scores(theta, tail[0])))
+            if best is None or history[-1] < min(history[:-1], default=np.inf):
+                best = theta.copy()
+            elif len(history) - 1 - int(np.argmin(history)) >= cfg.patience:
+                break
+        catch_up()
+        return (theta if tail is None else best), history
+
+    def predict(self, rec: Dict) -> np.ndarray:
+        return self._scores(self.theta, self._matrix(*self._sparse(rec)))
+
+
+def fm_logits(theta: np.ndarray, x, dim: int) -> np.ndarray:
+    """A factorization machine's logits for the rows of the CSR matrix ``x`` (columns: inputs): ``theta`` holds one
+    row ``[v_i | w_i]`` per input and the bias in its last row's last value. ``sum_{i<j} <v_i, v_j> x_i x_j`` is
+    computed as ``((sum_i v_i x_i)^2 - sum_i v_i^2 x_i^2) / 2``."""
+    rows = x.shape[1]
+    s = np.asarray(x @ theta[:rows])
+    sq = np.asarray(x.multiply(x) @ np.square(theta[:rows, :dim]).sum(1))
+    return s[:, dim] + theta[rows, dim] + 0.5 * (np.square(s[:, :dim]).sum(1) - sq)
+
+
+def fm_gradient(th: np.ndarray, bias, x, x2, y: np.ndarray):
+    """The gradient of the mean logloss of a minibatch: ``x`` its CSR matrix over the inputs it touches, ``x2`` the
+    same with squared values, ``th`` those inputs' rows ``[v_i | w_i]``. Returns (gradient of ``th``, of ``bias``):
+    ``d/dv_i = g x_i (sum_j v_j x_j) - g x_i^2 v_i``, ``d/dw_i = g x_i`` summed over the samples,
+    ``g = (p - y) / b``."""
+    dim = th.shape[1] - 1
+    sw = x @ th
+    z = sw[:, dim] + bias + 0.5 * (np.square(sw[:, :dim]).sum(1) - x2 @ np.square(th[:, :dim]).sum(1))
+    g = ((_sigmoid(z) - y) / x.shape[0]).astype(th.dtype)
+    sw[:, :dim] *= g[:, None]  # [g * sum_j v_j x_j | g]
+    sw[:, dim] = g
+    grad = x.T @ sw
+    grad[:, :dim] -= (x2.T @ g)[:, None] * th[:, :dim]
+    return grad, g.sum()
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    """``1 / (1 + exp(-z))`` without overflow for large ``|z|``."""
+    return 0.5 * (1.0 + np.tanh(0.5 * z))
+
+
+def _put_rows(a: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
+    """``a[rows] = values`` for the rows of a C-contiguous array, as one fixed-size byte record per row (several
+    times faster than numpy's fancy assignment of 2-D rows)."""
+    rec = np.dtype((np.void, a[0].nbytes))
+    values = np.ascontiguousarray(values, a.dtype).reshape(len(rows), -1)
+    a.reshape(len(a), -1).view(rec)[:, 0][rows] = values.view(rec)[:, 0]
 
 
 def cross_pairs(single_tables: Sequence[str], dot_pairs: Sequence[Tuple[str, str]]) -> List[Tuple[str, str]]:

@@ -75,8 +75,9 @@ def add_parser(subparsers) -> None:
     e = subparsers.add_parser(
         "eval", help="evaluate a trained run beside baselines (HR/NDCG for hstu, sasrec; AUC/logloss for dlrm)",
         description="Score the run's latest checkpoint on the eval split and, on exactly the same protocol, the "
-        "baselines fitted on the train split: most popular and successor counting (next item), the constant rate "
-        "and a logistic regression over the model's features (CTR; its fit takes up to a minute on large data). "
+        "baselines fitted on the train split: most popular and successor counting (next item), the constant rate, "
+        "a logistic regression over the model's features and a factorization machine over the same inputs (CTR: a "
+        "baseline with a pairwise interaction of every pair of inputs; each fit takes up to a minute on large data). "
         "Writes RUN/eval.json and prints it.")
     e.add_argument("--run", required=True, help="run directory of `nestpipe train` (its --out)")
     e.add_argument("--max-batches", type=int, default=None, help="score only the first N eval batches")
@@ -87,8 +88,9 @@ def add_parser(subparsers) -> None:
                    "choosing settings; writes RUN/eval-valid.json)")
     e.add_argument("--pairwise-baseline", action="store_true",
                    help="ctr: also fit a logistic regression with hashed crosses of every pair of the model's "
-                   "single-id tables and its dot_pairs (a baseline that can express pairwise interactions; minutes "
-                   "from 30k training samples on, so not by default)")
+                   "single-id tables and its dot_pairs (an unfactorised weight per cross; minutes from 30k training "
+                   "samples on, so not by default: the factorization machine fitted by every ctr eval is the "
+                   "default baseline of pairwise interactions)")
     e.set_defaults(func=_eval)
 
     x = subparsers.add_parser(

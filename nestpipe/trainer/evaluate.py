@@ -15,10 +15,11 @@ input's own most frequent items, then popularity). On synthetic data also the ce
 next-item probabilities ranked on the same protocol (``generator_oracle``).
 
 CTR (dlrm): AUC and logloss of the target label; baselines: the train split's positive rate as a constant, a
-regularised logistic regression over the model's own features, and the same regression with hashed crosses of every
-pair of the model's single-id tables and of its ``dot_pairs`` (settings and fit time recorded); the strongest
-baseline is the one of highest AUC on the scored samples. On synthetic data (``nestpipe synth``) also the Bayes
-ceiling: the generator's own click probabilities on the eval dates.
+regularised logistic regression over the model's own features, a factorization machine over the same inputs (a
+factorised pairwise interaction of every pair of them), and on request (``pairwise``) the regression with hashed
+crosses of every pair of the model's single-id tables and of its ``dot_pairs`` (settings and fit time recorded);
+the strongest baseline is the one of highest AUC on the scored samples. On synthetic data (``nestpipe synth``) also
+the Bayes ceiling: the generator's own click probabilities on the eval dates.
 
 Every metric of the model, of each baseline and of the generator oracle gets a 95% bootstrap interval over the
 scored samples (``intervals``), and every model - baseline difference a paired interval over the same resamples
@@ -297,24 +298,25 @@ def _auc(y: np.ndarray, p: np.ndarray) -> float:
 @torch.no_grad()
 def evaluate_ctr(cfg, man, full, model, max_batches, split="eval",
                   logistic: Optional[baselines.LogisticConfig] = None, cross: Optional[baselines.CrossConfig] = None,
-                  pairwise: bool = False):
-    """CTR protocol (module docstring). ``pairwise``: also fit the logistic regression with hashed crosses
-    (``cross`` given implies it); off by default for its cost (lbfgs on a column per cross: minutes from 30k
-    training samples on, docs/trainer.md)."""
+                  pairwise: bool = False, fm: Optional[baselines.FMConfig] = None):
+    """CTR protocol (module docstring). The factorization machine (``fm``) is fitted every time; ``pairwise``: also
+    the logistic regression with hashed crosses (``cross`` given implies it), off by default for its cost (lbfgs on
+    a column per cross: minutes from 30k training samples on, docs/trainer.md)."""
     k = man.labels.index(cfg.dlrm.target)
     pos, n = 0.0, 0
     for rec in _records(cfg.shards, "train", None):
         pos += float(rec["labels"][:, k].sum())
         n += len(rec["labels"])
     rate = pos / max(n, 1)
-    lr = baselines.LogisticBaseline(model.tables, {t: man.tables[t].vocab for t in model.tables}, k,
-                                    logistic).fit(_records(cfg.shards, "train", None))
-    fitted = {"logistic_regression": lr}
+    vocabs = {t: man.tables[t].vocab for t in model.tables}
+    lr = baselines.LogisticBaseline(model.tables, vocabs, k, logistic).fit(_records(cfg.shards, "train", None))
+    fitted = {"logistic_regression": lr,
+              "factorization_machine": baselines.FactorizationMachineBaseline(
+                  model.tables, vocabs, k, fm).fit(_records(cfg.shards, "train", None))}
     if pairwise or cross is not None:
         pairs = baselines.cross_pairs([t for t in model.tables if man.tables[t].kind == "single"], model.dot_pairs)
         fitted["logistic_regression_crosses"] = baselines.CrossLogisticBaseline(
-            model.tables, {t: man.tables[t].vocab for t in model.tables}, k, pairs,
-            cross).fit(_records(cfg.shards, "train", None))
+            model.tables, vocabs, k, pairs, cross).fit(_records(cfg.shards, "train", None))
     ys, ps, preds = [], [], {name: [] for name in fitted}
     for rec in _records(cfg.shards, split, max_batches):
         ps.append(click_probabilities(model, full, man, rec))
@@ -380,7 +382,8 @@ def evaluate_run(run: str, max_batches: Optional[int] = None, split: str = "eval
                  shards: Optional[str] = None, pairwise: bool = False) -> Dict:
     """Evaluate ``run`` on ``split`` (``eval``, or ``valid`` for shards ingested with ``--validation``); writes
     ``RUN/eval.json`` (``RUN/eval-valid.json`` for the valid split). ``shards``: where the run's shards are now,
-    when they moved. ``pairwise``: CTR runs also get the logistic regression with hashed crosses (slow)."""
+    when they moved. ``pairwise``: CTR runs also get the logistic regression with hashed crosses (slow; the
+    factorization machine, a baseline of pairwise interactions too, is fitted by every CTR eval)."""
     cfg = load_run_config(run)
     torch.set_num_threads(max(1, cfg.threads))
     man, cfg.shards = run_manifest(run, cfg, shards, need_data=True)

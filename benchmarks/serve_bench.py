@@ -52,13 +52,16 @@ def start_server(run: str, cache_mb: float, history: str):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
+    deadline = time.time() + 600  # loading a large run on a loaded machine takes minutes
     while True:
         try:
             with urllib.request.urlopen(base + "/healthz", timeout=2):
                 return proc, base
         except OSError:
             if proc.poll() is not None or time.time() > deadline:
+                if proc.poll() is None:  # its stderr stays open while it runs: stop it before reading
+                    proc.kill()
+                    proc.wait()
                 raise SystemExit(f"server did not start: {proc.stderr.read()[-2000:].decode()}")
             time.sleep(0.3)
 

@@ -148,13 +148,15 @@ def _worker(rank, world, a, port, q):
         tables, sharders, B = names, [RowWiseEBCSharder()], a["batch"]
     else:
         sys.path.insert(0, ROOT)
+        from nestpipe.trainer.embedding.config import row_shape
         from nestpipe.trainer.models.common import sequential_table_widths
         from nestpipe.trainer.models.hstu import HSTU, HSTUConfig
 
         data = np.load(a["data"])
         nb = int(data["batches"])
         hcfg = HSTUConfig(**a["hstu"])
-        item_dim = a["dim"] * sequential_table_widths(hcfg).get("item", 1)  # NestPipe's item rows, as wide
+        blocks, extra = row_shape(sequential_table_widths(hcfg).get("item", 1))
+        item_dim = a["dim"] * blocks + extra  # NestPipe's item rows, as wide (blocks of dim, the bias columns)
 
         class Head(nn.Module):  # everything after the lookup: one leaf module for the pipeline's FX tracing
             def __init__(self):

@@ -124,6 +124,9 @@ def summary(per_seed, models=GR_MODELS + ("dlrm",)) -> dict:
     for metric in ("AUC", "logloss"):
         add(f"dlrm {metric}", [s["dlrm"]["model"][metric] for s in per_seed])
         add(f"logistic_regression {metric}", [s["dlrm"]["baseline_logistic_regression"][metric] for s in per_seed])
+        if all("baseline_factorization_machine" in s["dlrm"] for s in per_seed):  # evals since the machine joined
+            add(f"factorization_machine {metric}",
+                [s["dlrm"]["baseline_factorization_machine"][metric] for s in per_seed])
     add("dlrm AUC - logistic_regression AUC",
         [s["dlrm"]["model"]["AUC"] - s["dlrm"]["baseline_logistic_regression"]["AUC"] for s in per_seed])
     if all("bayes_ceiling" in s["dlrm"] for s in per_seed):

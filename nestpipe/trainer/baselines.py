@@ -369,7 +369,8 @@ class FactorizationMachineBaseline:
     sparse table the model embeds (bags: each id weighted ``1 / bag length``) and every dense feature (its
     standardised ``sign(x) log1p(|x|)`` as the value), ``logit = b + sum_i w_i x_i + sum_{i<j} <v_i, v_j> x_i x_j``
     with ``v_i`` of ``dim`` values: a pairwise interaction of every pair of inputs (every pair of tables the DLRM is
-    given, ``dot_pairs`` among them), each factorised, in ``O(inputs x dim)`` per sample.
+    given, ``dot_pairs`` among them), each factorised, in ``O(inputs x dim)`` per sample. Parameters exist for the
+    inputs the training samples hold only: an input never seen in training adds no term to a prediction.
 
     Fitted by minibatch Adam in numpy/scipy (single thread, deterministic from ``seed``): the moments of the rows a
     batch touches (lazy Adam), decoupled weight decay on every row every step (applied to a row when next touched,
@@ -431,6 +432,9 @@ class FactorizationMachineBaseline:
         x = self._matrix(vstack(sps, format="csr")[: cfg.max_train_samples], d)
         y = np.concatenate(ys)[: cfg.max_train_samples]
         t0 = time.perf_counter()
+        # parameters only for the inputs the training samples hold (an input never seen contributes nothing)
+        self.inputs, self.all_inputs = np.unique(x.indices), x.shape[1]
+        x = self._compact(x)
         cut = int(len(y) * (1 - cfg.validation_share))
         theta, history = self._train(x[:cut], y[:cut], cfg.max_epochs, (x[cut:], y[cut:]))
         epochs = 1 + int(np.argmin(history)) if history else cfg.max_epochs
@@ -439,10 +443,21 @@ class FactorizationMachineBaseline:
         self.theta = theta
         self.fit_info = {**dataclasses.asdict(cfg), "epochs": epochs,
                          "validation_logloss": [round(v, 6) for v in history],
-                         "train_samples": int(len(y)), "features": int(x.shape[1]),
+                         "train_samples": int(len(y)), "features": int(self.all_inputs),
+                         "features_seen": int(len(self.inputs)),
                          "fit_s": round(time.perf_counter() - t0, 3),
                          "library": "numpy/scipy (nestpipe.trainer.baselines.FactorizationMachineBaseline)"}
         return self
+
+    def _compact(self, x):
+        """``x`` over the inputs seen in training only (columns renumbered in order; other inputs dropped)."""
+        from scipy.sparse import csr_matrix
+
+        seen = self.inputs
+        pos = np.minimum(np.searchsorted(seen, x.indices), max(len(seen) - 1, 0))
+        hit = seen[pos] == x.indices if len(seen) else np.zeros(len(x.indices), bool)
+        indptr = np.concatenate([[0], np.cumsum(hit)])[x.indptr]
+        return csr_matrix((x.data[hit], pos[hit], indptr), shape=(x.shape[0], len(seen)))
 
     def _scores(self, theta: np.ndarray, x) -> np.ndarray:
         return _sigmoid(fm_logits(theta, x, self.cfg.dim).astype(np.float64))
@@ -512,7 +527,7 @@ class FactorizationMachineBaseline:
         return (theta if tail is None else best), history
 
     def predict(self, rec: Dict) -> np.ndarray:
-        return self._scores(self.theta, self._matrix(*self._sparse(rec)))
+        return self._scores(self.theta, self._compact(self._matrix(*self._sparse(rec))))
 
 
 def fm_logits(theta: np.ndarray, x, dim: int) -> np.ndarray:

@@ -77,7 +77,7 @@ def add_parser(subparsers) -> None:
         description="Score the run's latest checkpoint on the eval split and, on exactly the same protocol, the "
         "baselines fitted on the train split: most popular and successor counting (next item), the constant rate, "
         "a logistic regression over the model's features and a factorization machine over the same inputs (CTR: a "
-        "baseline with a pairwise interaction of every pair of inputs; each fit takes up to a minute on large data). "
+        "baseline with a pairwise interaction of every pair of inputs; each fit takes seconds to minutes on large data). "
         "Writes RUN/eval.json and prints it.")
     e.add_argument("--run", required=True, help="run directory of `nestpipe train` (its --out)")
     e.add_argument("--max-batches", type=int, default=None, help="score only the first N eval batches")

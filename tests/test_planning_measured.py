@@ -1,6 +1,6 @@
 """``nestpipe simulate --calibrate RUN``: calibrate on one measured run, predict held-out measured runs.
 
-Tiny GR configurations trained for real (8 steps each, 3 interleaved repeats, the fastest counts): calibration
+Tiny GR configurations trained for real (8 steps each, 2 interleaved repeats, the fastest counts): calibration
 input ``--pipeline off``, world 2, 4 micro-batches, plain loopback; held out: nested at world 2, off at 2
 micro-batches, off and nested at world 3, and (as root, in a network namespace with a ``tc tbf`` cap, as in
 ``benchmarks/pipeline_bench.py``) off and nested across the cap. The capped steps (bandwidth-bound) are asserted
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow  # module fixtures train for a minute or more
 C = v.Config
 STEPS, BATCH, SEQ, VOCAB = 8, 16, 40, 20_000
 CAP_BIT = 40e6
-REPEATS = 3  # interleaved; each configuration's fastest repeat counts
+REPEATS = 2  # interleaved; each configuration's fastest repeat counts
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,17 @@
-"""Render the results README.md shows from the benchmark records under ``benchmarks/results/``.
+"""Render docs/benchmarks.md and README.md's results blocks from the benchmark records under ``benchmarks/results/``.
 
-    python benchmarks/report.py           # rewrite the blocks between the markers in README.md
-    python benchmarks/report.py --check   # exit 1 (naming the block) where README.md differs from the records
+    python benchmarks/report.py           # rewrite docs/benchmarks.md and the blocks between the markers in README.md
+    python benchmarks/report.py --check   # exit 1 (naming the file) where either differs from the records
 
-A block is the text between ``<!-- BEGIN results:NAME -->`` and ``<!-- END results:NAME -->``; only a benchmark writes
-a record, and only this script writes a block, so no figure in a block can be edited by hand and go stale
-(``tests/test_report.py`` renders every block and fails on a difference).
+Only a benchmark writes a record (``benchmarks/record.py``: command, commit, host, versions, load, figures), and only
+this script writes docs/benchmarks.md and the README blocks, so no figure there can be edited by hand and go stale
+(``tests/test_report.py`` renders both and fails on a difference). Every section shows the latest record of its
+benchmark; a benchmark without a record shows the command that makes one. A README block is the text between
+``<!-- BEGIN results:NAME -->`` and ``<!-- END results:NAME -->``.
 
-Blocks: ``quality`` (``real_quality.py`` records: the models and the baselines on real public data, per dataset, the
-eval split where a record of it exists, else the valid split).
+README blocks: ``quality`` (``real_quality.py`` records: the models and the baselines on real public data, per
+dataset, the eval split where a record of it exists, else the valid split) and ``summary`` (one line per benchmark
+record: its headline ratios, measured within one run).
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ import os
 import re
 import statistics
 import sys
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
-README = os.path.join(os.path.dirname(HERE), "README.md")
+README = os.path.join(ROOT, "README.md")
+DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
 BLOCK = re.compile(r"(<!-- BEGIN results:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- END results:(?P=name) -->)", re.S)
 
 
@@ -33,9 +38,523 @@ def _records(pattern: str, results: str) -> List[Dict]:
     for path in sorted(glob.glob(os.path.join(results, pattern))):
         with open(path) as f:
             rec = json.load(f)
-        rec["_file"] = os.path.relpath(path, os.path.dirname(HERE))
+        rec["_file"] = os.path.relpath(path, ROOT) if os.path.abspath(path).startswith(ROOT) else path
         out.append(rec)
     return out
+
+
+def _record(name: str, results: str) -> Optional[Dict]:
+    recs = _records(f"{name}.json", results)
+    return recs[0] if recs else None
+
+
+def _at(rec: Dict) -> str:
+    return rec["commit"][:12] + (" (with uncommitted changes)" if rec["commit"].endswith("+dirty") else "")
+
+
+def _load(rec: Dict) -> str:
+    def one(x):
+        return f"{x[0]:.2f}" if isinstance(x, (list, tuple)) else f"{x:.2f}"
+
+    if "load_before" not in rec:
+        return ""
+    return f"load {one(rec['load_before'])} -> {one(rec['load_after'])}"
+
+
+LIBS = ("torch", "numpy", "numba", "fbgemm-gpu-cpu")
+
+
+def provenance(rec: Dict, libs=LIBS) -> str:
+    """The record's line: commit, date, host, versions, load, wall time (the command is shown above it)."""
+    v = rec.get("versions", {})
+    vers = ", ".join(f"{k} {v[k]}" for k in ("python", *libs) if k in v)
+    extra = ", ".join(f"{k[len('torchrec env: '):]} {val}" for k, val in v.items() if k.startswith("torchrec env: ")
+                      and k[len("torchrec env: "):] in ("torchrec", "fbgemm-gpu-cpu", "torch"))
+    parts = [f"at {_at(rec)}"]
+    if rec.get("date"):
+        parts.append(rec["date"][:10])
+    host = f"on {rec['host']}"
+    if rec.get("cpu"):
+        host += f" ({rec['cpu']}, {rec['cpus']} cores)"
+    else:
+        host += f" ({rec['cpus']} cores)"
+    parts.append(host)
+    line = ", ".join(parts) + f"; {vers}" + (f"; TorchRec environment: {extra}" if extra else "")
+    tail = [x for x in (_load(rec), f"{rec['seconds']:.0f} s" if rec.get("seconds") else "") if x]
+    if tail:
+        line += "; " + ", ".join(tail)
+    out = f"Record `{rec['_file']}`, measured {line}."
+    loads = [x[0] if isinstance(x, (list, tuple)) else x for x in (rec.get("load_before"), rec.get("load_after")) if x]
+    if loads and max(loads) > rec["cpus"]:
+        out += (" The load average was above the core count: other work shared the cores, so absolute times are "
+                "slow and ratios scatter more than on a quiet machine.")
+    return out
+
+
+def _table(header: List[str], rows: List[List]) -> List[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return out
+
+
+def _med(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+# ------------------------------------------------------------------------------------------------ sections
+# Each: (record name, title, the command that makes the record, what is measured, render(rec) -> lines, caveats,
+# summary(rec) -> one line for README). Text beside a table states no figure: figures come from the record only.
+
+def ingest_lines(rec: Dict) -> List[str]:
+    f = rec["figures"]
+    lines = []
+    for size in f["sizes"]:
+        reps = size["repeats"]
+        tools = [k for k in reps[0] if isinstance(reps[0][k], dict) and "seconds" in reps[0][k]]
+        rows = []
+        for t in tools:
+            secs = [r[t]["seconds"] for r in reps]
+            rows.append([t, " / ".join(f"{s:.1f}" for s in secs), f"{_med([r[t]['rows_per_s'] for r in reps]):,.0f}",
+                         f"{max(r[t]['peak_rss_gib'] for r in reps):.2f}",
+                         f"{max(r[t]['peak_rss_one_process_gib'] for r in reps):.2f}"])
+        lines.append(f"{size['rows']:,} log rows, {len(reps)} interleaved repeat(s), `--workers {f['workers']}`:")
+        lines.append("")
+        lines += _table(["tool", "seconds per repeat", "rows/s (median)", "peak RSS GiB, process tree",
+                         "largest process GiB"], rows)
+        lines.append("")
+        labels = {"gr_vs_bare_polars": "ingest gr rows/s / bare Polars rows/s",
+                  "ctr_vs_bare_polars": "ingest ctr rows/s / bare Polars rows/s",
+                  "gr_vs_pandas": "ingest gr rows/s / pandas rows/s",
+                  "gr_dask_over_local_seconds": "Dask engine seconds / local engine seconds (gr)",
+                  "gr_dask_over_local_peak_rss": "Dask engine peak RSS / local engine peak RSS (gr)"}
+        rows = [[labels.get(k, k), " / ".join(f"{r['ratios'][k]:.3f}" for r in reps),
+                 f"**{size['summary'][k]['median']:.3f}**"] for k in reps[0]["ratios"]]
+        lines += _table(["ratio (within each repeat)", "per repeat", "median"], rows)
+        lines.append("")
+    return lines
+
+
+def ingest_summary(rec: Dict) -> str:
+    s = rec["figures"]["sizes"][0]["summary"]
+    parts = []
+    if "gr_vs_bare_polars" in s:
+        parts.append(f"gr ingest {s['gr_vs_bare_polars']['median']:.3f} of bare Polars' rows/s")
+    if "ctr_vs_bare_polars" in s:
+        parts.append(f"ctr {s['ctr_vs_bare_polars']['median']:.3f}")
+    if "gr_dask_over_local_seconds" in s:
+        parts.append(f"Dask engine {s['gr_dask_over_local_seconds']['median']:.3f}x the local engine's seconds, "
+                     f"{s['gr_dask_over_local_peak_rss']['median']:.3f}x its peak RSS")
+    return f"{rec['figures']['sizes'][0]['rows']:,} log rows: " + "; ".join(parts)
+
+
+def clustering_lines(rec: Dict) -> List[str]:
+    f = rec["figures"]
+    methods = sorted((m for m in f["rows"][0]["methods"] if m != "random"), key=lambda m: (m != "minhash", m))
+    rows = []
+    for r in f["rows"]:
+        cells = [r["data"], r["task"], r["n"], f"{r['methods']['random']['R']:.4f}"]
+        for m in methods:
+            x = r["methods"][m]
+            cells.append(f"{x['R']:.4f} / {100 * x['cut']:.1f}% / {x['ms']:.1f}")
+        rows.append(cells)
+    lines = [f"Synth scale `{f['scale']}` (seed {f['seed']}), {f['batches']} batches of {f['batch']} samples per row:",
+             ""]
+    lines += _table(["data", "task", "N", "random R"]
+                    + [f"{m}{' (default)' if m == 'minhash' else ''} R / cut / ms" for m in methods], rows)
+    lines += ["", "Targets as the benchmark judged them: " + "; ".join(f["verdicts"]) + "."]
+    return lines
+
+
+def clustering_summary(rec: Dict) -> str:
+    for r in rec["figures"]["rows"]:
+        if r["data"] == "community" and r["task"] == "gr" and r["n"] == 8 and "minhash" in r["methods"]:
+            m = r["methods"]["minhash"]
+            return (f"the default (minhash) removes {100 * m['cut']:.1f}% of a random partition's excess rows on the "
+                    f"synthetic community GR data at N=8, in {m['ms']:.1f} ms per 512-sample batch on one core")
+    return "no community GR row at N=8"
+
+
+def synth_lines(rec: Dict) -> List[str]:
+    rows = [[s["scale"], f"{s['log_rows']:,}", f"{s['video_rows']:,}", f"{s['seconds']:.1f}",
+             f"{s['log_rows'] / s['seconds']:,.0f}", f"{s['peak_rss_mib']:,.0f}", f"{s['written_mib']:,.0f}"]
+            for s in rec["figures"]["scales"]]
+    return _table(["scale", "log rows", "video rows", "seconds", "log rows/s", "peak RSS MiB", "MiB written"], rows)
+
+
+def synth_summary(rec: Dict) -> str:
+    s = rec["figures"]["scales"][-1]
+    return f"`synth --scale {s['scale']}`: {s['log_rows']:,} log rows in {s['seconds']:.1f} s, peak RSS " \
+           f"{s['peak_rss_mib']:,.0f} MiB"
+
+
+def trainer_lines(rec: Dict) -> List[str]:
+    f = rec["figures"]
+    w = f["workload"]
+    lines = [f"{w['tables']} tables x {w['rows']:,} rows x dim {w['dim']}, batch {w['batch']} per rank, "
+             f"{w['min_len']}-{w['max_len']} ids per feature, {w['steps']} timed steps after {w['warmup']}:", ""]
+    rows = []
+    if "nestpipe" in f:
+        n = f["nestpipe"]
+        rows.append([f"NestPipe `off` ({n['micro_batches']} micro-batch(es))", f"{n['ms_per_step']:.1f}",
+                     f"{n['samples_per_s_per_rank']:.0f}", " / ".join(f"{x:.1f}" for x in n["cpu_ms_per_step_per_rank"])])
+    for r in f.get("torchrec_runs", []):
+        rows.append([f"TorchRec `TrainPipelineSparseDist`, {r['plan_kind']} plan", f"{r['ms_per_step']:.1f}",
+                     f"{r['samples_per_s_per_rank']:.0f}", " / ".join(f"{x:.1f}" for x in r["cpu_ms_per_step_per_rank"])])
+    lines += _table(["side", "ms per step", "samples/s per rank", "CPU ms per step, per rank"], rows)
+    lines.append("")
+    if "ratio_nestpipe_over_torchrec" in f:
+        lines.append(f"NestPipe / TorchRec ({f['torchrec']['plan_kind']} plan, the faster): "
+                     f"**{f['ratio_nestpipe_over_torchrec']:.2f} in samples/s**, "
+                     f"TorchRec's CPU time per step {f['cpu_ratio_torchrec_over_nestpipe']:.2f}x NestPipe's.")
+    else:
+        lines.append("TorchRec side not run in this record (no `--torchrec-python`): no ratio.")
+    if "nestpipe" in f:
+        lines += ["", "NestPipe's stage timers (wall time, rank 0), ms per step: " + ", ".join(
+            f"{k} {v:.1f}" for k, v in f["nestpipe"]["stages_ms_per_step_rank0"].items() if v >= 0.05) + "."]
+    return lines
+
+
+def trainer_summary(rec: Dict) -> str:
+    f = rec["figures"]
+    if "ratio_nestpipe_over_torchrec" not in f:
+        return "NestPipe alone (TorchRec not run)"
+    return (f"NestPipe `off` / TorchRec ({f['torchrec']['plan_kind']} plan) on the pooled workload: "
+            f"{f['ratio_nestpipe_over_torchrec']:.2f} in samples/s; TorchRec's CPU time per step "
+            f"{f['cpu_ratio_torchrec_over_nestpipe']:.2f}x NestPipe's")
+
+
+def _pipe_rows(net: Dict, tr: Dict) -> List[List]:
+    rows = []
+    for w in ("gr", "pooled"):
+        if w not in net:
+            continue
+        res = net[w]
+        off = res["off"]
+        order = ("off", "dbp", "fwp", "nested", "nested-1t", "off-clustered", "auto")
+        for m, r in sorted(res.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)):
+            rows.append([w, m + (f" -> {r['pipeline']}" if m == "auto" and "pipeline" in r else ""),
+                         f"{r['step_s'] * 1e3:.1f}", f"{r['samples_per_s']:.0f}",
+                         f"{r['exposed_communication_s_per_step'] * 1e3:.1f}",
+                         f"{r['exposed_lookup_s_per_step'] * 1e3:.2f}", f"{off['step_s'] / r['step_s']:.2f}"])
+        t = (net.get("torchrec") or {}).get(w)
+        if isinstance(t, dict) and "ms_per_step" in t:
+            rows.append([w, f"TorchRec ({t.get('sharding', '')})", f"{t['ms_per_step']:.1f}",
+                         f"{t['samples_per_s']:.0f}", "", "", f"{off['step_s'] * 1e3 / t['ms_per_step']:.2f}"])
+    return rows
+
+
+def pipeline_lines(rec: Dict) -> List[str]:
+    f = rec["figures"]
+    c = f["config"]
+    lines = [f"World 2, gloo, one thread per rank; GR: {c['batch']} sequences x {c['seq_len']} tokens per rank, "
+             f"{c['micro_batches']} micro-batches, {c['steps']} steps; {c['repeats']} round(s) per network.", ""]
+    head = ["workload", "mode", "step ms", "samples/s", "exposed comm ms", "exposed lookup ms", "off step / this step"]
+    for key, title in (("loopback", "Plain loopback"), ("capped", "Capped loopback")):
+        if key not in f:
+            continue
+        net = f[key]
+        t = title + (f" ({f['cap_tc']})" if key == "capped" and f.get("cap_tc") else "")
+        lines += [f"{t}:", ""] + _table(head, _pipe_rows(net, net)) + [""]
+        b = f.get(f"{key}_bound")
+        if b and "nested_over_bound" in b:
+            lines.append(f"Bound ({key}): nested step {b['nested_over_bound']:.2f}x max(CPU-bound stages "
+                         f"{b['cpu_stages_s'] * 1e3:.1f} ms, communication {b['communication_s'] * 1e3:.1f} ms"
+                         + (f", link floor {b['link_floor_s'] * 1e3:.1f} ms" if b.get("link_floor_s") else "")
+                         + "); nested exposed communication "
+                         f"{b.get('exposed_comm_over_off_comm', float('nan')):.2f} of off's.")
+            lines.append("")
+        tr = f.get(f"{key}_torchrec") or {}
+        for w, r in tr.items():
+            if not isinstance(r, dict) or "nested_over_torchrec" not in r:
+                continue
+            line = (f"{key}, {w}: nested / TorchRec {r['nested_over_torchrec']:.2f}, off / TorchRec "
+                    f"{r['off_over_torchrec']:.2f}")
+            if "auto_over_torchrec" in r:
+                line += f", default (auto) / TorchRec **{r['auto_over_torchrec']:.2f}**"
+            if r.get("auto_over_torchrec_cpu") is not None:
+                line += f" ({r['auto_over_torchrec_cpu']:.2f} in CPU time)"
+            lines += [line + " in samples/s.", ""]
+    if "capped" not in f:
+        lines += ["The capped network was not run in this record (it needs root, `ip netns` and `tc`).", ""]
+    if not any((f.get(k) or {}) for k in ("loopback_torchrec", "capped_torchrec")):
+        lines += ["TorchRec was not run in this record (no `--torchrec-python`).", ""]
+    return lines[:-1] if lines and lines[-1] == "" else lines
+
+
+def pipeline_summary(rec: Dict) -> str:
+    f = rec["figures"]
+    parts = []
+    for key in ("loopback", "capped"):
+        net = f.get(key)
+        if not net:
+            continue
+        for w in ("gr", "pooled"):
+            if w in net and "nested" in net[w]:
+                parts.append(f"{key} {w} nested / off {net[w]['off']['step_s'] / net[w]['nested']['step_s']:.2f}")
+        for w, r in (f.get(f"{key}_torchrec") or {}).items():
+            if isinstance(r, dict) and "auto_over_torchrec" in r:
+                parts.append(f"{key} {w} default / TorchRec {r['auto_over_torchrec']:.2f}")
+    return "; ".join(parts) + " (samples/s, world 2)"
+
+
+def hstu_lines(rec: Dict) -> List[str]:
+    f = rec["figures"]
+    rows = []
+    for L, r in sorted(f["lengths"].items(), key=lambda kv: int(kv[0])):
+        s, a = r["stack_s_per_batch"], r["attention_s_per_batch"]
+        rows.append([L, f"{r['padding_fraction']:.3f}", f"{r['flop_ratio_R']:.2f}", f"{s['jagged'] * 1e3:.1f}",
+                     f"{s['padded'] * 1e3:.1f}", f"{s['bucketed'] * 1e3:.1f}",
+                     f"**{r['stack_speedup_jagged_over_padded']:.2f}** ({r['stack_speedup_over_R']:.2f} R)",
+                     f"{r['stack_speedup_jagged_over_bucketed']:.2f}",
+                     f"{a['jagged'] * 1e3:.1f} / {a['padded'] * 1e3:.1f} ({r['attention_speedup_over_R']:.2f} R)"])
+    lines = _table(["max_seq_len", "padding fraction", "R", "jagged ms", "padded ms", "bucketed ms",
+                    "jagged / padded", "jagged / bucketed", "attention alone ms, jagged / padded"], rows)
+    e = f.get("end_to_end")
+    if e:
+        lines += ["", f"End to end (`nestpipe train`, world 2, `off`, on the longest length's shards): step "
+                  f"{e['jagged']['step_s']:.2f} s jagged vs {e['padded']['step_s']:.2f} s padded, "
+                  f"**{e['speedup']:.2f}x**; {e['measured_saving_s']:.2f} s saved per step against the layer "
+                  f"benchmark's {e['layer_predicted_saving_s']:.2f} s per batch."]
+    return lines
+
+
+def hstu_summary(rec: Dict) -> str:
+    f = rec["figures"]
+    parts = ["layer stack jagged / padded " + ", ".join(
+        f"{r['stack_speedup_jagged_over_padded']:.2f} at {L} tokens"
+        for L, r in sorted(f["lengths"].items(), key=lambda kv: int(kv[0])))]
+    if f.get("end_to_end"):
+        parts.append(f"end to end (training step) {f['end_to_end']['speedup']:.2f}x")
+    return "; ".join(parts)
+
+
+def serve_lines(rec: Dict) -> List[str]:
+    f = rec["figures"]
+    m = f["model"]
+    lines = [f"Model: max_seq_len {m['max_seq_len']}, dim {m['dim']}, {m['items']:,} items; "
+             f"{f['args']['requests']} requests per client and point, concurrency "
+             f"{', '.join(map(str, f['args']['concurrency']))}.", ""]
+    rows = []
+    for key, s in sorted(f["summary"].items(), key=lambda kv: tuple(map(int, kv[0][1:].split("-K")))):
+        H, K = key[1:].split("-K")
+        ratio = s["throughput_ratio"]
+        rows.append([H, K, f"{s['p99_ms_c1']['cached']:.1f} / {s['p99_ms_c1']['uncached']:.1f}",
+                     f"**{s['p99_ratio_cached_over_uncached_c1']:.2f}**", f"{s['slo_ms']:.0f}",
+                     f"{s['throughput_within_slo']['cached']:.0f} / {s['throughput_within_slo']['uncached']:.0f}",
+                     f"**{ratio:.2f}**" if ratio is not None else "n/a"])
+    lines += _table(["H (events)", "K (candidates)", "p99 ms at C=1, cached / uncached", "ratio",
+                     "SLO ms", "req/s within the SLO, cached / uncached", "ratio"], rows)
+    return lines
+
+
+def serve_summary(rec: Dict) -> str:
+    s = rec["figures"]["summary"]
+    key = max(s, key=lambda k: (int(k[1:].split("-K")[0]), int(k.split("-K")[1])))
+    x = s[key]
+    H, K = key[1:].split("-K")
+    ratio = f"{x['throughput_ratio']:.2f}x" if x["throughput_ratio"] is not None else "n/a"
+    return (f"at {H} events and {K} candidates the prefix cache gives p99 {x['p99_ratio_cached_over_uncached_c1']:.2f} "
+            f"of the uncached server's and {ratio} its throughput within the SLO")
+
+
+def kernels_lines(rec: Dict) -> List[str]:
+    f = rec["figures"]
+    lines = []
+    if "ops" in f:
+        lines += [f"Store {f['store_rows']:,} x {f['dim']} float32 ({f['pages']}); batch {f['batch']} x {f['seq']} "
+                  f"Zipf tokens ({f['unique_rows']:,} unique rows); {f['reps']} reps; clock: {f['clock']}; paths "
+                  + ", ".join(f"{k} `{v}`" for k, v in f["paths"].items()) + f"; memory copy {f['copy_gb_per_s']} GB/s.",
+                  ""]
+        rows = [[o["op"], f"{o['fast_ms']:.2f}", f"{o['unfused_ms']:.2f}",
+                 f"{o['speedup']:.2f}x [{o['speedup_min']:.2f}-{o['speedup_max']:.2f}]",
+                 f"{100 * o['copy_share']:.0f}% [{100 * o['copy_share_min']:.0f}-{100 * o['copy_share_max']:.0f}]"
+                 if "copy_share" in o else ""] for o in f["ops"]]
+        lines += _table(["op", "selected path ms", "unfused torch ms", "speedup [min-max]", "% of copy bandwidth"],
+                        rows)
+    b = f.get("adagrad_bags")
+    if b:
+        lines += ["", f"`adagrad_bags` (the pooled owner update), {b['rows']:,} x {b['dim']} table, {b['bags']:,} bags "
+                  f"of 15-25 ids, {b['reps']} reps: Numba {b['numba_ms']:.2f} ms, fbgemm's TBE backward "
+                  f"{b['fbgemm_tbe_ms']:.2f} ms: **fbgemm / Numba {b['fbgemm_over_numba']:.2f}** "
+                  f"[{b['ratio_min']:.2f}-{b['ratio_max']:.2f}]; tables bitwise equal: {b['bitwise_equal']}."]
+    return lines
+
+
+def kernels_summary(rec: Dict) -> str:
+    f = rec["figures"]
+    parts = [f"{o['op'].split(' ')[0]} {o['speedup']:.2f}x the unfused torch ops" for o in f.get("ops", [])
+             if not o["op"].startswith("gather_rows")]
+    if f.get("adagrad_bags"):
+        parts.append(f"adagrad_bags {f['adagrad_bags']['fbgemm_over_numba']:.2f}x fbgemm's TBE backward")
+    return "; ".join(parts) + ", one thread on CPU"
+
+
+def simval_lines(rec: Dict) -> List[str]:
+    f = rec["figures"]
+    rows = [[r["config"], r["role"], f"{r['measured_ms']:.1f}", f"{r['predicted_ms']:.1f}",
+             "" if r["role"] == "calibration" else f"{100 * r['error']:+.1f}%",
+             ", ".join(f"{x:.1f}" for x in r["measured_repeats_ms"])] for r in f["rows"]]
+    lines = _table(["configuration", "role", "measured ms (fastest repeat)", "predicted ms", "error",
+                    "measured repeats ms"], rows)
+    lines += ["", f"Held out within 15%: **{f['held_out_within_15pct']} of {f['held_out']}**, median |error| "
+              f"**{100 * f['median_abs_error']:.1f}%** (calibrated on {f['calibration']}; "
+              + (f"cap {f['cap_mbit']:.0f} Mbit/s" if f.get("cap_mbit") else "no capped configurations") + ")."]
+    return lines
+
+
+def simval_summary(rec: Dict) -> str:
+    f = rec["figures"]
+    return (f"step time predicted from one calibration run: {f['held_out_within_15pct']} of {f['held_out']} held-out "
+            f"configurations within 15%, median |error| {100 * f['median_abs_error']:.1f}%")
+
+
+SECTIONS = [
+    dict(name="ingest", title="Ingest", anchor="ingest",
+         command='python benchmarks/ingest_bench.py --sizes 5000000 --repeats 3 --tools "ingest gr" "bare polars" '
+                 '"ingest gr dask"',
+         what="Synthetic KuaiRand logs (`synth --scale medium --interactions N`), each tool in its own subprocess: "
+              "`nestpipe ingest --task gr` and `--task ctr` (B=512, N=8), the same gr ingest with `--engine dask` "
+              "(a LocalCluster of `--workers` processes), a bare Polars `scan_csv(...).sink_parquet(...)` of the "
+              "same logs, and pandas `read_csv` + sort + `groupby(\"user_id\").agg(list)` where pandas is installed. "
+              "Peak RSS is summed over each tool's process tree (sampled every 50 ms).",
+         render=ingest_lines, summary=ingest_summary, libs=("polars", "pyarrow", "numpy", "numba", "dask"),
+         means="The ingest does far more than the bare Polars copy (samples, key clustering and cost-balanced "
+               "micro-batches, shards with checksums): the ratio says what that work costs against a lower bound, "
+               "not a like-for-like race. The Dask engine writes byte-identical shards; its cluster's start-up weighs "
+               "more at small sizes. Repeats interleave the tools, so load drift hits all alike."),
+    dict(name="clustering", title="Key-centric clustering", anchor="clustering",
+         command="python benchmarks/clustering_bench.py --scale small",
+         what="Micro-batch partitions of 512-sample batches, one core: R = sum of per-micro-batch unique rows / batch "
+              "unique rows (1.0 is the lower bound); cut = share of a random partition's excess (R - 1) removed; ms "
+              "= median over batches of the best of 3. Community data: synth `small` (GR windows of at most 256; "
+              "CTR tables user, video, 50-id history, hour). Zipf data: independent windows, Zipf(1.2) over 1M ids.",
+         render=clustering_lines, summary=clustering_summary, libs=("numpy", "numba", "polars"),
+         means="On data with shared structure (the community data) the default removes most of random's excess; on "
+               "structureless Zipf windows little is there to remove, so random is close to the best partition "
+               "found."),
+    dict(name="synth", title="Synthetic data generation", anchor="synth",
+         command="python benchmarks/synth_bench.py --scale tiny small medium",
+         what="`nestpipe synth` (the generator alone) per scale, each in its own subprocess: wall time, peak RSS, "
+              "bytes written.",
+         render=synth_lines, summary=synth_summary, libs=("numpy", "polars"),
+         means="Memory is bounded by the generator's chunk sizes, not by the scale. No baseline: a throughput "
+               "figure for planning, on a shared machine."),
+    dict(name="trainer", title="Trainer vs TorchRec", anchor="trainer-vs-torchrec",
+         command="python benchmarks/trainer_bench.py --steps 30 --torchrec-python .venv-torchrec/bin/python",
+         what="The pooled workload (8 tables x 100k x 64, batch 1024 per rank, 13 dense features, MLPs 13-128-64 and "
+              "576-256-1, row-wise AdaGrad + AdamW, 2 gloo ranks x 1 thread) on identical pre-generated batches: "
+              "NestPipe's synchronous step (`--pipeline off`) and TorchRec 1.8's `TrainPipelineSparseDist` (its "
+              "default and row-wise plans, fused row-wise AdaGrad) from the environment `make torchrec-env` builds "
+              "(`benchmarks/torchrec_env.sh`), one after the other in the same invocation; NestPipe is compared "
+              "with TorchRec's faster plan.",
+         render=trainer_lines, summary=trainer_summary,
+         means="Both sides run the same dense model and the same row-wise AdaGrad arithmetic (NestPipe's bag update "
+               "is bitwise equal to fbgemm's TBE backward, see Kernels); the ratio measures the engines around them. "
+               "With other work on the cores, CPU time per step is the steadier comparison (it leaves out the time a "
+               "rank waits for a core). fbgemm's CPU kernels differ in speed between hosts (vector instruction "
+               "sets), so a ratio holds for the record's host only."),
+    dict(name="pipeline", title="Pipeline schedules", anchor="pipeline",
+         command="python benchmarks/pipeline_bench.py --repeats 1 --torchrec-python .venv-torchrec/bin/python",
+         what="`--pipeline off / dbp / fwp / nested` (and `nested-1t`, `auto`) at world 2 on the GR-shaped workload "
+              "(1M-row item table, Zipf 1.2, HSTU 1 layer x 2 heads, 64 shared negatives) and the pooled workload "
+              "of the trainer comparison, (a) on plain loopback and (b) on a loopback capped by `tc tbf` in a "
+              "network namespace (root only), the cap calibrated so that `off`'s communication takes about its "
+              "compute; TorchRec's `TrainPipelineSparseDist` on both workloads where `--torchrec-python` is given.",
+         render=pipeline_lines, summary=pipeline_summary,
+         means="With one core per rank the pipeline's threads take turns with the compute on that core, so on plain "
+               "loopback there is little waiting to hide; the capped link is where overlap can pay. `auto` picks "
+               "the schedule at start (its choice is shown beside it). Compare within the record: the machine is "
+               "shared."),
+    dict(name="hstu", title="HSTU jagged attention", anchor="hstu-attention",
+         command="python benchmarks/hstu_bench.py --lengths 256 1024 --batches 4 --repeats 2 --e2e-steps 8",
+         what="The default HSTU layer stack (2 layers, 2 heads x 16) forward + backward per 128-sample batch on "
+              "the shards' real length mix (synth `medium`, ingested at each `--max-seq-len`), one thread: "
+              "`attention=jagged`, `padded` (the stack on padded tokens) and `bucketed` (power-of-two length "
+              "buckets, each padded to its own longest), alternating per micro-batch; R = padded / causal jagged "
+              "attention FLOPs. End to end: `nestpipe train` with either attention.",
+         render=hstu_lines, summary=hstu_summary,
+         means="The layer's speedup follows R, the padding the jagged form skips; end to end the rest of the step "
+               "(the sampled-softmax objective, the embeddings, the exchanges) is the same work with either "
+               "attention, so the time saved per step, not the ratio, is what carries over."),
+    dict(name="serve", title="Online ranking", anchor="online-ranking",
+         command="python benchmarks/serve_bench.py --run /tmp/nestpipe-hstu-bench/e2e-jagged --lengths 256 1024 "
+                 "--candidates 200 --requests 16",
+         what="`nestpipe serve` (one thread, the default SQLite history) with the prefix cache (`--cache-mb 1024`) "
+              "and without (`--cache-mb 0`: every request recomputes the stored window), C closed-loop clients per "
+              "point, each prefilled with H - R events, then R rank requests of one new event and K candidates. RUN "
+              "is the jagged end-to-end run that `hstu_bench.py` leaves (medium data, `--max-seq-len 1024`; the "
+              "weights do not matter for timing).",
+         render=serve_lines, summary=serve_summary,
+         means="With short histories the window's forward is about as cheap as the HTTP round trip and the "
+               "scoring, so the cache gains little; with long ones the uncached server recomputes the window on "
+               "every request. p99 over a few dozen requests per point is a rough figure."),
+    dict(name="kernels", title="Kernels on the trainer's path", anchor="kernels",
+         command="python benchmarks/kernels_bench.py --quick --no-gather-variants",
+         what="The ops the trainer runs on CPU, each against the unfused torch composition, alternating rep by rep "
+              "on fresh Zipf batches, thread CPU time: the store's row gather (`gather_rows`), the owner's entry "
+              "update of sequence tables (`adagrad_update`), the prefetch buffer's sync from the store "
+              "(`dual_buffer_sync_rows`), and the owner's bag update of pooled tables (`adagrad_bags`) against "
+              "fbgemm's TBE CPU backward. Bandwidths count bytes read + written of the rows moved, against a 512 MiB "
+              "copy sampled between reps.",
+         render=kernels_lines, summary=kernels_summary,
+         means="`gather_rows` runs `torch.index_select` on CPU (the reference path), so its row is a bandwidth "
+               "figure, not a speedup. Only CPU paths are measured: the Triton and NPU paths have not run on "
+               "hardware."),
+    dict(name="simulator_validation", title="Simulator validation", anchor="simulator-validation",
+         command="python benchmarks/simulator_validation.py --repeats 2 --steps 10",
+         what="`nestpipe simulate --calibrate RUN` fitted on one measured `--pipeline off` run (world 2, 8 "
+              "micro-batches, plain loopback) of the GR-shaped pipeline workload, then predicting the measured step "
+              "of held-out configurations (other schedules, micro-batch counts, world 3, a capped link where root "
+              "can make one); each configuration's fastest repeat counts.",
+         render=simval_lines, summary=simval_summary,
+         means="The calibration and the held-out runs share the machine with other work; the fastest repeat is the "
+               "least disturbed. Paper-scale predictions are checked by `tests/test_planning_validation.py`, not "
+               "here."),
+]
+
+
+def quality_section(results: str) -> List[str]:
+    body = render_quality(results).rstrip("\n")
+    return ["## Model quality on real data", "",
+            "The models with their defaults on MovieLens-100K beside the baselines fitted on the same training data "
+            "(`benchmarks/real_quality.py`; the same block as README's).", "", body, ""]
+
+
+def render_docs(results: str = RESULTS) -> str:
+    lines = ["# Benchmarks", "",
+             "<!-- Generated by `python benchmarks/report.py` from benchmarks/results/*.json: do not edit by hand. -->",
+             "",
+             "Every figure below is read from the latest record its benchmark wrote under `benchmarks/results/` "
+             "(`benchmarks/record.py`: the command, the commit, the host, the library versions, the load average "
+             "at start and end). The machines are shared 2-core hosts: absolute times are noisy, so each benchmark "
+             "measures its baseline and its candidate in the same run and reports their ratio. To refresh a "
+             "section, run its command from the repository root and then `python benchmarks/report.py`; earlier "
+             "figures live in git history and, in brief, in `docs/changelog.md`.", ""]
+    for s in SECTIONS:
+        rec = _record(s["name"], results)
+        lines += [f"## {s['title']}", "", s["what"], "", f"Command: `{rec['command'] if rec else s['command']}`", ""]
+        if rec is None:
+            lines += ["No record yet: run the command above.", ""]
+            continue
+        body = s["render"](rec)
+        while body and body[-1] == "":
+            body.pop()
+        lines += body + [""]
+        lines += [provenance(rec, s.get("libs", LIBS)), "", s["means"], ""]
+    lines += quality_section(results)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def render_summary(results: str = RESULTS) -> str:
+    lines = []
+    for s in SECTIONS:
+        rec = _record(s["name"], results)
+        if rec is None:
+            continue
+        lines.append(f"- **{s['title']}**: {s['summary'](rec)}; `{rec['_file']}` at {_at(rec)}, {_load(rec)}.")
+    if not lines:
+        return "No benchmark record yet.\n"
+    return "\n".join(lines) + "\n"
 
 
 def _ci(per_seed: Dict, model: str, key: str, metric: str) -> str:
@@ -107,14 +626,13 @@ def render_quality(results: str = RESULTS) -> str:
                          f"{means[f'{strongest} logloss']:.4f}; dlrm per seed (AUC, logloss): "
                          + "; ".join(f"{a}, {b}" for a, b in verdicts) + ".")
         lines.append("")
-        at = rec["commit"][:12] + (" (with uncommitted changes)" if rec["commit"].endswith("+dirty") else "")
-        lines.append(f"`{rec['command']}` at {at} on {rec['host']} ({rec['cpus']} cores; "
+        lines.append(f"`{rec['command']}` at {_at(rec)} on {rec['host']} ({rec['cpus']} cores; "
                      f"torch {rec['versions']['torch']}); record `{rec['_file']}`.")
         lines.append("")
     return "\n".join(lines)
 
 
-RENDERERS = {"quality": render_quality}
+RENDERERS: Dict[str, Callable[[str], str]] = {"quality": render_quality, "summary": render_summary}
 
 
 def render_readme(text: str, results: str = RESULTS) -> str:
@@ -127,25 +645,42 @@ def render_readme(text: str, results: str = RESULTS) -> str:
     return BLOCK.sub(block, text)
 
 
+def _write(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 where README.md differs from the records")
+    ap.add_argument("--check", action="store_true", help="exit 1 where README.md or docs/benchmarks.md differs")
     ap.add_argument("--readme", default=README)
+    ap.add_argument("--docs", default=DOCS)
+    ap.add_argument("--results", default=RESULTS)
     args = ap.parse_args(argv)
     with open(args.readme) as f:
-        text = f.read()
-    new = render_readme(text)
+        readme = f.read()
+    new_readme = render_readme(readme, args.results)
+    try:
+        with open(args.docs) as f:
+            docs = f.read()
+    except FileNotFoundError:
+        docs = ""
+    new_docs = render_docs(args.results)
     if args.check:
-        if new != text:
-            names = [m.group("name") for m in BLOCK.finditer(text)]
-            print(f"{args.readme}: results blocks {names} differ from benchmarks/results; run "
-                  "`python benchmarks/report.py`", file=sys.stderr)
-            return 1
-        return 0
-    if new != text:
-        with open(args.readme + ".tmp", "w") as f:
-            f.write(new)
-        os.replace(args.readme + ".tmp", args.readme)
+        bad = []
+        if new_readme != readme:
+            names = [m.group("name") for m in BLOCK.finditer(readme)]
+            bad.append(f"{args.readme}: results blocks {names} differ from the records")
+        if new_docs != docs:
+            bad.append(f"{args.docs} differs from the records")
+        for b in bad:
+            print(b + "; run `python benchmarks/report.py`", file=sys.stderr)
+        return 1 if bad else 0
+    if new_readme != readme:
+        _write(args.readme, new_readme)
+    if new_docs != docs:
+        _write(args.docs, new_docs)
     return 0
 
 

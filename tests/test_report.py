@@ -1,9 +1,10 @@
-"""README's results blocks are rendered from the benchmark records: a hand edit inside a block fails here."""
+"""docs/benchmarks.md and README's results blocks are rendered from the benchmark records: a hand edit fails here."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -17,6 +18,59 @@ def test_readme_blocks_are_the_records_rendered():
         text = f.read()
     assert "<!-- BEGIN results:quality -->" in text
     assert report.render_readme(text) == text, "README.md differs from benchmarks/results: run benchmarks/report.py"
+
+
+def test_docs_benchmarks_is_the_records_rendered():
+    with open(report.DOCS) as f:
+        text = f.read()
+    assert report.render_docs() == text, "docs/benchmarks.md differs from benchmarks/results: run benchmarks/report.py"
+    assert len(text.splitlines()) <= 400
+
+
+def test_check_fails_on_a_hand_edited_figure_in_either_file(tmp_path):
+    readme, docs = tmp_path / "README.md", tmp_path / "benchmarks.md"
+    readme.write_text(open(report.README).read())
+    docs.write_text(report.render_docs())
+    args = ["--check", "--readme", str(readme), "--docs", str(docs)]
+    assert report.main(args) == 0
+    text = docs.read_text()
+    figure = re.search(r"\*\*\d+\.\d+", text) or re.search(r"\d+\.\d+", text)  # a figure of a table
+    docs.write_text(text[:figure.start()] + text[figure.start():].replace(figure.group(), figure.group() + "1", 1))
+    assert report.main(args) == 1
+    docs.write_text(text)
+    assert report.main(args) == 0
+    body = readme.read_text()
+    edited = re.sub(r"(<!-- BEGIN results:summary -->\n.*?)(\d+\.\d+)", r"\g<1>9.99", body, count=1, flags=re.S)
+    assert edited != body
+    readme.write_text(edited)
+    assert report.main(args) == 1
+
+
+def test_every_section_renders_without_a_record_and_names_its_command(tmp_path):
+    out = report.render_docs(str(tmp_path))
+    for s in report.SECTIONS:
+        assert f"## {s['title']}" in out and s["command"] in out
+    assert out.count("No record yet") == len(report.SECTIONS)
+    assert report.render_summary(str(tmp_path)).startswith("No benchmark record yet")
+
+
+def test_a_record_carries_its_provenance_and_renders(tmp_path):
+    import record
+
+    rec = record.Recorder("synth", ["--scale", "tiny"], os.path.join(ROOT, "benchmarks", "synth_bench.py"),
+                          results=str(tmp_path))
+    path = rec.write({"scales": [{"scale": "tiny", "log_rows": 30000, "video_rows": 5000, "seconds": 2.0,
+                                  "peak_rss_mib": 100.0, "written_mib": 3.0}]})
+    assert os.listdir(tmp_path) == ["synth.json"]  # written under a temporary name, then renamed
+    with open(path) as f:
+        data = json.load(f)
+    for key in ("command", "commit", "dirty_paths", "host", "cpu", "cpus", "versions", "load_before", "load_after",
+                "date", "seconds", "figures"):
+        assert key in data, key
+    assert data["command"] == "python benchmarks/synth_bench.py --scale tiny"
+    assert {"python", "torch", "numpy"} <= set(data["versions"])
+    out = report.render_docs(str(tmp_path))
+    assert "| tiny | 30,000 | 5,000 | 2.0 | 15,000 | 100 | 3 |" in out and f"Record `{path}`" in out
 
 
 def test_a_hand_edit_inside_a_block_is_caught_and_outside_is_not():

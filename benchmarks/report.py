@@ -238,7 +238,9 @@ def _pipe_rows(net: Dict, tr: Dict) -> List[List]:
                          f"{r['exposed_lookup_s_per_step'] * 1e3:.2f}", f"{off['step_s'] / r['step_s']:.2f}"])
         t = (net.get("torchrec") or {}).get(w)
         if isinstance(t, dict) and "ms_per_step" in t:
-            rows.append([w, f"TorchRec ({t.get('sharding', '')})", f"{t['ms_per_step']:.1f}",
+            plan = t.get("sharding", "")
+            plan = ", ".join(sorted(set(plan))) if isinstance(plan, list) else plan
+            rows.append([w, f"TorchRec ({plan})", f"{t['ms_per_step']:.1f}",
                          f"{t['samples_per_s']:.0f}", "", "", f"{off['step_s'] * 1e3 / t['ms_per_step']:.2f}"])
     return rows
 

@@ -350,7 +350,7 @@ class FMConfig:
     is never read). The other defaults were chosen on that tail of MovieLens-100K's CTR shards (docs/trainer.md,
     Evaluation)."""
 
-    dim: int = 8
+    dim: int = 4
     lr: float = 0.001
     # decoupled weight decay: every parameter row shrinks by (1 - lr * weight_decay) per step
     weight_decay: float = 0.1

@@ -243,7 +243,7 @@ def test_factorization_machine_learns_a_pairwise_signal_the_plain_regression_can
     """The parity of two ids is a rank-one interaction (``v_a = (-1)^a``): the factorization machine with its
     default settings learns it; negative control: without factors (``dim`` 0: the regression's form) it cannot."""
     rng = np.random.default_rng(2)
-    train, ev = _xor_records(rng, 16, 256), _xor_records(rng, 4, 256)
+    train, ev = _xor_records(rng, 32, 256), _xor_records(rng, 4, 256)
     y = np.concatenate([r["labels"][:, 0] for r in ev])
     plain = baselines.LogisticBaseline(["a", "c"], {"a": 20, "c": 20}, 0).fit(train)
     fm = baselines.FactorizationMachineBaseline(["a", "c"], {"a": 20, "c": 20}, 0,
@@ -251,7 +251,7 @@ def test_factorization_machine_learns_a_pairwise_signal_the_plain_regression_can
     auc_plain = _auc(y, np.concatenate([plain.predict(r) for r in ev]))
     auc_fm = _auc(y, np.concatenate([fm.predict(r) for r in ev]))
     assert abs(auc_plain - 0.5) < 0.05, auc_plain
-    assert fm.fit_info["features"] == 40 + 2 and fm.fit_info["train_samples"] == 16 * 256
+    assert fm.fit_info["features"] == 40 + 2 and fm.fit_info["train_samples"] == 32 * 256
     if dim:
         assert auc_fm > 0.8 and auc_fm > auc_plain + 0.25, (auc_fm, auc_plain)  # Bayes AUC: 0.9
     else:

@@ -542,7 +542,8 @@ TRAINER_KERNEL_OPS = {"place_keys", "gather_rows", "adagrad_update", "adagrad_ba
 def _expected_paths(op, rule):
     """The paths op ``op`` may execute on this host by its rule (``kernel_rule``): the rule's own path, except where
     the op's CPU body is another library's (pool_segments' sums: ATen's embedding_bag; the sequence lookup:
-    index_select) or the rule picks by shape (hstu_attention: exact loops or blocked tiles)."""
+    index_select) or the rule picks by shape (hstu_attention: exact loops or blocked tiles; dedup_rows:
+    Numba's counting sort or numpy's stable argsort)."""
     if op == "pool_segments":
         return {"aten", rule["lookup"]}  # sums through embedding_bag, row copies on the lookup's path
     if op == "lookup":
@@ -551,6 +552,8 @@ def _expected_paths(op, rule):
         return {"numba" if rule["dual_buffer_sync"] == "numba" else "reference"}
     if op == "hstu_attention" and rule[op] == "numba":
         return {"numba", "blocked"}
+    if op == "dedup_rows" and rule[op] == "numba":
+        return {"numba", "reference"}  # by shape: the counting sort where the rows are few against the entries
     return {rule[op]}
 
 

@@ -1,14 +1,14 @@
 """``nestpipe simulate --calibrate RUN``: calibrate on one measured run, predict held-out measured runs.
 
-Tiny GR configurations trained for real (8 steps each, 2 interleaved repeats, the fastest counts): calibration
+Tiny GR configurations trained for real (8 steps each, 3 interleaved repeats, the fastest counts): calibration
 input ``--pipeline off``, world 2, 4 micro-batches, plain loopback; held out: nested at world 2, off at 2
 micro-batches, off and nested at world 3, and (as root, in a network namespace with a ``tc tbf`` cap, as in
 ``benchmarks/pipeline_bench.py``) off and nested across the cap. The capped steps (bandwidth-bound) are asserted
 within the 15% target (negative control: a link per rank instead of one shared link misses them by more than a
 quarter). The loopback steps of this tiny size (a few milliseconds, dispatch-bound, moved by the host's dispatch
-cost) are only checked against a gross error, a factor of 2 either way (a configuration outside it is measured again
-with the calibration, and the fastest repeats over both measurements are judged, since load that changes between
-launches moves it), and the table is printed with a warning; the 15% target is measured by the full-size version,
+cost) are only checked against a gross error, a factor of 2 either way, and the table is printed with a warning (a
+configuration outside its bound, capped or not, is measured again with the calibration, and the fastest repeats over
+both measurements are judged, since load that changes between launches moves it); the 15% target is measured by the full-size version,
 ``benchmarks/simulator_validation.py`` (docs/planning.md). The calibration also records the collectives' CPU and
 probes the dense model at other micro-batch counts (checked below, with the probe switched off as negative control).
 
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow  # module fixtures train for a minute or more
 C = v.Config
 STEPS, BATCH, SEQ, VOCAB = 8, 16, 40, 20_000
 CAP_BIT = 40e6
-REPEATS = 2  # interleaved; each configuration's fastest repeat counts
+REPEATS = 3  # interleaved; each configuration's fastest repeat counts
 
 
 @pytest.fixture(scope="module")
@@ -62,25 +62,19 @@ def test_held_out_steps_predicted(trained):
     assert len(held) == len(rows) - 1 >= 4
     cal = [r for r in rows if r.role == "calibration"][0]
     assert abs(cal.error) < 1e-6
-    capped = [r for r in held if r.config.cap_bit_per_s]
-    assert bool(capped) == trained["capped"]
-    # bandwidth-bound: the 15% target holds (the cap's bytes x ranks / rate; measured within 6% quiet and loaded)
-    bad = [f"{r.config.tag}: {100 * r.error:+.1f}%" for r in capped if abs(r.error) > 0.15]
-    assert not bad, f"capped outside 15%: {bad}\n{table}"
-    for r in capped:  # negative control: every rank on a link of its own (W x the rate)
-        meas = measured.read_run(trained["runs"][r.config])
-        wl = measured.workload_from_shards(meas.shards, meas.cfg, r.config.world)
-        own = measured.predict(hw, wl, r.config.pipeline, r.config.cap_bit_per_s * r.config.world)
-        assert abs(own.step_s / r.measured_s - 1) > 0.25, (r.config.tag, own.step_s, r.measured_s)
-    # latency- and dispatch-bound loopback runs of this tiny size: the 15% target is not checked here (the
-    # full-size benchmark, benchmarks/simulator_validation.py, is where it is measured; docs/planning.md). A step of
-    # a few milliseconds moves with the host's dispatch cost, which one calibration run cannot pin for other
-    # micro-batch counts and world sizes, so only a gross error is caught here: a prediction off by more than a
-    # factor of 2 either way (a wrong volume or a missing stage, not a host's dispatch speed)
-    def outside(rows):
-        return [r.config for r in rows if r.role == "held-out" and not r.config.cap_bit_per_s
-                and not 0.5 <= 1 + r.error <= 2.0]
+    assert bool([r for r in held if r.config.cap_bit_per_s]) == trained["capped"]
 
+    # bandwidth-bound (capped) rows: the 15% target (the cap's bytes x ranks / rate). Latency- and dispatch-bound
+    # loopback rows of this tiny size: the 15% target is not checked here (the full-size benchmark,
+    # benchmarks/simulator_validation.py, is where it is measured; docs/planning.md). A step of a few milliseconds
+    # moves with the host's dispatch cost, which one calibration run cannot pin for other micro-batch counts and world
+    # sizes, so only a gross error is caught: a prediction off by more than a factor of 2 either way (a wrong volume
+    # or a missing stage, not a host's dispatch speed).
+    def outside(rows):
+        return [r.config for r in rows if r.role == "held-out" and (
+            abs(r.error) > 0.15 if r.config.cap_bit_per_s else not 0.5 <= 1 + r.error <= 2.0)]
+
+    runs = trained["runs"]
     bad = outside(rows)
     if bad:
         # The calibration and the other configurations are separate launches, so load that changes between them
@@ -88,16 +82,23 @@ def test_held_out_steps_predicted(trained):
         # of each over both measurements: a transient goes, a wrong model stays.
         again = v.train_configs(str(trained["base"] / "again"), trained["shards"], [cal.config] + bad, STEPS, SEQ,
                                 repeats=REPEATS, timeout=300)
-        runs = dict(trained["runs"])
+        runs = dict(runs)
         for c, rs in again.items():
             runs[c] = v.fastest([runs[c]] + rs)
         first = table
-        rows, _ = v.validate(runs[cal.config], runs)
+        rows, hw = v.validate(runs[cal.config], runs)
         table = v.format_rows(rows)
-        print(f"measured again ({', '.join(c.tag for c in bad)} off by more than 2x):\n{table}")
+        print(f"measured again ({', '.join(c.tag for c in bad)} outside their bound):\n{table}")
         bad = outside(rows)
         table = f"{first}\nmeasured again:\n{table}"
-    assert not bad, f"loopback off by more than 2x: {[c.tag for c in bad]}\n{table}"
+    assert not bad, f"outside their bound (capped 15%, loopback 2x): {[c.tag for c in bad]}\n{table}"
+    for r in rows:  # negative control: every rank on a link of its own (W x the rate) misses the capped steps
+        if r.role != "held-out" or not r.config.cap_bit_per_s:
+            continue
+        meas = measured.read_run(runs[r.config])
+        wl = measured.workload_from_shards(meas.shards, meas.cfg, r.config.world)
+        own = measured.predict(hw, wl, r.config.pipeline, r.config.cap_bit_per_s * r.config.world)
+        assert abs(own.step_s / r.measured_s - 1) > 0.25, (r.config.tag, own.step_s, r.measured_s)
     warnings.warn(f"loopback configurations: 15% target not checked (known miss, docs/planning.md); measured:\n"
                   f"{table}")
 

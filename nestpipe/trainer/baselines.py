@@ -175,6 +175,15 @@ class LogisticConfig:
     dtype: str = "float32"
 
 
+def column_bases(tables: Sequence[str], vocabs: Dict[str, int]) -> Tuple[Dict[str, int], int]:
+    """Each table's first column in a one-hot layout of the tables side by side, and the columns in all."""
+    base, c = {}, 0
+    for t in tables:
+        base[t] = c
+        c += vocabs[t]
+    return base, c
+
+
 class LogisticBaseline:
     """Logistic regression over the model's sparse rows (one-hot / multi-hot) and transformed dense features."""
 
@@ -184,12 +193,7 @@ class LogisticBaseline:
         self.vocabs = vocabs
         self.k = target_col
         self.cfg = cfg or LogisticConfig()
-        self.base = {}
-        c = 0
-        for t in self.tables:
-            self.base[t] = c
-            c += vocabs[t]
-        self.sparse_cols = c
+        self.base, self.sparse_cols = column_bases(self.tables, vocabs)
 
     def features(self, rec: Dict):
         from scipy.sparse import csr_matrix
@@ -381,12 +385,7 @@ class FactorizationMachineBaseline:
         self.vocabs = vocabs
         self.k = target_col
         self.cfg = cfg or FMConfig()
-        self.base = {}
-        c = 0
-        for t in self.tables:
-            self.base[t] = c
-            c += vocabs[t]
-        self.sparse_cols = c
+        self.base, self.sparse_cols = column_bases(self.tables, vocabs)
 
     def _sparse(self, rec: Dict):
         from scipy.sparse import csr_matrix

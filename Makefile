@@ -19,8 +19,12 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/nestpipe demo --out runs/demo
 
+# The suite in two parts: the modules two at a time (pytest-xdist, one module per worker so that a module's fixtures
+# are built once), then the timing-sensitive tests (marked `serial`) alone; both always run, either failing fails.
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial" tests; a=$$?; \
+	$(PY) -m pytest -q -m serial tests; b=$$?; \
+	test $$a -eq 0 -a $$b -eq 0
 
 # The TorchRec comparison baseline (benchmarks/torchrec_env.sh): pinned versions, its own venv.
 torchrec-env:

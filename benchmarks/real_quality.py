@@ -2,9 +2,11 @@
 
     python benchmarks/real_quality.py [--dataset ml-100k] [--models hstu sasrec dlrm] [--seeds 0 1 2]
                                       [--split valid|eval] [--set KEY=VALUE] [--set-dlrm KEY=VALUE] [--tag T]
+                                      [--ctr-eval-days 23] [--ctr-valid-days D]
 
 The dataset (``benchmarks/public_data.py``: ``ml-100k`` is MovieLens-100K as the atomic files a wheel carries) is
-ingested once with the ingest's defaults and ``--validation`` (gr; ctr with ``--ctr-eval-days``), then every model is
+ingested once with the ingest's defaults and ``--validation`` (gr; ctr with ``--ctr-eval-days`` and a valid split of as
+many dates, ``--ctr-valid-days``), then every model is
 trained per seed with its defaults on 2 processes (early stopping on the valid split: no epoch count is chosen by
 hand) and evaluated on ``--split``. Defaults are chosen with ``--split valid``; ``--split eval`` reports the held-out
 figures, once. Per seed every eval.json carries 95% bootstrap intervals and paired model - baseline verdicts; this
@@ -33,7 +35,8 @@ from nestpipe.datasets.shards import load_manifest  # noqa: E402
 from nestpipe.ingest import IngestConfig, ingest  # noqa: E402
 from nestpipe.trainer import intervals  # noqa: E402
 from nestpipe.trainer.config import load_run_config  # noqa: E402
-from nestpipe.trainer.evaluate import KS, evaluate_run, model_outcomes  # noqa: E402
+from nestpipe.trainer import baselines  # noqa: E402
+from nestpipe.trainer.evaluate import KS, _auc, _records, evaluate_run, load_trained, model_outcomes  # noqa: E402
 
 GR_MODELS = ("hstu", "sasrec")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -96,6 +99,52 @@ def breakdown(shards: str, split: str, seed: int, ranks: dict) -> dict:
                                             for n, r in rankers.items()}} for g, m in groups.items()}
 
 
+def _quartile_groups(name: str, values: np.ndarray) -> dict:
+    """``name [lo..hi]`` -> mask, for the quartiles of ``values``; a value on a quartile's edge belongs to the lower
+    group, so equal values stay in one group and groups may be fewer than four (all new users: one group)."""
+    edges = np.unique(np.quantile(values, [0.25, 0.5, 0.75]))
+    bins = np.searchsorted(edges, values, side="left")
+    return {f"{name} [{int(values[bins == b].min())}..{int(values[bins == b].max())}]": bins == b
+            for b in range(len(edges) + 1) if (bins == b).any()}
+
+
+def ctr_breakdown(run: str, split: str) -> dict:
+    """AUC and logloss of the trained CTR model and of the factorization machine (fitted as eval fits it) by the
+    sample's user's and item's training impressions (quartiles): where the model loses to the baseline."""
+    cfg = load_run_config(run)
+    man = load_manifest(cfg.shards)
+    out = model_outcomes(cfg, man, split)
+    _, model = load_trained(run, cfg, man)
+    k = man.labels.index(cfg.dlrm.target)
+    vocabs = {t: man.tables[t].vocab for t in model.tables}
+    fm = baselines.FactorizationMachineBaseline(model.tables, vocabs, k).fit(_records(cfg.shards, "train", None))
+    keys = [t for t in ("user_id", "video_id") if t in man.tables]
+    seen = {t: {} for t in keys}
+    for rec in _records(cfg.shards, "train", None):
+        for t in keys:
+            ids, c = np.unique(np.asarray(rec[f"{t}.values"]), return_counts=True)
+            for i, n in zip(ids.tolist(), c.tolist()):
+                seen[t][i] = seen[t].get(i, 0) + n
+    fm_p, counts = [], {t: [] for t in keys}
+    for rec in _records(cfg.shards, split, None):
+        fm_p.append(fm.predict(rec))
+        for t in keys:
+            counts[t] += [seen[t].get(i, 0) for i in np.asarray(rec[f"{t}.values"]).tolist()]
+    y, probs = out["labels"], {"dlrm": out["probs"], "factorization_machine": np.concatenate(fm_p)}
+    groups = {"all": np.ones(len(y), bool)}
+    for t, label in (("user_id", "user's training impressions"), ("video_id", "item's training impressions")):
+        if t in keys:
+            groups.update(_quartile_groups(label, np.array(counts[t])))
+    res = {}
+    for g, m in groups.items():
+        row = {"samples": int(m.sum()), "click_rate": float(y[m].mean())}
+        for name, p in probs.items():
+            both = 0 < y[m].sum() < m.sum()
+            row[name] = {"AUC": _auc(y[m], p[m]) if both else None, "logloss": baselines.logloss(y[m], p[m])}
+        res[g] = row
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", default="ml-100k", choices=["ml-100k"])
@@ -105,6 +154,9 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], help="KEY=VALUE for the gr models' runs")
     ap.add_argument("--set-dlrm", action="append", default=[], help="KEY=VALUE for the dlrm runs")
     ap.add_argument("--ctr-eval-days", type=int, default=23, help="ctr: the last D dates are the eval split")
+    ap.add_argument("--ctr-valid-days", type=int, default=None,
+                    help="ctr: the D dates before the eval dates are the valid split (default: as many as eval's, so "
+                    "that valid holds impressions like eval's: on MovieLens-100K mostly of users new in that window)")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--tag", default="", help="names the runs and the record (several settings on the same shards)")
     ap.add_argument("--out", default="/tmp/nestpipe-real-quality")
@@ -117,23 +169,28 @@ def main(argv=None) -> int:
         return 0
     rec = Recorder("real_quality", argv, __file__)
     root = os.path.join(args.out, args.dataset)
-    shards = {"gr": os.path.join(root, "shards-gr"), "ctr": os.path.join(root, "shards-ctr")}
+    valid_days = args.ctr_valid_days or args.ctr_eval_days
+    shards = {"gr": os.path.join(root, "shards-gr"),
+              "ctr": os.path.join(root, "shards-ctr" + (f"-valid{valid_days}" if valid_days != 1 else ""))}
     for task, path in shards.items():
         if not os.path.exists(os.path.join(path, "manifest.json")):
             ingest(IngestConfig(raw=raw, out=path, task=task, validation=True, progress=False, workers=2,
-                                **({"ctr_eval_days": args.ctr_eval_days} if task == "ctr" else {})))
+                                **({"ctr_eval_days": args.ctr_eval_days, "ctr_valid_days": valid_days}
+                                   if task == "ctr" else {})))
     per_seed = {}
     for seed in args.seeds:
         row = {}
         for model in args.models:
-            run = os.path.join(root, f"{args.tag}{model}-seed{seed}")
             task = "ctr" if model == "dlrm" else "gr"
+            run = os.path.join(root, f"{args.tag}{model}{f'-valid{valid_days}' if task == 'ctr' else ''}-seed{seed}")
             seconds = train(shards[task], run, model, None, args.nproc, args.set_dlrm if task == "ctr" else args.set,
                             seed=seed)
             metrics = json.load(open(os.path.join(run, "metrics.json")))
             ev = evaluate_run(run, split=args.split)
             row[model] = {"eval": ev, "train_s": seconds, "steps_run": metrics["steps_run"],
                           "early_stop": {k: v for k, v in metrics.get("early_stop", {}).items() if k != "history"}}
+            if model == "dlrm" and args.split == "eval":  # where the reported figures come from (a minute a seed)
+                row["ctr_breakdown"] = ctr_breakdown(run, args.split)
         if all(m in args.models for m in GR_MODELS):
             ranks = {}
             for m in GR_MODELS:
@@ -162,6 +219,7 @@ def main(argv=None) -> int:
     name = f"real_quality-{args.dataset}-{args.split}{'-' + args.tag.rstrip('-') if args.tag else ''}.json"
     path = rec.write(path=os.path.join(args.record, name), fields={
         "dataset": args.dataset, "split": args.split, "tag": args.tag, "seeds": args.seeds, "sets": args.set,
+        "ctr_eval_days": args.ctr_eval_days, "ctr_valid_days": valid_days,
         "sets_dlrm": args.set_dlrm,
         "means": {k: statistics.mean(v) for k, v in table.items()}, "values": table,
         "per_seed": {str(s): {m: ({"model": r["eval"]["model"], "intervals": r["eval"]["intervals"],
@@ -174,6 +232,12 @@ def main(argv=None) -> int:
     for k, v in table.items():
         print(f"{k:40s} mean {statistics.mean(v):.4f}  " + " ".join(f"{x:.4f}" for x in v))
     first = per_seed[args.seeds[0]]
+    if "ctr_breakdown" in first:
+        print(f"dlrm and the factorization machine by sample group (seed {args.seeds[0]}): AUC, logloss")
+        for g, row in first["ctr_breakdown"].items():
+            print(f"  {g:48s} n={row['samples']:5d} " + " ".join(
+                f"{n} {row[n]['AUC'] or float('nan'):.4f} {row[n]['logloss']:.4f}"
+                for n in ("dlrm", "factorization_machine")))
     if "breakdown_hr10" in first:
         print(f"HR@10 by sample group (seed {args.seeds[0]}):")
         for g, row in first["breakdown_hr10"].items():

@@ -515,11 +515,91 @@ SECTIONS = [
 ]
 
 
+def _seed_mean(per_seed: Dict, key: str, group: str, *path: str) -> Optional[float]:
+    vals = []
+    for s in per_seed.values():
+        v = s.get(key, {}).get(group)
+        for p in path:
+            v = None if v is None else v.get(p)
+        if v is not None:
+            vals.append(v)
+    return statistics.mean(vals) if vals else None
+
+
+def _f(x: Optional[float]) -> str:
+    return "" if x is None else f"{x:.4f}"
+
+
+def breakdown_lines(rec: Dict) -> List[str]:
+    """Where the models lose: the eval record's per-group figures, averaged over seeds (the groups are the same
+    samples every seed)."""
+    per_seed = rec["per_seed"]
+    first = next(iter(per_seed.values()))
+    lines = []
+    if "breakdown_hr10" in first:
+        names = [n for n in ("hstu", "sasrec", "successor_counts", "most_popular")
+                 if n in next(iter(first["breakdown_hr10"].values()))]
+        rows = [[g, v["samples"], *(_f(_seed_mean(per_seed, "breakdown_hr10", g, n)) for n in names)]
+                for g, v in first["breakdown_hr10"].items()]
+        lines += [f"Next-item HR@10 by sample group ({rec['split']} split, mean of the seeds): the sample's history "
+                  f"length, its target's training count, and whether the target ever followed the sample's last "
+                  f"item in training (what the successor-counting baseline reads).", ""]
+        lines += _table(["group", "samples", *(n.replace("_", " ") for n in names)], rows) + [""]
+    if "ctr_breakdown" in first:
+        names = ("dlrm", "factorization_machine")
+        rows = [[g, v["samples"], f"{v['click_rate']:.3f}",
+                 *(_f(_seed_mean(per_seed, "ctr_breakdown", g, n, m)) for n in names for m in ("AUC", "logloss"))]
+                for g, v in first["ctr_breakdown"].items()]
+        lines += [f"dlrm and the factorization machine by sample group ({rec['split']} split, mean of the seeds): "
+                  f"the impressions of the sample's user and of its item in the training split.", ""]
+        lines += _table(["group", "samples", "click rate", "dlrm AUC", "dlrm logloss", "FM AUC", "FM logloss"],
+                        rows) + [""]
+    return lines
+
+
+def tried_lines(records: List[Dict], dataset: str) -> List[str]:
+    """Every setting scored on the valid split of ``dataset``: the records of ``real_quality.py --split valid``."""
+    rows = []
+    for rec in records:
+        if rec["dataset"] != dataset or rec["split"] != "valid":
+            continue
+        m = rec["means"]
+        sets = "; ".join(f"`{s}`" for s in rec.get("sets", []) + rec.get("sets_dlrm", [])) or "the defaults then"
+        names = [n for n in ("hstu", "sasrec", "successor_counts") if f"{n} HR@10" in m]
+        gr = " / ".join(f"{m[f'{n} HR@10']:.4f}, {m[f'{n} NDCG@10']:.4f}" for n in names)
+        ctr = ""
+        if "dlrm AUC" in m:
+            base = next((b for b in ("factorization_machine", "logistic_regression_crosses", "logistic_regression")
+                         if f"{b} AUC" in m), None)
+            ctr = f"{m['dlrm AUC']:.4f}, {m['dlrm logloss']:.4f}"
+            if base:
+                ctr += f" (vs {base.replace('_', ' ')} {m[f'{base} AUC']:.4f}, {m[f'{base} logloss']:.4f})"
+        label = " / ".join(n.replace("successor_counts", "counts") for n in names)
+        rows.append([rec["_file"].split("/")[-1], sets, label, gr, ctr,
+                     rec.get("ctr_valid_days", 1) if ctr else "", _at(rec)])
+    if not rows:
+        return []
+    return (["Settings scored on the valid split (`--split valid`, mean of the seeds; next-item: HR@10, NDCG@10; "
+             "dlrm: AUC, logloss, beside the strongest CTR baseline that record fitted; the CTR valid split's "
+             "dates):", ""]
+            + _table(["record", "settings", "models", "HR@10, NDCG@10", "dlrm AUC, logloss", "ctr valid dates",
+                      "commit"], rows) + [""])
+
+
 def quality_section(results: str) -> List[str]:
     body = render_quality(results).rstrip("\n")
-    return ["## Model quality on real data", "",
-            "The models with their defaults on MovieLens-100K beside the baselines fitted on the same training data "
-            "(`benchmarks/real_quality.py`; the same block as README's).", "", body, ""]
+    lines = ["## Model quality on real data", "",
+             "The models with their defaults on MovieLens-100K beside the baselines fitted on the same training data "
+             "(`benchmarks/real_quality.py`; the same block as README's), then where each model loses and every "
+             "setting scored on the valid split.", "", body, ""]
+    records = _records("real_quality-*.json", results)
+    for dataset in sorted({r["dataset"] for r in records}):
+        shown = [r for r in records if r["dataset"] == dataset and r["split"] == "eval" and not r.get("tag")
+                 and not r.get("sets") and not r.get("sets_dlrm")]
+        if shown:
+            lines += breakdown_lines(shown[0])
+        lines += tried_lines(records, dataset)
+    return lines
 
 
 def render_docs(results: str = RESULTS) -> str:

@@ -32,15 +32,18 @@ def _ingest(raw, out, **kw):
     return ingest(IngestConfig(**opts))
 
 
-def _training_pairs(raw, validation: bool = True) -> Counter:
-    """The reference: consecutive (previous, video) pairs of every user in the total order, training dates only."""
-    logs = pl.concat([pl.read_csv(p, schema_overrides=kuairand.LOG_DTYPES).with_columns(
+def _logs(raw) -> pl.DataFrame:
+    return pl.concat([pl.read_csv(p, schema_overrides=kuairand.LOG_DTYPES).with_columns(
         pl.lit(i).alias("src"), pl.int_range(pl.len()).alias("line"))
         for i, p in enumerate(sorted(glob.glob(os.path.join(raw, "log_*.csv"))))])
-    logs = logs.sort(["user_id", "time_ms", "video_id", "src", "line"])
+
+
+def _training_pairs(raw, validation: bool = True, valid_days: int = 1) -> Counter:
+    """The reference: consecutive (previous, video) pairs of every user in the total order, training dates only."""
+    logs = _logs(raw).sort(["user_id", "time_ms", "video_id", "src", "line"])
     cutoff = kuairand.eval_cutoff(int(logs["date"].max()), 3)
-    if validation:  # the last date before the eval dates is the valid split
-        cutoff = kuairand.valid_date(int(logs["date"].max()), 3)
+    if validation:  # the last valid_days dates before the eval dates are the valid split
+        cutoff = kuairand.valid_date(int(logs["date"].max()), 3, valid_days)
     pairs = Counter()
     for (_,), g in logs.group_by(["user_id"], maintain_order=True):
         v, d = g["video_id"].to_list(), g["date"].to_list()
@@ -101,3 +104,28 @@ def test_pair_count_never_counts_valid_or_eval_rows(raw, tmp_path, monkeypatch):
     m = _ingest(raw, out)
     bad = _mismatches(_features(out, m), _training_pairs(raw))
     assert bad["eval"] > 0 and bad["valid"] > 0, bad
+
+
+@pytest.mark.slow
+def test_valid_split_spans_ctr_valid_days_dates(raw, tmp_path):
+    """``ctr_valid_days=3``: the three dates before the eval dates are the valid split, every one of their rows a valid
+    sample and none a training one (the training pair counts exclude them); eval is unchanged. One date (the default)
+    keeps the fingerprint of outputs written before the option existed."""
+    logs = _logs(raw)
+    last = int(logs["date"].max())
+    first_eval = kuairand.eval_cutoff(last, 3)
+    one = _ingest(raw, str(tmp_path / "one"))
+    three = _ingest(raw, str(tmp_path / "three"), ctr_valid_days=3)
+    assert "ctr_valid_days" not in one.options and three.options["ctr_valid_days"] == 3
+    rows = _features(str(tmp_path / "three"), three)
+    assert _mismatches(rows, _training_pairs(raw, valid_days=3)) == {"train": 0, "valid": 0, "eval": 0}
+    first_valid = kuairand.valid_date(last, 3, 3)
+    in_window = int(((logs["date"] >= first_valid) & (logs["date"] < first_eval)).sum())
+    counts = {k: sum(r[0] == k for r in rows) for k in ("valid", "eval")}
+    counts_one = {k: sum(r[0] == k for r in _features(str(tmp_path / "one"), one)) for k in ("valid", "eval")}
+    assert counts["valid"] == in_window and counts["eval"] == counts_one["eval"]
+    # negative control: the one-date split is smaller, and its pair counts disagree with a three-date reference
+    assert counts_one["valid"] < counts["valid"]
+    assert _mismatches(_features(str(tmp_path / "one"), one), _training_pairs(raw, valid_days=3))["train"] > 0
+    with pytest.raises(ValueError, match="--ctr-valid-days must be >= 1"):
+        _ingest(raw, str(tmp_path / "zero"), ctr_valid_days=0)

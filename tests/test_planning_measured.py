@@ -29,7 +29,8 @@ from nestpipe.cli import main
 from nestpipe.measure import measured
 from nestpipe.measure import validate_local as v
 
-pytestmark = pytest.mark.slow  # module fixtures train for a minute or more
+# module fixtures train for a minute or more; measured step times are compared, so nothing else runs meanwhile
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 C = v.Config
 STEPS, BATCH, SEQ, VOCAB = 8, 16, 40, 20_000

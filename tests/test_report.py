@@ -120,3 +120,28 @@ def test_quality_block_prefers_the_defaults_among_records_of_one_split(tmp_path)
             json.dump(rec, f)
     out = report.render_quality(str(tmp_path))
     assert "| hstu | 0.1205" in out and "0.4444" not in out
+
+
+def test_quality_section_shows_where_the_models_lose_and_every_valid_setting(tmp_path):
+    """The eval record's per-group figures are averaged over seeds, and every valid record becomes one row of the
+    settings table (with its settings), so that what was tried stays visible beside the defaults' figures."""
+    group = {"samples": 10, "hstu": 0.2, "successor_counts": 0.3}
+    ctr = {"all": {"samples": 5, "click_rate": 0.4, "dlrm": {"AUC": 0.6, "logloss": 0.7},
+                   "factorization_machine": {"AUC": 0.7, "logloss": 0.6}}}
+    base = {"benchmark": "real_quality", "command": "c", "commit": "0" * 40, "host": "h", "cpus": 2,
+            "versions": {"torch": "t"}, "dataset": "d"}
+    per_seed = {"0": {"breakdown_hr10": {"g": group}, "ctr_breakdown": ctr},
+                "1": {"breakdown_hr10": {"g": {**group, "hstu": 0.4}}, "ctr_breakdown": ctr}}
+    (tmp_path / "real_quality-d-eval.json").write_text(json.dumps(
+        {**base, "split": "eval", "seeds": [0, 1], "per_seed": per_seed, "means": {}}))
+    for tag, sets in (("a", ["embedding.lr=0.1"]), ("b", [])):
+        (tmp_path / f"real_quality-d-valid-{tag}.json").write_text(json.dumps(
+            {**base, "split": "valid", "tag": tag, "sets_dlrm": sets, "seeds": [0], "per_seed": {},
+             "means": {"dlrm AUC": 0.61, "dlrm logloss": 0.62, "factorization_machine AUC": 0.63,
+                       "factorization_machine logloss": 0.64}}))
+    text = "\n".join(report.quality_section(str(tmp_path)))
+    assert "| g | 10 | 0.3000 | 0.3000 |" in text  # hstu's 0.2 and 0.4 averaged; counts 0.3
+    assert "| all | 5 | 0.400 | 0.6000 | 0.7000 | 0.7000 | 0.6000 |" in text
+    rows = [x for x in text.splitlines() if x.startswith("| real_quality-d-valid-")]
+    assert len(rows) == 2 and "`embedding.lr=0.1`" in rows[0] and "the defaults then" in rows[1]
+    assert "0.6100, 0.6200 (vs factorization machine 0.6300, 0.6400)" in rows[0]

@@ -266,7 +266,9 @@ def eval_cutoff(max_date: int, days: int) -> int:
     return int(d.strftime("%Y%m%d"))
 
 
-def valid_date(max_date: int, eval_days: int) -> int:
-    """The date (``YYYYMMDD``) of the CTR valid split (``ingest --validation``): the last date before the eval split."""
-    d = datetime.datetime.strptime(str(eval_cutoff(max_date, eval_days)), "%Y%m%d").date() - datetime.timedelta(days=1)
+def valid_date(max_date: int, eval_days: int, valid_days: int = 1) -> int:
+    """The first date (``YYYYMMDD``) of the CTR valid split (``ingest --validation``): the last ``valid_days`` dates
+    before the eval split."""
+    d = (datetime.datetime.strptime(str(eval_cutoff(max_date, eval_days)), "%Y%m%d").date()
+         - datetime.timedelta(days=max(valid_days, 1)))
     return int(d.strftime("%Y%m%d"))

@@ -97,8 +97,11 @@ def add_parser(sub) -> None:
     p.add_argument("--ctr-eval-days", type=int, default=3, help="ctr: the last D dates form the eval set")
     p.add_argument("--validation", action="store_true",
                    help="also write a 'valid' split carved from the training data, for choosing settings without "
-                   "reading eval (gr: every user's second-to-last interaction held out; ctr: the last date before "
-                   "the eval dates); evaluate on it with `nestpipe eval --split valid`")
+                   "reading eval (gr: every user's second-to-last interaction held out; ctr: the last "
+                   "--ctr-valid-days dates before the eval dates); evaluate on it with `nestpipe eval --split valid`")
+    p.add_argument("--ctr-valid-days", type=int, default=1,
+                   help="ctr with --validation: the last D dates before the eval dates form the valid set (default 1; "
+                   "more where one date holds too few impressions to choose settings with)")
     p.add_argument("--format", choices=FORMATS, default="auto",
                    help="the raw data's format: kuairand (the KuaiRand releases), movielens (100K u.data; 1M/10M "
                    "ratings.dat; 20M/25M/latest ratings.csv), amazon (a ratings CSV user,item,rating,timestamp, or "
@@ -139,7 +142,8 @@ def run_ingest(args) -> int:
         max_seq_len=args.max_seq_len, history_len=args.history_len, max_reject_fraction=args.max_reject_fraction,
         workers=args.workers, force=args.force, seed=args.seed, partitions=args.partitions, chunk_mb=args.chunk_mb,
         batches_per_shard=args.batches_per_shard, clustering=args.clustering, dim=args.dim,
-        ctr_eval_days=args.ctr_eval_days, validation=args.validation, release=args.release, keep_work=args.keep_work, progress=not args.quiet,
+        ctr_eval_days=args.ctr_eval_days, validation=args.validation,
+        ctr_valid_days=args.ctr_valid_days, release=args.release, keep_work=args.keep_work, progress=not args.quiet,
         balance=args.balance, sequence_cost=args.sequence_cost, engine=args.engine, scheduler=args.scheduler,
         work_dir=args.work_dir, format=args.format, positive_rating=args.positive_rating,
     )

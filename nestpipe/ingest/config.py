@@ -50,6 +50,7 @@ class IngestConfig:
     dim: int = 64
     ctr_eval_days: int = 3
     validation: bool = False  # a "valid" split carved from the training data (see ``splits``)
+    ctr_valid_days: int = 1  # ctr with ``validation``: the valid split's dates, the last ones before the eval dates
     release: Optional[str] = None
     balance: Optional[str] = None  # gr: "tokens" (the default), "batches" or "off" (BALANCE_MODES); ctr: always off
     sequence_cost: Optional[str] = None  # "A,B": c(n) = A n^2 + B n seconds (default: balance.DEFAULT_COST)
@@ -69,6 +70,10 @@ class IngestConfig:
         if self.micro_batches is not None and not 1 <= self.micro_batches <= (self.batch_size or DEFAULT_BATCH_SIZE):
             raise ValueError(f"--micro-batches must be between 1 and --batch-size "
                              f"({self.batch_size or DEFAULT_BATCH_SIZE}), got {self.micro_batches}")
+        if self.ctr_eval_days < 1:
+            raise ValueError(f"--ctr-eval-days must be >= 1, got {self.ctr_eval_days}")
+        if self.ctr_valid_days < 1:
+            raise ValueError(f"--ctr-valid-days must be >= 1, got {self.ctr_valid_days}")
         if self.max_seq_len < 2:
             raise ValueError(f"--max-seq-len must be >= 2, got {self.max_seq_len}")
         if not 0.0 <= self.max_reject_fraction <= 1.0:
@@ -129,7 +134,8 @@ class IngestConfig:
     def splits(self) -> Tuple[str, ...]:
         """The output splits. ``validation``: ``valid`` is carved from what would be training data, for choosing
         settings without reading ``eval`` (gr: every user's second-to-last interaction is held out as ``eval``
-        holds out the last, training windows end before it; ctr: the last date before the eval dates)."""
+        holds out the last, training windows end before it; ctr: the last ``ctr_valid_days`` dates before the eval
+        dates)."""
         return ("train", "valid", "eval") if self.validation else ("train", "eval")
 
     def semantic(self) -> Dict[str, Any]:
@@ -142,6 +148,8 @@ class IngestConfig:
             d["micro_batches"] = d["micro_batches"] or DEFAULT_MICRO_BATCHES
         if not d["validation"]:  # outputs written before the option existed keep their fingerprint
             d.pop("validation")
+        if self.task != "ctr" or not self.validation or self.ctr_valid_days == 1:  # the same: the same fingerprint
+            d.pop("ctr_valid_days")
         d.pop("balance"), d.pop("sequence_cost")
         # the source format is fingerprinted as the data it names (``ingest``): KuaiRand outputs keep their fingerprint
         d.pop("format"), d.pop("positive_rating")

@@ -2,8 +2,8 @@
 user's recent-history window of video ids.
 
 Split: interactions on the last ``ctr_eval_days`` dates of the logs form the ``eval`` set, the rest ``train``
-(a chronological split); with ``validation`` the last date before the eval dates forms the ``valid`` set instead
-of training. The history of a sample is the user's previous ``history_len`` video ids in the total
+(a chronological split); with ``validation`` the last ``ctr_valid_days`` dates before the eval dates (default one)
+form the ``valid`` set instead of training. The history of a sample is the user's previous ``history_len`` video ids in the total
 order (time, video, source, line), never including the sample's own interaction.
 
 Sparse tables: single-id features (kind ``single``) and two multi-hot bags (kind ``pooled``): ``tag`` (the
@@ -146,7 +146,8 @@ def build_partition(rows: pl.DataFrame, users: pl.DataFrame,
     is_eval = date >= cutoff
     is_valid = np.zeros(len(df), bool)
     if opts.get("validation") and opts.get("max_date"):
-        is_valid = date == kuairand.valid_date(opts["max_date"], opts["ctr_eval_days"])
+        first = kuairand.valid_date(opts["max_date"], opts["ctr_eval_days"], opts.get("ctr_valid_days", 1))
+        is_valid = (date >= first) & ~is_eval
     is_train = ~is_eval & ~is_valid
     pair_key = pair_keys(last_video, video, opts["maxima"].get("video_id", 0))
     # Single-id features as one row-major (C-order) matrix: the shard stage gathers whole rows, and a row is then one

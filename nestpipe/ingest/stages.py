@@ -519,7 +519,7 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, input_records
     s2 = task.join(ex, cfg, work, maxima, num_parts)
     # 3. samples
     opts = {"max_seq_len": cfg.max_seq_len, "history_len": cfg.history_len, "ctr_eval_days": cfg.ctr_eval_days,
-            "validation": cfg.validation,
+            "validation": cfg.validation, "ctr_valid_days": cfg.ctr_valid_days,
             "max_date": maxima.get("date", 0), "maxima": maxima, "pair_buckets": num_parts}
     s3 = ex.run(_unit_samples, [(work, cfg.task, q, opts) for q in range(num_parts)], cfg, "3/4 samples",
                 rows_of=lambda s: s.get("tokens", s.get("rows", 0)))

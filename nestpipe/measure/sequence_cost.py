@@ -22,11 +22,12 @@ from nestpipe.trainer.models.hstu import HSTU
 
 
 def sequence_seconds(lengths: Sequence[int], dim: int = 64, tokens_per_call: int = 4096,
-                     repeats: int = 3) -> Dict[int, float]:
+                     repeats: int = 3, max_length: int | None = None) -> Dict[int, float]:
     """Seconds per sequence of each length: the best of ``repeats`` timings of micro-batches holding about
-    ``tokens_per_call`` tokens of sequences of that length (one thread)."""
+    ``tokens_per_call`` tokens of sequences of that length (one thread), on a layer stack built for sequences of up
+    to ``max_length`` tokens (default: the longest length; give the same value to time some lengths again)."""
     cfg = TrainConfig().hstu
-    top = max(lengths)
+    top = max(lengths) if max_length is None else max_length
     model = HSTU(cfg, dim, ["action", "author", "item"], int(top), 1000)
     g = torch.Generator().manual_seed(0)
     out = {}

@@ -356,6 +356,8 @@ def _bayes_ceiling(cfg, man, split: str, samples: int) -> Dict:
     days = int((man.options or {}).get("ctr_eval_days", 0))
     if split not in ("eval", "valid") or cfg.dlrm.target != "is_click" or not os.path.isfile(path):
         return {}
+    if split == "valid" and int((man.options or {}).get("ctr_valid_days", 1)) != 1:  # the truth has one valid date
+        return {}
     key = "bayes_ceiling_by_eval_days" if split == "eval" else "bayes_ceiling_valid_by_eval_days"
     entry = read_json(path, "synthetic truth").get(key, {}).get(str(days))
     if not entry:  # a truth file written before the valid entries existed

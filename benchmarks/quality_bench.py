@@ -9,7 +9,9 @@ each, 2 processes, default configs: the same training budget) and dlrm on the ct
 ``nestpipe eval --split SPLIT``. Settings are chosen with ``--split valid``; ``--split eval`` reports the held-out
 figures. Prints, per metric, the mean and the spread (min..max) over seeds and the ratios the quality targets name
 (hstu / successor counts, hstu / sasrec on HR@10 and NDCG@10; dlrm AUC - logistic regression AUC), and writes every
-figure, the commands, versions and the load average before and after to ``OUT/results.json``.
+figure, the commands, versions and the load average before and after to ``OUT/results.json`` and the record
+``benchmarks/results/quality_synthetic-SCALE-SPLIT[-TAG].json`` (``benchmarks/report.py`` renders README's
+synthetic-data quality block from the defaults' record: no ``--set``, ``--synth`` or tag).
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ import subprocess
 import sys
 import time
 
-from nestpipe.datasets.synth import SynthConfig, generate
-from nestpipe.demo import DEMO_INGEST
-from nestpipe.ingest import IngestConfig, ingest
-from nestpipe.trainer.evaluate import evaluate_run
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from record import Recorder  # noqa: E402
+
+from nestpipe.datasets.synth import SynthConfig, generate  # noqa: E402
+from nestpipe.demo import DEMO_INGEST  # noqa: E402
+from nestpipe.ingest import IngestConfig, ingest  # noqa: E402
+from nestpipe.trainer.evaluate import evaluate_run  # noqa: E402
 
 GR_MODELS = ("hstu", "sasrec")
 
@@ -157,6 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="", help="prefix of the run directories (several settings on the same shards)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    rec = Recorder("quality_synthetic", argv, __file__)
     load0 = os.getloadavg()
     t0 = time.time()
     per_seed = []
@@ -181,6 +187,13 @@ def main(argv=None) -> int:
     with open(path, "w") as f:
         json.dump(res, f, indent=1, default=str)
     print(f"results: {path}")
+    name = f"quality_synthetic-{args.scale}-{args.split}{'-' + args.tag.strip('-') if args.tag else ''}.json"
+    rec.write(path=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name), fields={
+        "scale": args.scale, "split": args.split, "seeds": args.seeds, "epochs": args.epochs,
+        "dlrm_epochs": args.dlrm_epochs, "models": args.models, "sets": args.set, "sets_dlrm": args.set_dlrm,
+        "synth": args.synth, "tag": args.tag, "summary": rows,
+        "per_seed": [{m: {k: s[m][k] for k in ("model", "intervals", "comparisons", "strongest_baseline")
+                          if k in s[m]} for m in args.models} for s in per_seed]})
     return 0
 
 

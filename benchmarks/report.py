@@ -10,7 +10,8 @@ benchmark; a benchmark without a record shows the command that makes one. A READ
 ``<!-- BEGIN results:NAME -->`` and ``<!-- END results:NAME -->``.
 
 README blocks: ``quality`` (``real_quality.py`` records: the models and the baselines on real public data, per
-dataset, the eval split where a record of it exists, else the valid split) and ``summary`` (one line per benchmark
+dataset, the eval split where a record of it exists, else the valid split), ``quality-synthetic`` (the
+``quality_bench.py`` record of the synthetic demo data with the defaults) and ``summary`` (one line per benchmark
 record: its headline ratios, measured within one run).
 """
 
@@ -624,6 +625,10 @@ def render_docs(results: str = RESULTS) -> str:
         lines += body + [""]
         lines += [provenance(rec, s.get("libs", LIBS)), "", s["means"], ""]
     lines += quality_section(results)
+    lines += ["## Model quality on the synthetic demo data", "",
+              "The quick start's data and settings over seeds (`benchmarks/quality_bench.py`; the same block as "
+              "README's). No model default and no generator setting is chosen by these figures.", "",
+              render_quality_synthetic(results).rstrip("\n"), ""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -714,7 +719,54 @@ def render_quality(results: str = RESULTS) -> str:
     return "\n".join(lines)
 
 
-RENDERERS: Dict[str, Callable[[str], str]] = {"quality": render_quality, "summary": render_summary}
+def render_quality_synthetic(results: str = RESULTS) -> str:
+    """The synthetic demo data's quality block: ``quality_bench.py``'s record of the defaults (no setting, generator
+    option or tag), the eval split where recorded."""
+    recs = [r for r in _records("quality_synthetic-*.json", results)
+            if not r.get("sets") and not r.get("sets_dlrm") and not r.get("synth") and not r.get("tag")]
+    if not recs:
+        return "No synthetic-data quality record yet (`python benchmarks/quality_bench.py`).\n"
+    rec = max(recs, key=lambda r: (r["split"] == "eval", r["date"]))
+    rows, per_seed = rec["summary"], rec["per_seed"]
+
+    def cell(name: str) -> str:
+        r = rows.get(name)
+        return "" if r is None else f"{r['mean']:.4f} [{r['min']:.4f}..{r['max']:.4f}]"
+
+    def verdicts(model: str, baseline: str, metric: str) -> str:
+        return "/".join(s[model]["comparisons"][f"baseline_{baseline}"][metric]["verdict"] for s in per_seed
+                        if model in s and f"baseline_{baseline}" in s[model].get("comparisons", {}))
+
+    lines = [f"**Synthetic demo data** (`synth --scale {rec['scale']}`, the demo's ingest; hstu and sasrec "
+             f"{rec['epochs']} epochs, dlrm {rec['dlrm_epochs']}), {rec['split']} split, mean of seeds "
+             f"{', '.join(map(str, rec['seeds']))} [min..max over seeds]; verdicts per seed against the "
+             f"successor-counting baseline, paired over the same samples:", "",
+             "| | HR@10 | NDCG@10 | vs successor counts (HR@10, NDCG@10) |", "|---|---|---|---|"]
+    for model in ("hstu", "sasrec"):
+        if f"{model} HR@10" in rows:
+            lines.append(f"| {model} | {cell(f'{model} HR@10')} | {cell(f'{model} NDCG@10')} | "
+                         f"{verdicts(model, 'successor_counts', 'HR@10')}, "
+                         f"{verdicts(model, 'successor_counts', 'NDCG@10')} |")
+    for name, label in (("successor_counts", "successor counts"), ("most_popular", "most popular"),
+                        ("generator_oracle", "the generator's own next-item probabilities (ceiling)")):
+        if f"{name} HR@10" in rows:
+            lines.append(f"| {label} | {cell(f'{name} HR@10')} | {cell(f'{name} NDCG@10')} | |")
+    if "dlrm AUC" in rows:
+        strongest = per_seed[0]["dlrm"].get("strongest_baseline", "logistic_regression")
+        lines += ["", f"dlrm: AUC {cell('dlrm AUC')}, logloss {cell('dlrm logloss')}; the strongest CTR baseline "
+                  f"({strongest}): AUC {cell(f'{strongest} AUC')}, logloss {cell(f'{strongest} logloss')}; dlrm "
+                  f"per seed (AUC, logloss): " + "; ".join(
+                      f"{s['dlrm']['comparisons'][f'baseline_{strongest}']['AUC']['verdict']}, "
+                      f"{s['dlrm']['comparisons'][f'baseline_{strongest}']['logloss']['verdict']}" for s in per_seed)
+                  + (f"; the generator's own click probabilities (Bayes ceiling): AUC {cell('Bayes ceiling AUC')}"
+                     if "Bayes ceiling AUC" in rows else "") + "."]
+    lines += ["", f"`{rec['command']}` at {_at(rec)} on {rec['host']} ({rec['cpus']} cores; "
+              f"torch {rec['versions']['torch']}); record `{rec['_file']}`.", ""]
+    return "\n".join(lines)
+
+
+RENDERERS: Dict[str, Callable[[str], str]] = {"quality": render_quality, "quality-synthetic": render_quality_synthetic,
+                                              "summary": render_summary}
 
 
 def render_readme(text: str, results: str = RESULTS) -> str:

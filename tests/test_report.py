@@ -145,3 +145,22 @@ def test_quality_section_shows_where_the_models_lose_and_every_valid_setting(tmp
     rows = [x for x in text.splitlines() if x.startswith("| real_quality-d-valid-")]
     assert len(rows) == 2 and "`embedding.lr=0.1`" in rows[0] and "the defaults then" in rows[1]
     assert "0.6100, 0.6200 (vs factorization machine 0.6300, 0.6400)" in rows[0]
+
+
+def test_synthetic_quality_block_renders_the_defaults_record_only(tmp_path):
+    """README's synthetic block shows the record of the defaults (mean [min..max] over seeds, the per-seed verdicts);
+    a record with a setting, a generator option or a tag is never shown there."""
+    cmp = {"baseline_successor_counts": {"HR@10": {"verdict": "tie"}, "NDCG@10": {"verdict": "worse"}}}
+    base = {"benchmark": "quality_synthetic", "command": "c", "commit": "0" * 40, "host": "h", "cpus": 2,
+            "versions": {"torch": "t"}, "scale": "small", "split": "eval", "seeds": [0, 1], "epochs": 3,
+            "dlrm_epochs": 1, "date": "2026-01-01T00:00:00Z", "per_seed": [{"hstu": {"comparisons": cmp}}] * 2}
+    row = {"mean": 0.25, "min": 0.2, "max": 0.3}
+    (tmp_path / "quality_synthetic-small-eval.json").write_text(json.dumps(
+        {**base, "summary": {"hstu HR@10": row, "hstu NDCG@10": row}}))
+    (tmp_path / "quality_synthetic-small-eval-x.json").write_text(json.dumps(
+        {**base, "tag": "x", "synth": ["click_taste_boost=1"], "summary": {"hstu HR@10": {**row, "mean": 0.9}}}))
+    text = report.render_quality_synthetic(str(tmp_path))
+    assert "| hstu | 0.2500 [0.2000..0.3000] | 0.2500 [0.2000..0.3000] | tie/tie, worse/worse |" in text
+    assert "0.9000" not in text
+    (tmp_path / "quality_synthetic-small-eval.json").unlink()
+    assert report.render_quality_synthetic(str(tmp_path)).startswith("No synthetic-data quality record yet")

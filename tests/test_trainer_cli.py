@@ -349,9 +349,25 @@ def test_testing_hooks_refuse_unknown_names_and_wrong_types():
         testing_hooks.as_env(skip_sync=True)
     with pytest.raises(ValueError, match="fail_step = 'x': expected int"):
         testing_hooks.as_env(fail_step="x")
-    with testing_hooks.override(fail_step=3):
-        assert testing_hooks.active().changed() == {"fail_step": 3}
-    assert testing_hooks.active().changed() == {}
+    with pytest.raises(ValueError, match="unknown testing hook 'skip_sync'"):
+        testing_hooks.make(skip_sync=True)
+    assert testing_hooks.make(fail_step=3).changed() == {"fail_step": 3}
+    assert testing_hooks.from_env({}).changed() == {} == testing_hooks.PRODUCTION.changed()
+    assert testing_hooks.from_env(testing_hooks.as_env(step_sleep_s=0.5)).changed() == {"step_sleep_s": 0.5}
+
+
+def test_no_product_module_of_the_engine_reads_testing_hooks():
+    """The negative controls reach the embedding engine and the pipeline as constructor parameters: no module under
+    trainer/embedding or trainer/pipeline imports testing_hooks, and nothing reads a process-wide hook state."""
+    import pathlib
+
+    import nestpipe.trainer as trainer
+
+    root = pathlib.Path(trainer.__file__).parent
+    for sub in ("embedding", "pipeline"):
+        for path in (root / sub).glob("*.py"):
+            assert "testing_hooks" not in path.read_text(), path
+    assert not hasattr(testing_hooks, "active") and not hasattr(testing_hooks, "override")
 
 
 def test_fewer_shards_than_ranks_are_dealt_and_too_few_batches_refused(tmp_path, capsys):

@@ -63,8 +63,8 @@ def main(argv=None) -> int:
     try:
         for item in plan:
             cfg = load_run_config(item["run"])
-            with testing_hooks.override(**item.get("testing_hooks", {})):
-                train_worker(cfg, dev, rank, world, bool(item.get("resume")))
+            train_worker(cfg, dev, rank, world, bool(item.get("resume")),
+                         hooks=testing_hooks.make(**item.get("testing_hooks", {})))
             if world > 1:
                 dist.barrier()
     finally:

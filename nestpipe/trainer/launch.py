@@ -16,7 +16,7 @@ import traceback
 from typing import List, Optional
 
 import torch.distributed as dist
-from nestpipe.trainer import dense_optim
+from nestpipe.trainer import dense_optim, testing_hooks
 from nestpipe.trainer.distributed import device as devmod
 from nestpipe.trainer.config import load_run_config
 from nestpipe.trainer.loop import train_worker
@@ -95,7 +95,7 @@ def worker_main(argv: Optional[List[str]] = None) -> int:
         devmod.set_flush_denormal(cfg.flush_denormal)  # before any thread starts: they inherit the mode
         rank, world = devmod.init_distributed(dev, cfg.timeout_s)
         try:
-            train_worker(cfg, dev, rank, world, a.worker_resume)
+            train_worker(cfg, dev, rank, world, a.worker_resume, hooks=testing_hooks.from_env())
             if world > 1:
                 dist.barrier()  # nobody tears down gloo while a peer still talks to it
         except Exception:

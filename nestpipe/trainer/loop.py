@@ -119,9 +119,11 @@ class Progress:
         return elapsed, steady_cpu_s
 
 
-def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume: bool) -> dict:
-    """Train one rank: the algorithm of the module docstring."""
-    run = set_up(cfg, device, rank, world)
+def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume: bool,
+                 hooks: testing_hooks.TestingHooks = testing_hooks.PRODUCTION) -> dict:
+    """Train one rank: the algorithm of the module docstring. ``hooks``: test-only negative controls and faults
+    (:mod:`nestpipe.trainer.testing_hooks`), production by default."""
+    run = set_up(cfg, device, rank, world, hooks)
     start = resume_step(run) if resume else 0
     if resume and (start >= run.steps or (run.early is not None and run.early.done())):
         # a finished run: nothing to train, and its metrics.json and final checkpoint stay as they are
@@ -150,11 +152,11 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
     return report(run, runner, start, progress, elapsed, steady_cpu_s)
 
 
-def set_up(cfg: TrainConfig, device: Device, rank: int, world: int) -> RankRun:
+def set_up(cfg: TrainConfig, device: Device, rank: int, world: int,
+           hooks: testing_hooks.TestingHooks = testing_hooks.PRODUCTION) -> RankRun:
     """Threads, floating-point mode, this rank's data stream, the stage process groups and the state."""
     torch.set_num_threads(cfg.threads)
     reset_taken()  # metrics.json's kernel_paths: the calls of this run, not of earlier runs in this process
-    hooks = testing_hooks.active()
     if rank == 0 and hooks.changed():
         print(f"testing hooks set (not a normal run): {hooks.changed()}", flush=True)
     flush_denormal = devmod.set_flush_denormal(cfg.flush_denormal)  # this thread; the pipeline's threads inherit it
@@ -164,7 +166,7 @@ def set_up(cfg: TrainConfig, device: Device, rank: int, world: int) -> RankRun:
              if early_stop.wanted(cfg, stream.manifest) else None)
     steps = total_steps(cfg, stream.batches_per_rank, early is not None)
     groups = sparse_groups.create_stage_groups(sparse_groups.resolve(cfg.sparse_groups, world, rank))
-    state = build_state(cfg, stream.manifest, rank, world, device.torch, groups=groups)
+    state = build_state(cfg, stream.manifest, rank, world, device.torch, groups=groups, hooks=hooks)
     schedule = auto.choose(cfg.pipeline, device.torch, world, micro_batching=cfg.pipe.micro_batching,
                            partition_invariant=model_spec(cfg.model).partition_invariant(cfg),
                            intra_op_threads=cfg.threads)

@@ -67,6 +67,8 @@ class StepState:
     micro_batching: str = "clustered"
     # the run's step count (set by the trainer): the learning-rate schedule's horizon (optim.schedule)
     total_steps: int = 0
+    # test-only negative controls and faults, production unless a test passes others (train_worker's hooks)
+    hooks: testing_hooks.TestingHooks = testing_hooks.PRODUCTION
 
 
 def sequence_cost(manifest: Manifest) -> SequenceCost:
@@ -338,7 +340,7 @@ def train_step(state: StepState, step: int, record: Dict, where: str = "",
     with _span(tl, "route", step):
         routing = (stage_route(state, batch) if ahead is None else
                    ahead.routing if ahead.routing is not None else state.emb.input_dist_finish(ahead.route))
-    if next_record is not None and testing_hooks.active().route_ahead_repeat_record:
+    if next_record is not None and state.hooks.route_ahead_repeat_record:
         next_record = (record, where)  # negative control: the next step trains on this step's batch again
 
     def begin_next():  # prepare the next batch, its requester plans, and issue its counts All2All
@@ -360,9 +362,8 @@ def train_step(state: StepState, step: int, record: Dict, where: str = "",
         begin_next()
     with _span(tl, "retrieve", step):
         stage_retrieve(state, routing)
-    sleep_s = testing_hooks.active().step_sleep_s
-    if sleep_s:
-        time.sleep(sleep_s)  # testing hook: a window to kill the run with a batch in flight
+    if state.hooks.step_sleep_s:
+        time.sleep(state.hooks.step_sleep_s)  # testing hook: a window to kill the run with a batch in flight
     with _span(tl, "fwd_bwd", step):
         if forward_backward is None:
             # off: the next batch's routing work runs while this batch's embedding / gradient All2All is in flight
@@ -378,7 +379,8 @@ def train_step(state: StepState, step: int, record: Dict, where: str = "",
 
 
 def build_state(cfg: TrainConfig, manifest: Manifest, rank: int, world: int, device: torch.device,
-                group=None, groups=None, timeline=None) -> StepState:
+                group=None, groups=None, timeline=None,
+                hooks: testing_hooks.TestingHooks = testing_hooks.PRODUCTION) -> StepState:
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype {cfg.dtype!r}: expected one of {sorted(DTYPES)}")
     timer = StageTimer()
@@ -387,8 +389,10 @@ def build_state(cfg: TrainConfig, manifest: Manifest, rank: int, world: int, dev
     emb = ShardedEmbeddingCollection(manifest, cfg.embedding, cfg.seed, layout.local_rank, layout.group_size, device,
                                      negatives=model_spec(cfg.model).shared_negatives, group=group, timer=timer,
                                      dtype=DTYPES[cfg.dtype], widths=model_spec(cfg.model).table_widths(cfg),
-                                     run_dir=cfg.out)
-    replica_sync.attach(emb, layout, cfg.embedding.optimizer, cfg.embedding.momentum_scale_groups, groups)
+                                     run_dir=cfg.out, requester_salt=hooks.requester_salt,
+                                     tier_write_back=not hooks.skip_tier_write_back)
+    replica_sync.attach(emb, layout, cfg.embedding.optimizer, cfg.embedding.momentum_scale_groups, groups,
+                        skip_sync=hooks.skip_replica_sync)
     model = build_model(cfg, manifest, emb.dims).to(device=device, dtype=DTYPES[cfg.dtype])
     o = cfg.optim
     # one fused kernel over all parameters where torch has it (CPU, CUDA): a fixed rule by device, the same on every
@@ -400,7 +404,7 @@ def build_state(cfg: TrainConfig, manifest: Manifest, rank: int, world: int, dev
     # a state built outside a run (no schedule chosen) keeps the shards' partition where micro_batching is auto
     mbat = "clustered" if cfg.pipe.micro_batching == "auto" else cfg.pipe.micro_batching
     return StepState(cfg, manifest, rank, world, device, emb, model, optimizer, timer, group, groups, timeline,
-                     micro_batching=mbat)
+                     micro_batching=mbat, hooks=hooks)
 
 
 __all__ = ["NEG_SLOT", "StepState", "build_state", "train_step", "stage_prefetch", "stage_h2d", "stage_route",

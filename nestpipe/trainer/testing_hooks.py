@@ -1,20 +1,21 @@
 """Test-only hooks: the negative controls that must break a correctness test, and fault and timing injection.
 
 None of these is a training option: they are not in :class:`~nestpipe.trainer.config.TrainConfig`, never written to
-``RUN/config.json`` and never read from a config file. Tests set them for one run through the environment of the
-ranks (:func:`as_env`, read once per process by :func:`active`) or, in-process, with :func:`override`. A run with a
-hook set prints it at start and records it in ``metrics.json`` (``testing_hooks``), so such a run cannot pass for
-a normal one.
+``RUN/config.json`` and never read from a config file, nor from a global by the code they alter: the training loop
+receives them as a parameter (:func:`nestpipe.trainer.loop.train_worker`, ``hooks=``) and hands each component
+the plain values it needs at construction. Tests set them for one run through the environment of the ranks
+(:func:`as_env`, read by the rank's entry point with :func:`from_env`), per run of a measure plan
+(:mod:`nestpipe.measure.launcher`), or in-process with :func:`make`. A run with a hook set prints it at start and
+records it in ``metrics.json`` (``testing_hooks``), so such a run cannot pass for a normal one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import typing
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict
 
 from nestpipe.utils.options import annotation_name, value_fits
 
@@ -69,19 +70,18 @@ def parse(text: str, where: str = ENV_VAR) -> TestingHooks:
     return TestingHooks(**kwargs)
 
 
-_override: Optional[TestingHooks] = None
-_from_env: Optional[TestingHooks] = None
+PRODUCTION = TestingHooks()
 
 
-def active() -> TestingHooks:
-    """The hooks of this process: an :func:`override` if one is in effect, else ``$NESTPIPE_TESTING_HOOKS`` (parsed
-    once), else production."""
-    global _from_env
-    if _override is not None:
-        return _override
-    if _from_env is None:
-        _from_env = parse(os.environ.get(ENV_VAR, ""))
-    return _from_env
+def from_env(environ=None) -> TestingHooks:
+    """The hooks ``$NESTPIPE_TESTING_HOOKS`` sets (production where unset): read by a rank process's entry point
+    (:mod:`nestpipe.trainer.launch`) and handed to :func:`nestpipe.trainer.loop.train_worker`."""
+    return parse((os.environ if environ is None else environ).get(ENV_VAR, ""))
+
+
+def make(**hooks: Any) -> TestingHooks:
+    """Hooks from keyword arguments, validated as the environment's are (unknown names and wrong types refused)."""
+    return parse(json.dumps(hooks), where="testing hooks")
 
 
 def as_env(**hooks: Any) -> Dict[str, str]:
@@ -89,15 +89,3 @@ def as_env(**hooks: Any) -> Dict[str, str]:
     text = json.dumps(hooks, sort_keys=True)
     parse(text)
     return {ENV_VAR: text}
-
-
-@contextlib.contextmanager
-def override(**hooks: Any) -> Iterator[TestingHooks]:
-    """Set ``hooks`` in this process (threads included) for the duration of the block."""
-    global _override
-    previous = _override
-    _override = parse(json.dumps(hooks), where="override")
-    try:
-        yield _override
-    finally:
-        _override = previous

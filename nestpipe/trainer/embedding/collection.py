@@ -49,7 +49,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nestpipe.trainer import testing_hooks
 from nestpipe.datasets.shards import Manifest
 from nestpipe.trainer.embedding.config import EmbeddingConfig, row_shape
 from nestpipe.trainer.embedding.batch import NEG_SLOT, PreparedBatch
@@ -253,7 +252,10 @@ class RouteInFlight:
 class ShardedEmbeddingCollection:
     def __init__(self, manifest: Manifest, cfg: EmbeddingConfig, seed: int, rank: int, world: int,
                  device: torch.device, negatives: bool = False, group=None, timer: Optional[StageTimer] = None,
-                 dtype: torch.dtype = torch.float32, widths: Optional[Dict[str, object]] = None, run_dir: str = ""):
+                 dtype: torch.dtype = torch.float32, widths: Optional[Dict[str, object]] = None, run_dir: str = "",
+                 requester_salt: int = 0, tier_write_back: bool = True):
+        # requester_salt != 0 and tier_write_back=False are negative controls (requesters route with a placement the
+        # owners do not use; tiered stores lose evicted dirty rows): only tests pass them
         self.cfg, self.rank, self.world, self.device, self.group = cfg, rank, world, device, group
         self.dtype = dtype
         self.timer = timer or StageTimer()
@@ -285,14 +287,14 @@ class ShardedEmbeddingCollection:
                 pl = make_placement(self.table_ids[t], v, world, owners=cs.owners)
                 if cfg.tier == "mmap":
                     self.stores[cs.store] = tiered_store(cs.store, pl, rank, cs.dim, seed, cfg, run_dir, world, t,
-                                                         cs.first_col, dtype)
+                                                         cs.first_col, dtype, write_back=tier_write_back)
                 else:
                     self.stores[cs.store] = RowStore(cs.store, pl, rank, cs.dim, seed, cfg.init_scale, dtype,
                                                      eager_rows=cfg.eager_init_max_rows, huge_pages=cfg.huge_pages,
                                                      table=t, first_col=cs.first_col)
                 self.store_dims[cs.store] = cs.dim
                 self.req_placement[cs.store] = make_placement(
-                    self.table_ids[t], v, world, salt=testing_hooks.active().requester_salt, owners=cs.owners)
+                    self.table_ids[t], v, world, salt=requester_salt, owners=cs.owners)
         self.slots = list(self.stores)
         if cfg.tier == "mmap":
             split_cache(self.stores, cfg.dram_cache_mb, self.timer)

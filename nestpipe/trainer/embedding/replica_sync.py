@@ -39,7 +39,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nestpipe.trainer import testing_hooks
 from nestpipe.trainer.distributed.process_groups import StageGroups
 from nestpipe.trainer.distributed.sparse_groups import SparseLayout, momentum_scale
 
@@ -190,7 +189,8 @@ def _pad(t: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
-def attach(emb, layout: SparseLayout, optimizer: str, explicit_scale: int, groups: Optional[StageGroups]) -> None:
+def attach(emb, layout: SparseLayout, optimizer: str, explicit_scale: int, groups: Optional[StageGroups],
+           skip_sync: bool = False) -> None:
     """Give the collection (built over the group: ``layout.local_rank`` of ``layout.group_size``) its sharded
     tables' optimizer scale and, with more than one group, the replica synchronisation."""
     emb.sparse_momentum_scale = momentum_scale(optimizer, layout, explicit_scale)
@@ -201,7 +201,7 @@ def attach(emb, layout: SparseLayout, optimizer: str, explicit_scale: int, group
         raise RuntimeError(f"--sparse-groups {layout.group_size}: the stage groups were not created for 2D sparse "
                            "parallelism (use sparse_groups.create_stage_groups)")
     emb.replica_sync = ReplicaSync(emb, layout.num_groups, lambda: groups.get("replica"),
-                                   skip=testing_hooks.active().skip_replica_sync)
+                                   skip=skip_sync)
 
 
 def metrics(emb) -> dict:

@@ -21,7 +21,7 @@ Cache (``embedding.dram_cache_mb`` per rank, split over the rank's tiered stores
 - eviction: least recently gathered first (each slot carries the batch counter of its last gather), only slots
   no gather in progress holds (a gather pins its hits and the slots it loads until it has copied them out);
 - a slot is dirty from the write-back of its row until its eviction or a flush; an evicted dirty row is written to
-  the file before its slot is reused (``skip_dirty_write_back`` turns that off, for the negative-control test
+  the file before its slot is reused (``write_back=False`` turns that off, for the negative-control test
   only), and :meth:`flush` writes every dirty row (checkpoints);
 - a write-back of a row not in the cache (evicted between its gather and its write-back) goes to the file.
 
@@ -41,7 +41,6 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from nestpipe.trainer import testing_hooks
 from nestpipe.trainer.embedding.placement import TablePlacement, init_rows
 from nestpipe.utils.timing import StageTimer
 
@@ -76,7 +75,8 @@ class TieredRowStore:
     in_dram = False
 
     def __init__(self, name: str, placement: TablePlacement, rank: int, dim: int, seed: int, init_scale: float,
-                 store_dir: str, cache_rows: int, run_id: str, world: int, table: str = "", first_col: int = 0):
+                 store_dir: str, cache_rows: int, run_id: str, world: int, table: str = "", first_col: int = 0,
+                 write_back: bool = True):
         self.name = name
         self.table = table or name
         self.first_col = first_col
@@ -123,7 +123,7 @@ class TieredRowStore:
         self.slot_of = np.full(n, -1, dtype=np.int32 if n < 2**31 else np.int64)
         self.resize_cache(cache_rows)
         # negative control only (testing hook skip_tier_write_back): evicted dirty rows are lost
-        self.skip_dirty_write_back = testing_hooks.active().skip_tier_write_back
+        self.skip_dirty_write_back = not write_back  # negative control only: evicted dirty rows are lost
         self.stats = {"hits": 0, "misses": 0, "evicted_dirty": 0, "passed_through": 0}
 
     @property
@@ -439,14 +439,15 @@ class TieredRowStore:
 
 
 def tiered_store(name: str, placement: TablePlacement, rank: int, dim: int, seed: int, cfg, run_dir: str,
-                 world: int, table: str, first_col: int, dtype: torch.dtype) -> TieredRowStore:
+                 world: int, table: str, first_col: int, dtype: torch.dtype,
+                 write_back: bool = True) -> TieredRowStore:
     """The ``embedding.tier = mmap`` store of one table (or column shard) on ``rank``; its cache is sized by
     :func:`split_cache` once every store of the rank exists."""
     if dtype != torch.float32:
         raise ValueError(f"embedding.tier=mmap stores float32 rows; the run's dtype is {dtype}")
     store_dir = cfg.store_dir or os.path.join(run_dir or ".", "store")
     return TieredRowStore(name, placement, rank, dim, seed, cfg.init_scale, store_dir, 1,
-                          os.path.abspath(run_dir or store_dir), world, table, first_col)
+                          os.path.abspath(run_dir or store_dir), world, table, first_col, write_back)
 
 
 def split_cache(stores: Dict[str, "TieredRowStore"], cache_mb: float, timer) -> None:

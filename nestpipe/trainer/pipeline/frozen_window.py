@@ -27,7 +27,7 @@ gradients accumulate on the compute thread in the same
 order. Hence the batch's gradient and update are bitwise those of ``--pipeline off`` in both layouts. Only the
 first embedding All2All (when not primed) and the last gradient All2All are exposed.
 
-The ``update_per_micro_batch`` testing hook (negative control, :mod:`nestpipe.trainer.testing_hooks`) applies the full update after every micro-batch but the
+The ``update_per_micro_batch`` parameter (a negative control only tests pass) applies the full update after every micro-batch but the
 last (and stops prefetching the next micro-batch's rows so it sees the update): the window is no longer frozen.
 """
 
@@ -41,7 +41,6 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from nestpipe.trainer import testing_hooks
 from nestpipe.trainer.embedding.collection import Routing
 from nestpipe.trainer.step import StepState, dense_forward_backward
 
@@ -80,12 +79,13 @@ class CommWorker:
 
 class FrozenWindow:
     def __init__(self, state: StepState, embed_worker: CommWorker, grad_worker: CommWorker,
-                 update_fn: Optional[Callable[[Routing, torch.Tensor], float]] = None):
+                 update_fn: Optional[Callable[[Routing, torch.Tensor], float]] = None,
+                 update_per_micro_batch: bool = False):
         self.state = state
         self.embed_worker = embed_worker
         self.grad_worker = grad_worker
         self.update_fn = update_fn  # only for the per-micro-batch-update negative control
-        self.update_per_micro_batch = testing_hooks.active().update_per_micro_batch
+        self.update_per_micro_batch = update_per_micro_batch  # negative control: the window is not frozen
         # embedding All2Alls in flight ahead of the micro-batch being computed (1: micro-batch i+1 during i)
         self.lookahead = max(1, int(getattr(state.cfg.pipe, "embed_lookahead", 1)))
         self._primed: Dict[int, Dict[int, concurrent.futures.Future]] = {}  # step -> micro-batch -> future

@@ -38,7 +38,6 @@ from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 
-from nestpipe.trainer import testing_hooks
 from nestpipe.trainer.config import PIPELINE_MODES
 from nestpipe.trainer.pipeline.dual_buffer import DualBuffer, Stopped
 from nestpipe.trainer.pipeline.frozen_window import CommWorker, FrozenWindow
@@ -82,7 +81,7 @@ class PipelineRunner:
         self.dbp = mode in ("dbp", "nested")
         self.fwp = mode in ("fwp", "nested")
         pc = state.cfg.pipe
-        self.hooks = testing_hooks.active()
+        self.hooks = state.hooks
         if self.hooks.update_per_micro_batch and not self.fwp:
             raise ValueError("the update_per_micro_batch testing hook needs --pipeline fwp or nested")
         self.rows_synced = 0
@@ -102,10 +101,12 @@ class PipelineRunner:
             if self.fwp:
                 if self.comm_threads == 2:
                     workers = [CommWorker("embed-comm"), CommWorker("grad-comm")]
-                    fw = FrozenWindow(st, workers[0], workers[1], update_fn=self._intermediate_update)
+                    fw = FrozenWindow(st, workers[0], workers[1], update_fn=self._intermediate_update,
+                                      update_per_micro_batch=self.hooks.update_per_micro_batch)
                 else:  # one thread, embedding and gradient All2Alls in submission order (fixed, same on all ranks)
                     workers = [CommWorker("comm")]
-                    fw = FrozenWindow(st, workers[0], workers[0], update_fn=self._intermediate_update)
+                    fw = FrozenWindow(st, workers[0], workers[0], update_fn=self._intermediate_update,
+                                      update_per_micro_batch=self.hooks.update_per_micro_batch)
                 threads.update({w.name: w.thread for w in workers})
             if self.dbp:
                 schedule = DualBufferSchedule(self, records, start, stop, fw)

@@ -8,8 +8,8 @@ import os
 from nestpipe.datasets.shards import ShardError, load_manifest, verify_shard
 from nestpipe.trainer.run_files import keep_manifest
 from nestpipe.utils.jsonio import read_json
-from nestpipe.trainer.config import (MODELS, SCHEDULES, TrainConfig, default_config, describe, load_config_file, load_run_config,
-                                     merge, save_config)
+from nestpipe.trainer.config import (MODELS, SCHEDULES, TrainConfig, check_tables, default_config, describe,
+                                     load_config_file, load_run_config, merge, save_config)
 
 
 def add_parser(subparsers) -> None:
@@ -177,10 +177,7 @@ def _train(args) -> int:
         right = [m for m, t in MODEL_TASK.items() if t == man.task]
         raise ValueError(f"--model {cfg.model} trains on {MODEL_TASK[cfg.model]!r} shards, {cfg.shards} holds "
                          f"{man.task!r} shards (use --model {' or '.join(right) or '?'})")
-    unknown = sorted(set(cfg.embedding.table_lr) - set(man.tables))
-    if unknown:
-        raise ValueError(f"embedding.table_lr: no table named {unknown} in {cfg.shards} "
-                         f"(tables: {', '.join(sorted(man.tables))})")
+    check_tables(cfg, man.tables, cfg.shards)
     from nestpipe.trainer import early_stop  # start-up time: only once the config is built
 
     early_stop.wanted(cfg, man)  # early stopping without a valid split is refused here, before any rank starts

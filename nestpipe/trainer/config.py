@@ -253,6 +253,17 @@ def validate(cfg: TrainConfig, where: str = "config") -> None:
                              f"{', '.join(EXCHANGE_KINDS)}")
 
 
+def check_tables(cfg: TrainConfig, tables, where: str) -> None:
+    """The config against the shards' tables (``where`` names the shards): every per-table key names a table."""
+    names = sorted(tables)
+    unknown = sorted(set(cfg.embedding.table_lr) - set(names))
+    if unknown:
+        raise ValueError(f"embedding.table_lr: no table named {unknown} in {where} (tables: {', '.join(names)})")
+    negative = {t: v for t, v in cfg.embedding.table_lr.items() if float(v) < 0}
+    if negative:
+        raise ValueError(f"embedding.table_lr {negative}: learning rates must be >= 0")
+
+
 def describe() -> str:
     """Every config key (dotted), its type, default and meaning: the text of ``nestpipe train --help-config``."""
     lines: List[str] = []

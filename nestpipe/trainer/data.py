@@ -42,10 +42,6 @@ def keyed_generator(seed: int, step: int, micro_batch: int, rank: int) -> torch.
     return g
 
 
-def _sequence_tables(manifest: Manifest) -> List[str]:
-    return sorted(manifest.tables)
-
-
 def random_partition(b: int, n: int, seed: int, step: int, rank: int) -> np.ndarray:
     """A uniformly random balanced partition of ``b`` samples into ``n`` micro-batches (clustering off), keyed by
     (seed, step, rank): the same samples as the shard's clustered partition, only grouped differently."""
@@ -88,7 +84,7 @@ def prepare_batch(record: Dict, manifest: Manifest, step: int, rank: int, seed: 
         mb = np.zeros(b, dtype=np.int64)
     keys: Dict[str, np.ndarray] = {}
     offsets: Dict[str, np.ndarray] = {}
-    for t in _sequence_tables(manifest):
+    for t in sorted(manifest.tables):
         spec = manifest.tables[t]
         for f in ("lengths", "unique", "inverse", "mb_unique", "mb_offsets"):
             if f"{t}.{f}" not in record:

@@ -30,13 +30,15 @@ import torch.distributed as dist
 from nestpipe.datasets.sequence_cost import DEFAULT_COST, SequenceCost
 from nestpipe.datasets.shards import Manifest
 from nestpipe.trainer import dense_optim, testing_hooks
-from nestpipe.trainer.config import TrainConfig, lr_factor
+from nestpipe.trainer.config import TrainConfig, check_tables, lr_factor
 from nestpipe.trainer.data import prepare_batch
 from nestpipe.trainer.distributed import sparse_groups
+from nestpipe.trainer.distributed.process_groups import StageGroups
 from nestpipe.trainer.embedding import replica_sync
 from nestpipe.trainer.embedding.batch import NEG_SLOT, PreparedBatch
 from nestpipe.trainer.embedding.collection import RouteInFlight, Routing, ShardedEmbeddingCollection
 from nestpipe.trainer.models import build_model, model_spec
+from nestpipe.trainer.pipeline.timeline import Timeline
 from nestpipe.utils.timing import StageTimer
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -56,8 +58,8 @@ class StepState:
     optimizer: torch.optim.Optimizer
     timer: StageTimer
     group: Optional[object] = None  # the default group: checkpoints and metrics, only while nothing is in flight
-    groups: Optional[object] = None  # StageGroups: one process group per concurrent stage
-    timeline: Optional[object] = None  # pipeline.timeline.Timeline
+    groups: Optional[StageGroups] = None  # one process group per concurrent stage
+    timeline: Optional[Timeline] = None  # the run's trace and Gantt chart
     # GR: step -> (tokens, attention cost a n^2 + b n summed over the batch's sequences) of this rank's batch, for
     # metrics.json's token_imbalance across ranks
     batch_costs: Dict[int, Tuple[int, float]] = dataclasses.field(default_factory=dict)
@@ -383,6 +385,7 @@ def build_state(cfg: TrainConfig, manifest: Manifest, rank: int, world: int, dev
                 hooks: testing_hooks.TestingHooks = testing_hooks.PRODUCTION) -> StepState:
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype {cfg.dtype!r}: expected one of {sorted(DTYPES)}")
+    check_tables(cfg, manifest.tables, cfg.shards or "the shards")
     timer = StageTimer()
     # 2D-SP: the tables are sharded over the rank's model-parallel group (its local rank of M); plain: over the world
     layout = sparse_groups.resolve(cfg.sparse_groups, world, rank)

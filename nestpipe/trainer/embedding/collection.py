@@ -260,11 +260,7 @@ class ShardedEmbeddingCollection:
         self.dtype = dtype
         self.timer = timer or StageTimer()
         self.timeline = None  # the run's trace (pipeline.timeline.Timeline), set by the trainer
-        names = sorted(manifest.tables)
-        unknown = sorted(set(cfg.table_lr) - set(names))
-        if unknown or any(float(v) < 0 for v in cfg.table_lr.values()):
-            raise ValueError(f"embedding.table_lr {cfg.table_lr}: " + (
-                f"no table named {unknown} (tables: {', '.join(names)})" if unknown else "learning rates must be >= 0"))
+        names = sorted(manifest.tables)  # per-table keys were checked against them (trainer.config.check_tables)
         self.table_ids = {t: i for i, t in enumerate(names)}
         self.table_kind = {t: manifest.tables[t].kind for t in names}
         self.dims = table_dims(manifest, cfg, widths)

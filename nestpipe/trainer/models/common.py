@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Dict, List, Optional, Tuple
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from nestpipe.trainer.embedding.batch import NEG_SLOT as NEG  # the slot of the batch's shared negatives
 from nestpipe.trainer.embedding.config import row_shape
+from nestpipe.utils.options import opt
 
 
 @torch.no_grad()
@@ -203,6 +205,31 @@ IN_BATCH_HELP = (
     "0: off")
 NEGATIVES_DTYPE_HELP = ("dtype of the query x negative logits (the shared and in-batch GEMMs; the softmax sums in "
                         "float32): bfloat16 halves their bytes")
+
+
+@dataclasses.dataclass
+class NextItemObjective:
+    """The next-item objective of every sequential model (hstu, sasrec; their configs extend this one): a sampled
+    softmax over shared uniform, in-batch, popular and history negatives, the output embeddings, the transition term
+    and the item bias. The same defaults for both models, so that they differ in the encoder only."""
+
+    num_random_negatives: int = opt(
+        4096, help="uniform random negatives, shared by the batch (more cost time and help full-catalog ranking: "
+        "docs/trainer.md)", minimum=0)
+    num_popular_negatives: int = opt(
+        0, help="in-batch popularity negatives (they push popular items down, which costs full-catalog HR/NDCG "
+        "without a logQ correction: off by default)", minimum=0)
+    temperature: float = opt(0.1, help="softmax temperature of the sampled softmax", minimum=0)
+    history_negatives: bool = opt(
+        False, help="each position's own prefix items (other than its target) join its negatives; off by default "
+        "since the item bias (docs/trainer.md)")
+    logq_correction: bool = opt(
+        True, help="weigh each uniform negative as V / K catalog items (log(V / K) added to its logit)")
+    output_embedding: str = opt("untied", help=OUTPUT_EMBEDDING_HELP, choices=OUTPUT_EMBEDDINGS)
+    in_batch_negatives: int = opt(1024, help=IN_BATCH_HELP, minimum=0)
+    transition: float = opt(0.3, help=TRANSITION_HELP, minimum=0)
+    item_bias: float = opt(0.5, help=ITEM_BIAS_HELP, minimum=0)
+    negatives_dtype: str = opt("float32", help=NEGATIVES_DTYPE_HELP, choices=tuple(NEGATIVE_DTYPES))
 
 
 def jagged_positions(lengths: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:

@@ -33,10 +33,9 @@ from torch import nn
 from nestpipe.datasets.shards import Manifest
 from nestpipe.kernels.attention import hstu_attention, time_buckets
 from nestpipe.trainer.embedding.batch import NEG_SLOT, PreparedBatch
-from nestpipe.trainer.models.common import (IN_BATCH_HELP, ITEM_BIAS_HELP, NEGATIVE_DTYPES, NEGATIVES_DTYPE_HELP,
-                                             OUTPUT_EMBEDDING_HELP, OUTPUT_EMBEDDINGS, SEQUENTIAL_TRAIN_DEFAULTS,
-                                             TRANSITION_HELP, SequentialModel, jagged_tokens, padded_tokens,
-                                             sequential_table_widths, sequential_token_dim)
+from nestpipe.trainer.models.common import (SEQUENTIAL_TRAIN_DEFAULTS, NextItemObjective, SequentialModel,
+                                             jagged_tokens, padded_tokens, sequential_table_widths,
+                                             sequential_token_dim)
 from nestpipe.trainer.models.spec import ModelSpec
 from nestpipe.utils.options import opt
 
@@ -44,30 +43,14 @@ NEG = NEG_SLOT
 
 
 @dataclasses.dataclass
-class HSTUConfig:
-    """HSTU-style causal sequential transducer (item + action tokens), next-item sampled softmax."""
+class HSTUConfig(NextItemObjective):
+    """HSTU-style causal sequential transducer (item + action tokens), next-item sampled softmax (the objective's
+    fields: :class:`NextItemObjective`)."""
 
     num_layers: int = opt(2, help="HSTU layers", minimum=1)
     num_heads: int = opt(2, help="attention heads per layer", minimum=1)
     linear_dim: int = opt(16, help="per-head dimension of u/v/q/k", minimum=1)
     max_seq_len: int = opt(64, help="longest sequence the positional encoding covers", minimum=1)
-    num_random_negatives: int = opt(
-        4096, help="uniform random negatives, shared by the batch (more cost time and help full-catalog ranking: "
-        "docs/trainer.md)", minimum=0)
-    num_popular_negatives: int = opt(
-        0, help="in-batch popularity negatives (they push popular items down, which costs full-catalog HR/NDCG "
-        "without a logQ correction: off by default)", minimum=0)
-    temperature: float = opt(0.1, help="softmax temperature of the sampled softmax", minimum=0)
-    history_negatives: bool = opt(
-        False, help="each position's own prefix items (other than its target) join its negatives; off by default "
-        "since the item bias (docs/trainer.md)")
-    logq_correction: bool = opt(
-        True, help="weigh each uniform negative as V / K catalog items (log(V / K) added to its logit)")
-    output_embedding: str = opt("untied", help=OUTPUT_EMBEDDING_HELP, choices=OUTPUT_EMBEDDINGS)
-    in_batch_negatives: int = opt(1024, help=IN_BATCH_HELP, minimum=0)
-    transition: float = opt(0.3, help=TRANSITION_HELP, minimum=0)
-    item_bias: float = opt(0.5, help=ITEM_BIAS_HELP, minimum=0)
-    negatives_dtype: str = opt("float32", help=NEGATIVES_DTYPE_HELP, choices=tuple(NEGATIVE_DTYPES))
     attention: str = opt(
         "jagged", help="jagged: the samples' tokens back to back, only the causal triangle of each computed "
         "(Numba on CPU, Triton on CUDA); padded: every sample padded to the micro-batch's longest, full n x n scores "

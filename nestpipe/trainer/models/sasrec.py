@@ -20,36 +20,21 @@ from torch import nn
 
 from nestpipe.datasets.shards import Manifest
 from nestpipe.trainer.models import hstu
-from nestpipe.trainer.models.common import (IN_BATCH_HELP, ITEM_BIAS_HELP, NEGATIVE_DTYPES, NEGATIVES_DTYPE_HELP,
-                                             OUTPUT_EMBEDDING_HELP, OUTPUT_EMBEDDINGS, SEQUENTIAL_TRAIN_DEFAULTS,
-                                             TRANSITION_HELP, SequentialModel, padded_tokens, sequential_table_widths,
-                                             sequential_token_dim)
+from nestpipe.trainer.models.common import (SEQUENTIAL_TRAIN_DEFAULTS, NextItemObjective, SequentialModel,
+                                             padded_tokens, sequential_table_widths, sequential_token_dim)
 from nestpipe.trainer.models.spec import ModelSpec
 from nestpipe.utils.options import opt
 
 
 @dataclasses.dataclass
-class SASRecConfig:
-    """SASRec: causal softmax self-attention (the reference sequential model), next-item sampled softmax."""
+class SASRecConfig(NextItemObjective):
+    """SASRec: causal softmax self-attention (the reference sequential model), next-item sampled softmax (the
+    objective's fields, the same as hstu's: :class:`NextItemObjective`)."""
 
     num_layers: int = opt(2, help="self-attention blocks", minimum=1)
     num_heads: int = opt(2, help="attention heads (must divide the embedding dim)", minimum=1)
     ffn_mult: int = opt(1, help="point-wise feed-forward width as a multiple of the embedding dim", minimum=1)
     max_seq_len: int = opt(64, help="longest sequence the positional encoding covers", minimum=1)
-    num_random_negatives: int = opt(4096, help="uniform random negatives, shared by the batch (as hstu)", minimum=0)
-    num_popular_negatives: int = opt(0, help="in-batch popularity negatives (off by default, as for hstu)",
-                                     minimum=0)
-    temperature: float = opt(0.1, help="softmax temperature of the sampled softmax", minimum=0)
-    history_negatives: bool = opt(
-        False, help="each position's own prefix items (other than its target) join its negatives; off by default "
-        "since the item bias (docs/trainer.md)")
-    logq_correction: bool = opt(
-        True, help="weigh each uniform negative as V / K catalog items (log(V / K) added to its logit)")
-    output_embedding: str = opt("untied", help=OUTPUT_EMBEDDING_HELP, choices=OUTPUT_EMBEDDINGS)
-    in_batch_negatives: int = opt(1024, help=IN_BATCH_HELP, minimum=0)
-    transition: float = opt(0.3, help=TRANSITION_HELP, minimum=0)
-    item_bias: float = opt(0.5, help=ITEM_BIAS_HELP, minimum=0)
-    negatives_dtype: str = opt("float32", help=NEGATIVES_DTYPE_HELP, choices=tuple(NEGATIVE_DTYPES))
 
 
 class SASRecBlock(nn.Module):

@@ -10,10 +10,10 @@ The DBP invariant (stated here, enforced by :class:`DualBuffer` and
 Why it holds:
 1. Retrieval runs at most one batch ahead: the retrieval stage takes one of two buffer permits before gathering
    batch u's rows and the compute thread returns batch t's permit only after t's update was written back to the
-   store and synced into t+1 (:meth:`DualBuffer.hand_over`). So retrieval of u starts after batch u-2 was written
+   store and synced into t+1 (:meth:`DualBuffer.sync`, then :meth:`DualBuffer.release`). So retrieval of u starts after batch u-2 was written
    back: every row of u not touched by batch u-1 is current in the store when gathered (the store's lock makes each
    gather and write-back atomic).
-2. Rows of keys(u-1) ∩ keys(u) may have been gathered before u-1's write-back: :meth:`DualBuffer.hand_over` copies
+2. Rows of keys(u-1) ∩ keys(u) may have been gathered before u-1's write-back: :meth:`DualBuffer.sync` copies
    them from the updated active buffer into the prefetch buffer before u's forward begins (bitwise copies). With
    host-resident buffers (CPU, ``embedding.dbp_update_in_store``) batch u-1 was updated in the store itself and
    its buffer still holds the old rows, so they are copied from the store instead; there the buffers hold weights
@@ -50,7 +50,6 @@ class DualBuffer:
         self.replica_own_keys_only = replica_own_keys_only  # debug: 2D-SP negative control
         self._free = threading.Semaphore(self.PERMITS)
         self.rows_synced = 0
-        self.syncs = 0
 
     def retrieve(self, routing: Routing, stop: threading.Event, timeline=None) -> float:
         """Retrieval stage (its own thread): wait for a free buffer, then gather batch rows from the store.
@@ -64,23 +63,18 @@ class DualBuffer:
             timeline.record("retrieve", routing.batch.step, -1, t0, time.perf_counter())
         return t0
 
-    def hand_over(self, active: Routing, prefetch: Optional[Routing]) -> None:
-        """Compute thread, after ``active``'s update (rows written back, kept in the buffer) and before
-        ``prefetch``'s first embedding send: sync keys(t) ∩ keys(t+1) active -> prefetch, free the active buffer."""
-        self.sync(active, prefetch)
-        self.release(active)
-
     def sync(self, active: Routing, prefetch: Optional[Routing]) -> None:
-        """The first half of :meth:`hand_over`: after it ``prefetch``'s buffer is final (may serve requests)."""
+        """Compute thread, after ``active``'s update (rows written back, kept in the buffer) and before
+        ``prefetch``'s first embedding send: copy the rows of keys(t) ∩ keys(t+1) active -> prefetch; after it
+        ``prefetch``'s buffer is final (may serve requests). :meth:`release` frees the active buffer next."""
         if prefetch is not None and not self.skip_sync:
             if self.emb.replica_sync is not None and not self.replica_own_keys_only:
                 # 2D-SP: every row the replica synchronisation changed, see replica_sync.refresh_prefetch
                 self.rows_synced += self.emb.replica_sync.refresh_prefetch(active, prefetch)
             else:
                 self.rows_synced += self.emb.sync_dual_buffer(active, prefetch)
-            self.syncs += 1
 
     def release(self, active: Routing) -> None:
-        """The second half: free the active buffer and its permit (the retrieval of batch t+2 may start)."""
+        """After :meth:`sync`: free the active buffer and its permit (the retrieval of batch t+2 may start)."""
         self.emb.release(active)
         self._free.release()

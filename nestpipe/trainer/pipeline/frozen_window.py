@@ -44,6 +44,9 @@ import torch
 from nestpipe.trainer.embedding.collection import Routing
 from nestpipe.trainer.step import StepState, dense_forward_backward
 
+# embedding All2Alls in flight ahead of the micro-batch being computed: micro-batch i+1's during dense(i)
+LOOKAHEAD = 1
+
 
 class CommWorker:
     """One thread that runs jobs (collectives on one process group, plus owner work) in submission order."""
@@ -86,8 +89,6 @@ class FrozenWindow:
         self.grad_worker = grad_worker
         self.update_fn = update_fn  # only for the per-micro-batch-update negative control
         self.update_per_micro_batch = update_per_micro_batch  # negative control: the window is not frozen
-        # embedding All2Alls in flight ahead of the micro-batch being computed (1: micro-batch i+1 during i)
-        self.lookahead = max(1, int(getattr(state.cfg.pipe, "embed_lookahead", 1)))
         self._primed: Dict[int, Dict[int, concurrent.futures.Future]] = {}  # step -> micro-batch -> future
 
     def prime(self, routing: Routing, count: Optional[int] = None) -> None:
@@ -95,7 +96,7 @@ class FrozenWindow:
         from the moment the batch's buffer is final (retrieved and dual-buffer synced) -- the window is frozen from
         there on; the scheduler calls it while the previous batch's dense all-reduce is still in flight."""
         n = len(routing.batch.micro)
-        k = self.lookahead + 1 if count is None else max(1, int(count))
+        k = LOOKAHEAD + 1 if count is None else max(1, int(count))
         k = 1 if self.update_per_micro_batch else min(n, k)
         t = time.perf_counter()
         self._primed[routing.batch.step] = {i: self.embed_worker.submit(self._embed_job, routing, i) for i in range(k)}
@@ -141,12 +142,12 @@ class FrozenWindow:
         grads: List[concurrent.futures.Future] = []
         total = torch.zeros((), dtype=torch.float64)
         for i in range(n):
-            self._start_embedding(pending, routing, i + self.lookahead)  # overlaps dense(i)
+            self._start_embedding(pending, routing, i + LOOKAHEAD)  # overlaps dense(i)
             recv = self._wait(pending.pop(i), step, i)
             loss_i, grad_i = self._dense(routing, i, recv, feats[i])
             total += loss_i
             # queued before gradient i: on one comm thread embedding i+2 goes first and overlaps dense(i+1)
-            self._start_embedding(pending, routing, i + 1 + self.lookahead)
+            self._start_embedding(pending, routing, i + 1 + LOOKAHEAD)
             grads.append(self.grad_worker.submit(self._grad_job, routing, i, grad_i))  # overlaps dense(i+1)
             if self.update_per_micro_batch and i + 1 < n:
                 self._update_inside_window(routing, i, loss_i, grads, pending)  # the negative control

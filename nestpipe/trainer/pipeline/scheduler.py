@@ -346,7 +346,7 @@ class DualBufferSchedule:
     def drain(self) -> None:
         self._release_synced()
         if self.active is not None:
-            self.dual.hand_over(self.active, None)
+            self.dual.release(self.active)
             self.active = None
 
     def _release_synced(self) -> None:

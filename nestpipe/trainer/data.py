@@ -17,7 +17,7 @@ generator keyed by (seed, step, rank) and shared by all micro-batches.
 from __future__ import annotations
 
 import os
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
@@ -63,7 +63,31 @@ def prepare_batch(record: Dict, manifest: Manifest, step: int, rank: int, seed: 
     ``micro_batching``: ``clustered`` keeps the shard's key-centric partition; ``random`` replaces it by
     :func:`random_partition` and recomputes each micro-batch's unique keys (clustering off); ``whole`` makes the
     batch one micro-batch (every sample, every unique key: the schedules without a frozen window have nothing to
-    overlap, so splitting the batch would only add passes)."""
+    overlap, so splitting the batch would only add passes). A malformed record raises :class:`ShardError` naming
+    ``where`` before anything is built from it."""
+    mb, n_shard = _checked_partition(record, manifest, where, micro_batching)
+    b = len(mb)
+    if micro_batching == "random":
+        mb, n = random_partition(b, n_shard, seed, step, rank), n_shard
+    elif micro_batching == "whole":
+        mb, n = np.zeros(b, dtype=np.int64), 1
+    else:
+        n = n_shard
+    keys, offsets = _checked_tables(record, manifest, where, micro_batching, n_shard)
+    per_sample = {k: np.asarray(v) for k, v in record.items() if k in ("dense", "labels", "user")}
+    per_value = {k: np.asarray(v) for k, v in record.items() if k in ("play", "duration", "time")}
+    micro = []
+    for i in range(n):
+        samples = np.nonzero(mb == i)[0].astype(np.int64)
+        if len(samples) == 0:
+            raise ShardError(f"{where}: micro-batch {i} is empty")
+        micro.append(_micro_batch(record, keys, offsets, i, samples, micro_batching, where, per_sample, per_value))
+    negatives = _negatives(record, manifest, keys, step, rank, seed, num_negatives)
+    return PreparedBatch(step=step, batch_size=b, keys=keys, micro=micro, negatives=negatives)
+
+
+def _checked_partition(record: Dict, manifest: Manifest, where: str, micro_batching: str) -> Tuple[np.ndarray, int]:
+    """The record's sample -> micro-batch assignment and its micro-batch count, checked against the manifest."""
     meta = record.get("meta", {})
     mb = np.asarray(record["mb"]).astype(np.int64)
     b = len(mb)
@@ -75,87 +99,94 @@ def prepare_batch(record: Dict, manifest: Manifest, step: int, rank: int, seed: 
                          f"the record has {n_shard} (0..{n_shard - 1})")
     if micro_batching not in MICRO_BATCHINGS:
         raise ValueError(f"micro_batching {micro_batching!r}: expected one of {', '.join(MICRO_BATCHINGS)}")
-    repartition = micro_batching == "random"
-    whole = micro_batching == "whole"
-    n = 1 if whole else n_shard
-    if repartition:
-        mb = random_partition(b, n, seed, step, rank)
-    elif whole:
-        mb = np.zeros(b, dtype=np.int64)
+    return mb, n_shard
+
+
+def _checked_tables(record: Dict, manifest: Manifest, where: str, micro_batching: str,
+                    n_shard: int) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray]]:
+    """Per table: the batch's unique keys (vocabulary ids) and the per-sample value offsets, the fields checked."""
     keys: Dict[str, np.ndarray] = {}
     offsets: Dict[str, np.ndarray] = {}
     for t in sorted(manifest.tables):
-        spec = manifest.tables[t]
         for f in ("lengths", "unique", "inverse", "mb_unique", "mb_offsets"):
             if f"{t}.{f}" not in record:
                 raise ShardError(f"{where}: record lacks field {t}.{f}")
-        keys[t] = to_vocab(record[f"{t}.unique"], spec.vocab)
+        keys[t] = to_vocab(record[f"{t}.unique"], manifest.tables[t].vocab)
         offsets[t] = table_offsets(record, t)
-        # the compiled pass below checks the indices it reads; the whole batch skips it and the random partition
-        # reads them first (np.unique)
+        # the compiled pass of the clustered partition checks the indices it reads; the whole batch skips it and the
+        # random partition reads them first (np.unique)
         inverse = np.asarray(record[f"{t}.inverse"])
-        if (whole or repartition) and len(inverse) and (inverse.min() < 0 or inverse.max() >= len(keys[t])):
+        if micro_batching != "clustered" and len(inverse) and (inverse.min() < 0 or inverse.max() >= len(keys[t])):
             raise ShardError(f"{where}: table {t}: {t}.inverse points outside the table's unique keys")
         if len(record[f"{t}.mb_offsets"]) != n_shard + 1:
             raise ShardError(f"{where}: {t}.mb_offsets has {len(record[f'{t}.mb_offsets'])} entries, "
                              f"expected {n_shard + 1}")
-    per_sample_fields = {k: np.asarray(v) for k, v in record.items()
-                         if k in ("dense", "labels", "user")}
-    per_value_fields = {k: np.asarray(v) for k, v in record.items() if k in ("play", "duration", "time")}
-    micro = []
-    for i in range(n):
-        samples = np.nonzero(mb == i)[0].astype(np.int64)
-        if len(samples) == 0:
-            raise ShardError(f"{where}: micro-batch {i} is empty")
-        lengths, vkey, vsample, mkeys, vpos, vindex = {}, {}, {}, {}, {}, {}
-        for t in keys:
-            inverse = np.asarray(record[f"{t}.inverse"])
-            if whole:
-                # every sample in order and every key: a value's key position is its inverse index and its position
-                # among the micro-batch's keys the same (the compiled pass's result, without its position map)
-                off = offsets[t]
-                if off[-1] != len(inverse):
-                    raise ShardError(f"{where}: table {t}: its lengths add up to {off[-1]} values, {t}.inverse "
-                                     f"holds {len(inverse)}")
-                inv = inverse.astype(np.int64)
-                lengths[t], vkey[t], mkeys[t], vpos[t] = np.diff(off), inv, np.arange(len(keys[t]), dtype=np.int64), inv
-                vsample[t] = np.repeat(np.arange(b, dtype=np.int64), lengths[t])
-                if per_value_fields:
-                    vindex[t] = np.arange(len(inv), dtype=np.int64)
-                continue
-            if repartition:
-                off = offsets[t]
-                mk = np.unique(inverse[kernels.concat_ranges(off[samples], off[samples + 1] - off[samples])])
-                mk = mk.astype(np.int64)
-            else:
-                mo = record[f"{t}.mb_offsets"]
-                mk = np.asarray(record[f"{t}.mb_unique"][mo[i]:mo[i + 1]], dtype=np.int64)
-            # per value: its key position, its sample, and its position in mk (a position map over the batch keys:
-            # O(U + nnz) and cache-resident, where a searchsorted would be O(nnz log U))
-            lens, inv, vs, pos, vindex[t], status = kernels.micro_batch_values(offsets[t], samples, inverse, mk,
-                                                                               len(keys[t]))
-            if status:
-                raise ShardError(f"{where}: table {t}: " + (
-                    f"micro-batch {i}'s mb_unique is not a sorted set of key positions" if status == 1 else
-                    f"{t}.inverse points outside the table's unique keys" if status == 2 else
-                    f"micro-batch {i}'s mb_unique does not cover its values"))
-            lengths[t], vkey[t], vsample[t], mkeys[t], vpos[t] = lens, inv, vs, mk, pos
-        fields = {k: v[samples] for k, v in per_sample_fields.items()}
-        if per_value_fields:
-            idx = vindex["item" if "item" in offsets else next(iter(offsets))]
-            for k, v in per_value_fields.items():
-                fields[k] = v[idx]
-        micro.append(MicroBatchData(i, samples, lengths, vkey, vsample, mkeys, vpos, fields))
-    negatives = None
+    return keys, offsets
+
+
+def _micro_batch(record: Dict, keys: Dict[str, np.ndarray], offsets: Dict[str, np.ndarray], i: int,
+                 samples: np.ndarray, micro_batching: str, where: str, per_sample: Dict[str, np.ndarray],
+                 per_value: Dict[str, np.ndarray]) -> MicroBatchData:
+    """Micro-batch ``i`` of ``samples``: per table its lengths, per value its key position, sample and position
+    among the micro-batch's keys, and the per-sample and per-value fields of its samples."""
+    lengths, vkey, vsample, mkeys, vpos, vindex = {}, {}, {}, {}, {}, {}
+    for t in keys:
+        inverse = np.asarray(record[f"{t}.inverse"])
+        if micro_batching == "whole":
+            lengths[t], vkey[t], vsample[t], mkeys[t], vpos[t], vindex[t] = _whole_values(
+                offsets[t], inverse, len(keys[t]), len(samples), t, where)
+            continue
+        if micro_batching == "random":
+            off = offsets[t]
+            mk = np.unique(inverse[kernels.concat_ranges(off[samples], off[samples + 1] - off[samples])])
+            mk = mk.astype(np.int64)
+        else:
+            mo = record[f"{t}.mb_offsets"]
+            mk = np.asarray(record[f"{t}.mb_unique"][mo[i]:mo[i + 1]], dtype=np.int64)
+        # per value: its key position, its sample, and its position in mk (a position map over the batch keys:
+        # O(U + nnz) and cache-resident, where a searchsorted would be O(nnz log U))
+        lens, inv, vs, pos, vindex[t], status = kernels.micro_batch_values(offsets[t], samples, inverse, mk,
+                                                                           len(keys[t]))
+        if status:
+            raise ShardError(f"{where}: table {t}: " + (
+                f"micro-batch {i}'s mb_unique is not a sorted set of key positions" if status == 1 else
+                f"{t}.inverse points outside the table's unique keys" if status == 2 else
+                f"micro-batch {i}'s mb_unique does not cover its values"))
+        lengths[t], vkey[t], vsample[t], mkeys[t], vpos[t] = lens, inv, vs, mk, pos
+    fields = {k: v[samples] for k, v in per_sample.items()}
+    if per_value:
+        idx = vindex["item" if "item" in offsets else next(iter(offsets))]
+        for k, v in per_value.items():
+            fields[k] = v[idx]
+    return MicroBatchData(i, samples, lengths, vkey, vsample, mkeys, vpos, fields)
+
+
+def _whole_values(off: np.ndarray, inverse: np.ndarray, num_keys: int, b: int, t: str, where: str):
+    """The whole batch as one micro-batch, for one table: every sample in order and every key, so a value's key
+    position is its inverse index and its position among the micro-batch's keys the same (what the compiled pass
+    gives, without its position map). Returns (lengths, key positions, samples, keys, positions, value indices)."""
+    if off[-1] != len(inverse):
+        raise ShardError(f"{where}: table {t}: its lengths add up to {off[-1]} values, {t}.inverse "
+                         f"holds {len(inverse)}")
+    inv = inverse.astype(np.int64)
+    lengths = np.diff(off)
+    samples = np.repeat(np.arange(b, dtype=np.int64), lengths)
+    return lengths, inv, samples, np.arange(num_keys, dtype=np.int64), inv, np.arange(len(inv), dtype=np.int64)
+
+
+def _negatives(record: Dict, manifest: Manifest, keys: Dict[str, np.ndarray], step: int, rank: int, seed: int,
+               num_negatives: Tuple[int, int]) -> Optional[np.ndarray]:
+    """The batch's shared negatives: uniform draws from the catalog, then draws from the batch's item values (in
+    proportion to their frequency), keyed by (seed, step, rank); None without any."""
     n_rand, n_pop = num_negatives
-    if n_rand + n_pop > 0:
-        vocab = manifest.tables["item"].vocab
-        g = keyed_generator(seed, step, -1, rank)
-        rand = torch.randint(0, vocab, (n_rand,), generator=g).numpy()
-        item_values = keys["item"][np.asarray(record["item.inverse"], dtype=np.int64)]
-        pop = item_values[torch.randint(0, len(item_values), (n_pop,), generator=g).numpy()] if n_pop else rand[:0]
-        negatives = np.concatenate([rand, pop]).astype(np.int64)
-    return PreparedBatch(step=step, batch_size=b, keys=keys, micro=micro, negatives=negatives)
+    if n_rand + n_pop == 0:
+        return None
+    vocab = manifest.tables["item"].vocab
+    g = keyed_generator(seed, step, -1, rank)
+    rand = torch.randint(0, vocab, (n_rand,), generator=g).numpy()
+    item_values = keys["item"][np.asarray(record["item.inverse"], dtype=np.int64)]
+    pop = item_values[torch.randint(0, len(item_values), (n_pop,), generator=g).numpy()] if n_pop else rand[:0]
+    return np.concatenate([rand, pop]).astype(np.int64)
 
 
 def _identity(src):

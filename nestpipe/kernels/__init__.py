@@ -168,58 +168,77 @@ def adagrad_update(
     if momentum_scale <= 0:
         raise ValueError(f"momentum_scale must be positive, got {momentum_scale}")
     path = note("adagrad_update", select_path("adagrad_update", weights.device))
+    update = (lr, eps, momentum_scale)
+    # each gradient layout is either applied by a fused pass of its own or reduced to the next one:
+    # per-pair sources -> per-entry gradients -> per-row gradients -> the row update
     if grad_pairs is not None:
-        if grad_segments is None:
-            raise ValueError("grad_pairs needs grad_segments (the entries of every row)")
-        entry_offsets, pair_src = (x.to(torch.int64).cpu() for x in grad_pairs)
-        D = weights.shape[1]
-        m = entry_offsets.numel() - 1
-        if (grads.dim() != 1 or m < 0 or int(entry_offsets[0]) != 0 or int(entry_offsets[-1]) != pair_src.numel()
-                or bool((entry_offsets.diff() < 0).any())
-                or (pair_src.numel() and (int(pair_src.min()) < 0 or int(pair_src.max()) + D > grads.numel()))):
-            raise ValueError("grad_pairs must be (entry_offsets, pair_src) over a flat gradient source: "
-                             "entry_offsets [m + 1] ascending from 0 to len(pair_src), pair_src + D within the source")
-        order, offsets = (x.to(torch.int64).cpu() for x in grad_segments)
-        if (offsets.numel() != rows.numel() + 1 or order.numel() != int(offsets[-1]) or int(offsets[0]) != 0
-                or bool((offsets.diff() < 0).any()) or (order.numel() and (int(order.min()) < 0 or int(order.max()) >= m))):
-            raise ValueError("grad_segments must be (order, offsets): offsets [n + 1] ascending from 0 to len(order), "
-                             "order in [0, number of entries)")
-        if path == "numba" and grads.dtype == torch.float32 and grads.device.type == "cpu":
-            backend(path).adagrad_update_pairs(weights, state, rows, grads.contiguous(), order, offsets,
-                                               entry_offsets, pair_src, lr, eps, momentum_scale)
+        grads = _pairs_to_entries(path, weights, state, rows, grads, grad_segments, grad_pairs, update)
+        if grads is None:
             return
-        if path in ("triton", "npu"):  # ordered per entry on the device (no atomic accumulation)
-            windows = grads.contiguous().as_strided((grads.numel() - D + 1, D), (1, 1))
-            grads = backend(path).segment_sum_rows(windows, pair_src.to(grads.device), entry_offsets.to(grads.device))
-        else:
-            grads = entry_grads_from_pairs(grads.cpu(), entry_offsets, pair_src, D)
     if grad_segments is not None:
-        order, offsets = (x.to(torch.int64).cpu() for x in grad_segments)
-        m = grads.shape[0] if grads.dim() == 2 else -1
-        if (grads.dim() != 2 or grads.shape[1] != weights.shape[1] or offsets.numel() != rows.numel() + 1
-                or order.numel() != int(offsets[-1]) or int(offsets[0]) != 0 or bool((offsets.diff() < 0).any())
-                or (order.numel() and (int(order.min()) < 0 or int(order.max()) >= m))):
-            raise ValueError("grad_segments must be (order, offsets) over the rows of a [m, D] gradient: "
-                             "offsets [n + 1] ascending from 0 to len(order), order in [0, m)")
-        if path == "numba":
-            backend(path).adagrad_update(weights, state, rows.to(weights.device), grads.to(weights.device), lr, eps,
-                                         momentum_scale, order=order, offsets=offsets)
+        grads = _entries_to_rows(path, weights, state, rows, grads, grad_segments, update)
+        if grads is None:
             return
-        if path in ("triton", "npu"):  # ordered per row on the device, as the CPU paths add
-            grads = backend(path).segment_sum_rows(grads, order.to(grads.device), offsets.to(grads.device))
-        else:
-            segment = torch.repeat_interleave(torch.arange(rows.numel()), offsets.diff())
-            row_grads = torch.zeros(rows.numel(), grads.shape[1], dtype=grads.dtype)
-            row_grads.index_add_(0, segment, grads.cpu().index_select(0, order))  # on the host: ordered
-            grads = row_grads
     if grads.dim() != 2 or grads.shape != (rows.numel(), weights.shape[1]):
         raise ValueError(f"grads must be [{rows.numel()}, {weights.shape[1]}], got {tuple(grads.shape)}")
     grads = grads.to(weights.device)
     rows = rows.to(weights.device)
     if path == "reference":
-        reference.adagrad_update(weights, state, rows, grads.float(), lr, eps, momentum_scale)
+        reference.adagrad_update(weights, state, rows, grads.float(), *update)
     else:
-        backend(path).adagrad_update(weights, state, rows, grads, lr, eps, momentum_scale)
+        backend(path).adagrad_update(weights, state, rows, grads, *update)
+
+
+def _pairs_to_entries(path: str, weights: torch.Tensor, state: torch.Tensor, rows: torch.Tensor,
+                      grads: torch.Tensor, grad_segments, grad_pairs, update) -> Optional[torch.Tensor]:
+    """``adagrad_update``'s per-pair layout: applied in one fused pass (Numba, float32 on the host; returns None),
+    else the per-entry gradients ``[m, D]`` summed in pair order (on the device for Triton and NPU)."""
+    if grad_segments is None:
+        raise ValueError("grad_pairs needs grad_segments (the entries of every row)")
+    entry_offsets, pair_src = (x.to(torch.int64).cpu() for x in grad_pairs)
+    D = weights.shape[1]
+    m = entry_offsets.numel() - 1
+    if (grads.dim() != 1 or m < 0 or int(entry_offsets[0]) != 0 or int(entry_offsets[-1]) != pair_src.numel()
+            or bool((entry_offsets.diff() < 0).any())
+            or (pair_src.numel() and (int(pair_src.min()) < 0 or int(pair_src.max()) + D > grads.numel()))):
+        raise ValueError("grad_pairs must be (entry_offsets, pair_src) over a flat gradient source: "
+                         "entry_offsets [m + 1] ascending from 0 to len(pair_src), pair_src + D within the source")
+    order, offsets = (x.to(torch.int64).cpu() for x in grad_segments)
+    if (offsets.numel() != rows.numel() + 1 or order.numel() != int(offsets[-1]) or int(offsets[0]) != 0
+            or bool((offsets.diff() < 0).any()) or (order.numel() and (int(order.min()) < 0 or int(order.max()) >= m))):
+        raise ValueError("grad_segments must be (order, offsets): offsets [n + 1] ascending from 0 to len(order), "
+                         "order in [0, number of entries)")
+    if path == "numba" and grads.dtype == torch.float32 and grads.device.type == "cpu":
+        backend(path).adagrad_update_pairs(weights, state, rows, grads.contiguous(), order, offsets,
+                                           entry_offsets, pair_src, *update)
+        return None
+    if path in ("triton", "npu"):  # ordered per entry on the device (no atomic accumulation)
+        windows = grads.contiguous().as_strided((grads.numel() - D + 1, D), (1, 1))
+        return backend(path).segment_sum_rows(windows, pair_src.to(grads.device), entry_offsets.to(grads.device))
+    return entry_grads_from_pairs(grads.cpu(), entry_offsets, pair_src, D)
+
+
+def _entries_to_rows(path: str, weights: torch.Tensor, state: torch.Tensor, rows: torch.Tensor,
+                     grads: torch.Tensor, grad_segments, update) -> Optional[torch.Tensor]:
+    """``adagrad_update``'s per-entry layout: applied with the sums inside the update loop (Numba; returns None),
+    else the per-row gradients summed in segment order (on the device for Triton and NPU, else on the host)."""
+    order, offsets = (x.to(torch.int64).cpu() for x in grad_segments)
+    m = grads.shape[0] if grads.dim() == 2 else -1
+    if (grads.dim() != 2 or grads.shape[1] != weights.shape[1] or offsets.numel() != rows.numel() + 1
+            or order.numel() != int(offsets[-1]) or int(offsets[0]) != 0 or bool((offsets.diff() < 0).any())
+            or (order.numel() and (int(order.min()) < 0 or int(order.max()) >= m))):
+        raise ValueError("grad_segments must be (order, offsets) over the rows of a [m, D] gradient: "
+                         "offsets [n + 1] ascending from 0 to len(order), order in [0, m)")
+    if path == "numba":
+        backend(path).adagrad_update(weights, state, rows.to(weights.device), grads.to(weights.device), *update,
+                                     order=order, offsets=offsets)
+        return None
+    if path in ("triton", "npu"):  # ordered per row on the device, as the CPU paths add
+        return backend(path).segment_sum_rows(grads, order.to(grads.device), offsets.to(grads.device))
+    segment = torch.repeat_interleave(torch.arange(rows.numel()), offsets.diff())
+    row_grads = torch.zeros(rows.numel(), grads.shape[1], dtype=grads.dtype)
+    row_grads.index_add_(0, segment, grads.cpu().index_select(0, order))  # on the host: ordered
+    return row_grads
 
 
 def adagrad_bags(

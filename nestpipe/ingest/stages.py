@@ -484,6 +484,62 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, input_records
                    fingerprint, work: WorkDir, shard_dir: Optional[str], t_start: float,
                    remote: Optional[str] = None, conversion: Optional[Dict[str, Any]] = None) -> shards.Manifest:
     # 1. parse
+    s1, rows, rejected, rejects_file = _stage_parse(cfg, ex, found, inputs, num_parts, work, remote, conversion)
+    maxima: Dict[str, int] = {}
+    for s in s1:
+        for k, v in s["max"].items():
+            maxima[k] = max(maxima.get(k, -1), v)
+    # 2. join (CTR: logs x video tables per video partition; GR: only the author, into a dense table by video id)
+    task = TASKS[cfg.task]
+    s2 = task.join(ex, cfg, work, maxima, num_parts)
+    # 3. samples
+    opts = {"max_seq_len": cfg.max_seq_len, "history_len": cfg.history_len, "ctr_eval_days": cfg.ctr_eval_days,
+            "validation": cfg.validation, "ctr_valid_days": cfg.ctr_valid_days,
+            "max_date": maxima.get("date", 0), "maxima": maxima, "pair_buckets": num_parts}
+    s3 = ex.run(_unit_samples, [(work, cfg.task, q, opts) for q in range(num_parts)], cfg, "3/4 samples",
+                rows_of=lambda s: s.get("tokens", s.get("rows", 0)))
+    derived = task.derive(ex, cfg, work, num_parts)  # features over every partition (CTR: pair counts)
+    # 4. shards
+    tables = task.tables(cfg, maxima)
+    B, N, why = cfg.fit_batches(int(sum(s["train_samples"] for s in s3)))
+    cfg = dataclasses.replace(cfg, batch_size=B, micro_batches=N)
+    if why:
+        print(f"nestpipe ingest: {cfg.raw}: {why}", file=sys.stderr)
+    sets, dropped, s4 = _stage_shards(cfg, ex, s3, tables, work, shard_dir, remote)
+    stats = {
+        "fingerprint": fingerprint,
+        "input_rows": rows,
+        "partitions": num_parts,
+        "missing_video_features": sum(s.get("missing_video_features", 0) for s in s2 + s3),
+        "duplicate_video_rows": sum(s["duplicate_video_rows"] for s in s2),
+        "samples": {split: int(sum(s[f"{split}_samples"] for s in s3)) for split in cfg.splits()},
+        **derived,
+        "resumed_shards": sum(1 for r in s4 if r.get("resumed")),
+        "seconds": round(time.time() - t_start, 3),
+        "stage_seconds": dict(ex.stage_seconds),
+    }
+    if conversion is not None:
+        stats["source"] = {k: v for k, v in conversion.items() if k not in ("dir", "version")}
+    if why:
+        stats["sized_to_data"] = why
+    for key in ("users", "tokens", "users_too_short"):
+        if all(key in s for s in s3):
+            stats[key] = int(sum(s[key] for s in s3))
+    manifest = shards.Manifest(
+        task=cfg.task, batch_size=B, micro_batches=cfg.micro_batches, tables=tables, sets=sets,
+        **task.manifest_fields(cfg),
+        rejected_rows=rejected, rejects_file=rejects_file, dropped_samples=dropped,
+        inputs=input_records,
+        options=semantic, stats=stats,
+    )
+    _commit(cfg, manifest, rejects_file, remote)
+    return manifest
+
+
+def _stage_parse(cfg: IngestConfig, ex: Executor, found, inputs, num_parts: int, work: WorkDir,
+                 remote: Optional[str], conversion: Optional[Dict[str, Any]]):
+    """Stage 1: every input chunk parsed into the partitions' spills, the rejected rows written to the rejects file;
+    too many rejects stop the ingest (naming the file). Returns (per-unit results, rows, rejected, rejects file)."""
     parse_units = []
     chunk_bytes = max(1, int(cfg.chunk_mb * (1 << 20)))
     for kind, fidx, path in inputs:
@@ -509,28 +565,15 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, input_records
             f"--max-reject-fraction {cfg.max_reject_fraction:g}; see {where} "
             "(file, line, reason, raw text of each)"
         )
-    maxima: Dict[str, int] = {}
-    for s in s1:
-        for k, v in s["max"].items():
-            maxima[k] = max(maxima.get(k, -1), v)
+    return s1, rows, rejected, rejects_file
 
-    # 2. join (CTR: logs x video tables per video partition; GR: only the author, into a dense table by video id)
-    task = TASKS[cfg.task]
-    s2 = task.join(ex, cfg, work, maxima, num_parts)
-    # 3. samples
-    opts = {"max_seq_len": cfg.max_seq_len, "history_len": cfg.history_len, "ctr_eval_days": cfg.ctr_eval_days,
-            "validation": cfg.validation, "ctr_valid_days": cfg.ctr_valid_days,
-            "max_date": maxima.get("date", 0), "maxima": maxima, "pair_buckets": num_parts}
-    s3 = ex.run(_unit_samples, [(work, cfg.task, q, opts) for q in range(num_parts)], cfg, "3/4 samples",
-                rows_of=lambda s: s.get("tokens", s.get("rows", 0)))
-    derived = task.derive(ex, cfg, work, num_parts)  # features over every partition (CTR: pair counts)
 
-    # 4. shards
-    tables = task.tables(cfg, maxima)
-    B, N, why = cfg.fit_batches(int(sum(s["train_samples"] for s in s3)))
-    cfg = dataclasses.replace(cfg, batch_size=B, micro_batches=N)
-    if why:
-        print(f"nestpipe ingest: {cfg.raw}: {why}", file=sys.stderr)
+def _stage_shards(cfg: IngestConfig, ex: Executor, s3, tables: Dict[str, shards.TableSpec], work: WorkDir,
+                  shard_dir: Optional[str], remote: Optional[str]):
+    """Stage 4: per split, the samples in batch order (cost-balanced for gr training) cut into shards of
+    ``batches_per_shard`` batches; a scored split's remainder is one smaller last batch. Returns (the manifest's
+    sets, the samples dropped per split, per-unit results); no training batch at all stops the ingest."""
+    B = cfg.batch_size
     sets: Dict[str, List[shards.ShardEntry]] = {}
     dropped: Dict[str, int] = {}
     shard_units = []
@@ -572,33 +615,12 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, input_records
         raise IngestError(
             f"no complete training batch of {B} samples could be formed from the {n} training samples; {hint}"
         )
+    return sets, dropped, s4
 
-    stats = {
-        "fingerprint": fingerprint,
-        "input_rows": rows,
-        "partitions": num_parts,
-        "missing_video_features": sum(s.get("missing_video_features", 0) for s in s2 + s3),
-        "duplicate_video_rows": sum(s["duplicate_video_rows"] for s in s2),
-        "samples": {split: int(sum(s[f"{split}_samples"] for s in s3)) for split in cfg.splits()},
-        **derived,
-        "resumed_shards": sum(1 for r in s4 if r.get("resumed")),
-        "seconds": round(time.time() - t_start, 3),
-        "stage_seconds": dict(ex.stage_seconds),
-    }
-    if conversion is not None:
-        stats["source"] = {k: v for k, v in conversion.items() if k not in ("dir", "version")}
-    if why:
-        stats["sized_to_data"] = why
-    for key in ("users", "tokens", "users_too_short"):
-        if all(key in s for s in s3):
-            stats[key] = int(sum(s[key] for s in s3))
-    manifest = shards.Manifest(
-        task=cfg.task, batch_size=B, micro_batches=cfg.micro_batches, tables=tables, sets=sets,
-        **task.manifest_fields(cfg),
-        rejected_rows=rejected, rejects_file=rejects_file, dropped_samples=dropped,
-        inputs=input_records,
-        options=semantic, stats=stats,
-    )
+
+def _commit(cfg: IngestConfig, manifest: shards.Manifest, rejects_file: str, remote: Optional[str]) -> None:
+    """The manifest written last (with a synthetic input's truth file beside it): the commit point of the output;
+    with a URL output the local files are uploaded, the manifest last."""
     truth = storage.join(cfg.raw, TRUTH_FILE)
     if storage.isfile(truth):  # synthetic inputs: the generator's own click probabilities (the eval's Bayes ceiling)
         write_json_atomic(os.path.join(cfg.out, TRUTH_FILE), json.loads(storage.read_bytes(truth)))
@@ -608,7 +630,6 @@ def _ingest_stages(cfg: IngestConfig, ex: Executor, found, inputs, input_records
         for name in (rejects_file, TRUTH_FILE, shards.MANIFEST_NAME):
             if os.path.exists(os.path.join(cfg.out, name)):
                 storage.put_file(os.path.join(cfg.out, name), storage.join(remote, name))
-    return manifest
 
 
 def _shard_opts(cfg: IngestConfig, tables: Dict[str, shards.TableSpec], upload_to: Optional[str]) -> Dict[str, Any]:

@@ -463,8 +463,6 @@ class FactorizationMachineBaseline:
     def _train(self, x, y: np.ndarray, epochs: int, tail=None):
         """``epochs`` of lazy Adam on ``(x, y)`` from the seed's start. With ``tail``: stop early (``patience``),
         return the parameters of the epoch of least tail logloss and every epoch's tail logloss."""
-        from scipy.sparse import csr_matrix
-
         cfg = self.cfg
         dim, rows = cfg.dim, x.shape[1]
         rng = np.random.default_rng(cfg.seed)
@@ -474,7 +472,6 @@ class FactorizationMachineBaseline:
         state = np.zeros((rows + 1, 2, dim + 1), np.float32)
         last = np.zeros(rows, np.int64)
         mask, pos = np.zeros(rows, bool), np.zeros(rows, np.int64)
-        b1, b2, eps = 0.9, 0.999, 1e-8
         keep = np.float32(1.0 - cfg.lr * cfg.weight_decay)
         step, history, best = 0, [], None
 
@@ -489,30 +486,9 @@ class FactorizationMachineBaseline:
             order = rng.permutation(n)
             xs, ys = x[order], y[order]
             for s in range(0, n, cfg.batch_size):
-                xb, yb = xs[s:s + cfg.batch_size], ys[s:s + cfg.batch_size]
-                b = xb.shape[0]
-                mask[xb.indices] = True
-                u = np.flatnonzero(mask)
-                mask[u] = False
-                pos[u] = np.arange(len(u))
                 step += 1
-                # the decay a touched row is owed since it was last touched, then this step's
-                th = theta.take(u, axis=0) * (keep ** (step - 1 - last[u]).astype(np.float32))[:, None]
-                xl = csr_matrix((xb.data, pos[xb.indices], xb.indptr), shape=(b, len(u)))
-                x2 = csr_matrix((np.square(xb.data), xl.indices, xl.indptr), shape=(b, len(u)))
-                grad, gb = fm_gradient(th, theta[rows, dim], xl, x2, yb)
-                st = state.take(u, axis=0)
-                st[:, 0] = b1 * st[:, 0] + (1 - b1) * grad
-                st[:, 1] = b2 * st[:, 1] + (1 - b2) * np.square(grad)
-                c1, c2 = 1 - b1 ** step, 1 - b2 ** step
-                th = th * keep - (cfg.lr / c1) * st[:, 0] / (np.sqrt(st[:, 1] / c2) + eps)
-                _put_rows(theta, u, th)
-                _put_rows(state, u, st)
-                last[u] = step
-                # the bias: plain Adam, no decay
-                state[rows, 0, dim] = b1 * state[rows, 0, dim] + (1 - b1) * gb
-                state[rows, 1, dim] = b2 * state[rows, 1, dim] + (1 - b2) * gb * gb
-                theta[rows, dim] -= (cfg.lr / c1) * state[rows, 0, dim] / (np.sqrt(state[rows, 1, dim] / c2) + eps)
+                _lazy_adam_step(theta, state, last, mask, pos, xs[s:s + cfg.batch_size], ys[s:s + cfg.batch_size],
+                                step, cfg.lr, keep)
             if tail is None:
                 continue
             catch_up()
@@ -552,6 +528,39 @@ def fm_gradient(th: np.ndarray, bias, x, x2, y: np.ndarray):
     grad = x.T @ sw
     grad[:, :dim] -= (x2.T @ g)[:, None] * th[:, :dim]
     return grad, g.sum()
+
+
+def _lazy_adam_step(theta: np.ndarray, state: np.ndarray, last: np.ndarray, mask: np.ndarray, pos: np.ndarray,
+                    xb, yb: np.ndarray, step: int, lr: float, keep: np.float32) -> None:
+    """One minibatch of the factorization machine's lazy Adam, in place: only the rows of the inputs the batch holds
+    move (first the weight decay ``keep`` they are owed since ``last``), then the global bias (row ``rows``, plain
+    Adam, no decay). ``theta`` / ``state`` rows are ``[v | w]`` and their two moments; ``mask`` and ``pos`` are
+    all-False / scratch arrays of one entry per input row."""
+    from scipy.sparse import csr_matrix
+
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    rows, dim = theta.shape[0] - 1, theta.shape[1] - 1
+    b = xb.shape[0]
+    mask[xb.indices] = True
+    u = np.flatnonzero(mask)
+    mask[u] = False
+    pos[u] = np.arange(len(u))
+    # the decay a touched row is owed since it was last touched, then this step's
+    th = theta.take(u, axis=0) * (keep ** (step - 1 - last[u]).astype(np.float32))[:, None]
+    xl = csr_matrix((xb.data, pos[xb.indices], xb.indptr), shape=(b, len(u)))
+    x2 = csr_matrix((np.square(xb.data), xl.indices, xl.indptr), shape=(b, len(u)))
+    grad, gb = fm_gradient(th, theta[rows, dim], xl, x2, yb)
+    st = state.take(u, axis=0)
+    st[:, 0] = b1 * st[:, 0] + (1 - b1) * grad
+    st[:, 1] = b2 * st[:, 1] + (1 - b2) * np.square(grad)
+    c1, c2 = 1 - b1 ** step, 1 - b2 ** step
+    th = th * keep - (lr / c1) * st[:, 0] / (np.sqrt(st[:, 1] / c2) + eps)
+    _put_rows(theta, u, th)
+    _put_rows(state, u, st)
+    last[u] = step
+    state[rows, 0, dim] = b1 * state[rows, 0, dim] + (1 - b1) * gb
+    state[rows, 1, dim] = b2 * state[rows, 1, dim] + (1 - b2) * gb * gb
+    theta[rows, dim] -= (lr / c1) * state[rows, 0, dim] / (np.sqrt(state[rows, 1, dim] / c2) + eps)
 
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:

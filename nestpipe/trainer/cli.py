@@ -137,6 +137,23 @@ def _train(args) -> int:
         return _resume(args)
     if args.nproc_per_node is None:
         args.nproc_per_node = 1
+    cfg = _config_from_args(args)
+    _check_before_launch(cfg, args)
+    cfg.shards = os.path.abspath(cfg.shards)
+    cfg.out = os.path.abspath(cfg.out)
+    os.makedirs(cfg.out, exist_ok=True)
+    if os.path.exists(os.path.join(cfg.out, "checkpoints")) and os.listdir(os.path.join(cfg.out, "checkpoints")):
+        raise FileExistsError(f"{cfg.out}: holds checkpoints already; use --resume {cfg.out} or a new --out")
+    save_config(cfg, os.path.join(cfg.out, "config.json"))
+    keep_manifest(cfg.out, cfg.shards)  # the run stands on its own (export needs no shards; eval takes --shards)
+    rc = launch_training(cfg.out, args.nproc_per_node, False, args.torchrun_args)
+    _print_metrics(cfg.out)
+    return rc
+
+
+def _config_from_args(args) -> TrainConfig:
+    """The run's config: the defaults (with the chosen model's own for shared keys), then --config, the flags and
+    --set, in that order of precedence."""
     from_file = load_config_file(args.config) if args.config else {}
     sets = _parse_set(args.set)
     model = sets.get("model") or args.model or from_file.get("model")
@@ -145,7 +162,6 @@ def _train(args) -> int:
         from nestpipe.trainer.models import DEFAULT_MODEL  # start-up time: imports torch
 
         model = DEFAULT_MODEL[load_manifest(args.shards).task]
-    # the defaults, with the chosen model's own for shared keys; then the file, the flags and --set
     d = default_config(model) if isinstance(model, str) and model in MODELS else TrainConfig().to_dict()
     d = merge(d, from_file)
     flags = {"shards": args.shards, "out": args.out, "model": args.model, "pipeline": args.pipeline,
@@ -165,6 +181,12 @@ def _train(args) -> int:
     for k in ("shards", "out"):
         if not getattr(cfg, k):
             raise ValueError(f"--{k} is required (or set it in --config)")
+    return cfg
+
+
+def _check_before_launch(cfg: TrainConfig, args) -> None:
+    """What the parent can refuse before any rank starts: the sparse groups, the model against the shards' task and
+    tables, early stopping without a valid split, too few batches for the world (one node), corrupt shards."""
     if not _multi_node(args):
         from nestpipe.trainer.distributed import sparse_groups  # one node: the world size is known now, fail before launching
 
@@ -189,16 +211,6 @@ def _train(args) -> int:
             raise ValueError(problem)
     if cfg.verify_shards:
         _verify_shards(cfg.shards, man)
-    cfg.shards = os.path.abspath(cfg.shards)
-    cfg.out = os.path.abspath(cfg.out)
-    os.makedirs(cfg.out, exist_ok=True)
-    if os.path.exists(os.path.join(cfg.out, "checkpoints")) and os.listdir(os.path.join(cfg.out, "checkpoints")):
-        raise FileExistsError(f"{cfg.out}: holds checkpoints already; use --resume {cfg.out} or a new --out")
-    save_config(cfg, os.path.join(cfg.out, "config.json"))
-    keep_manifest(cfg.out, cfg.shards)  # the run stands on its own (export needs no shards; eval takes --shards)
-    rc = launch_training(cfg.out, args.nproc_per_node, False, args.torchrun_args)
-    _print_metrics(cfg.out)
-    return rc
 
 
 def _multi_node(args) -> bool:

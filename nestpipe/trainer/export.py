@@ -211,7 +211,30 @@ def export_safetensors(run: str, out_file: str, block_rows: int = 1_000_000) -> 
     if sys.byteorder != "little":
         raise RuntimeError("safetensors stores little-endian bytes; this host is big-endian")
     cfg, ckpt, meta, rank_files = _open_checkpoint(run)
-    # (name, dtype, shape, chunks): chunks() yields the tensor's rows in order
+    entries = _safetensors_entries(run, cfg, ckpt, meta, rank_files, block_rows)
+    header, offset = {}, 0
+    for key, dtype, shape, _ in entries:
+        if dtype not in _ST_DTYPES:
+            raise TypeError(f"{key}: dtype {dtype} has no safetensors name")
+        n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    header["__metadata__"] = {"format": "pt", "producer": "nestpipe export", "model": cfg.model,
+                              "step": str(meta["step"])}
+    _write_safetensors(out_file, header, entries)
+    manifest, _ = run_manifest(run, cfg)
+    config_file = out_file[: -len(SAFETENSORS_SUFFIX)] + ".config.json"
+    write_json_atomic(config_file, {
+        "model": cfg.model, "step": int(meta["step"]), "config": cfg.to_dict(),
+        "tables": {t: {"vocab": spec.vocab, "dim": spec.dim, "kind": spec.kind} for t, spec in manifest.tables.items()},
+        "tensors": len(entries)})
+    return {"file": out_file, "config": config_file, "tensors": len(entries), "streamed_files": [],
+            "step": int(meta["step"])}
+
+
+def _safetensors_entries(run: str, cfg, ckpt, meta, rank_files, block_rows: int) -> list:
+    """(name, dtype, shape, chunks) of every exported tensor, in file order; ``chunks()`` yields the tensor's rows in
+    order (a sharded table's weight block by block, then its AdaGrad state blocks kept meanwhile)."""
     entries = []
     for name, parts in _tables(meta["placement"]).items():
         parts = [(st, dict(pm, init_scale=cfg.embedding.init_scale)) for st, pm in parts]
@@ -233,15 +256,11 @@ def export_safetensors(run: str, out_file: str, block_rows: int = 1_000_000) -> 
                         adagrad))
     for key, t in sorted(_replicated_and_dense(run, cfg, meta, rank_files[0]).items()):
         entries.append((key, t.dtype, list(t.shape), lambda t=t: iter([t])))
-    header, offset = {}, 0
-    for key, dtype, shape, _ in entries:
-        if dtype not in _ST_DTYPES:
-            raise TypeError(f"{key}: dtype {dtype} has no safetensors name")
-        n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + n]}
-        offset += n
-    header["__metadata__"] = {"format": "pt", "producer": "nestpipe export", "model": cfg.model,
-                              "step": str(meta["step"])}
+    return entries
+
+
+def _write_safetensors(out_file: str, header: Dict, entries: list) -> None:
+    """The header and every entry's bytes in order, to a temporary file renamed over ``out_file`` (atomic)."""
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
     tmp = out_file + ".tmp"
@@ -265,11 +284,3 @@ def export_safetensors(run: str, out_file: str, block_rows: int = 1_000_000) -> 
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    manifest, _ = run_manifest(run, cfg)
-    config_file = out_file[: -len(SAFETENSORS_SUFFIX)] + ".config.json"
-    write_json_atomic(config_file, {
-        "model": cfg.model, "step": int(meta["step"]), "config": cfg.to_dict(),
-        "tables": {t: {"vocab": spec.vocab, "dim": spec.dim, "kind": spec.kind} for t, spec in manifest.tables.items()},
-        "tensors": len(entries)})
-    return {"file": out_file, "config": config_file, "tensors": len(entries), "streamed_files": [],
-            "step": int(meta["step"])}

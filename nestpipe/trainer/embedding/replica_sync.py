@@ -94,7 +94,6 @@ class ReplicaSync:
         val_off = [0] * G
         for si, st in enumerate(names):
             D = dims[si]
-            o = routing.own[st]
             per_k: List[Tuple[np.ndarray, torch.Tensor]] = []
             for k in range(G):
                 c = int(all_counts[k, si])
@@ -105,39 +104,47 @@ class ReplicaSync:
                 if len(r) > 1 and not bool(np.all(r[1:] > r[:-1])):
                     raise RuntimeError(f"table {st}: replica {k} of shard {emb.rank} sent unsorted or duplicate rows")
                 per_k.append((r, v))
-            union = np.unique(np.concatenate([r for r, _ in per_k])) if per_k else np.zeros(0, np.int64)
-            mine = o.rows.numpy()
-            pos_mine = np.searchsorted(union, mine)
-            # values before batch t of every row in U: this group's own rows from the pre-update buffer, the others
-            # from the store (not written since the previous synchronisation)
-            base = torch.empty(len(union), D + 1, dtype=emb.dtype)
-            bw, bs = before[st]
-            base[torch.from_numpy(pos_mine), :D] = bw.cpu()
-            base[torch.from_numpy(pos_mine), D] = bs.cpu()
-            other = np.setdiff1d(np.arange(len(union)), pos_mine, assume_unique=True)
-            if len(other):
-                w, s = emb.stores[st].gather(torch.from_numpy(union[other]))
-                base[torch.from_numpy(other), :D] = w
-                base[torch.from_numpy(other), D] = s
-            acc = None
-            for r, v in per_k:  # group order
-                x = base.clone()
-                x[torch.from_numpy(np.searchsorted(union, r))] = v
-                acc = x if acc is None else acc.add_(x)
-            new = acc / G
-            u_t = torch.from_numpy(union)
-            new_w, new_s = new[:, :D].contiguous(), new[:, D].contiguous()
-            emb.stores[st].write_back(u_t, new_w, new_s)
-            if o.buf_w is not None:
-                pm = torch.from_numpy(pos_mine).to(o.buf_w.device)
-                o.buf_w.copy_(new_w.to(o.buf_w.device).index_select(0, pm))
-                o.buf_s.copy_(new_s.to(o.buf_s.device).index_select(0, pm))
-            self._last[st] = (u_t, new_w, new_s)
-            self.stats["rows_synced"] += len(union)
-            self.stats["rows_from_other_groups"] += len(union) - len(mine)
+            self._average_store(st, routing.own[st], per_k, before[st])
         self.stats["syncs"] += 1
         emb.timer.add("replica.comm", t1 - t0)
         emb.timer.add("replica.average", time.perf_counter() - t1)
+
+    def _average_store(self, st: str, o, per_k: List[Tuple[np.ndarray, torch.Tensor]],
+                       before: Tuple[torch.Tensor, torch.Tensor]) -> None:
+        """One store: the average over the replicas (in group order) of every row some group touched, written to the
+        store and to this group's buffer; a row a group did not touch counts with its value before batch t."""
+        emb = self.emb
+        D = emb.stores[st].dim
+        union = np.unique(np.concatenate([r for r, _ in per_k])) if per_k else np.zeros(0, np.int64)
+        mine = o.rows.numpy()
+        pos_mine = np.searchsorted(union, mine)
+        # values before batch t of every row in U: this group's own rows from the pre-update buffer, the others
+        # from the store (not written since the previous synchronisation)
+        base = torch.empty(len(union), D + 1, dtype=emb.dtype)
+        bw, bs = before
+        base[torch.from_numpy(pos_mine), :D] = bw.cpu()
+        base[torch.from_numpy(pos_mine), D] = bs.cpu()
+        other = np.setdiff1d(np.arange(len(union)), pos_mine, assume_unique=True)
+        if len(other):
+            w, s = emb.stores[st].gather(torch.from_numpy(union[other]))
+            base[torch.from_numpy(other), :D] = w
+            base[torch.from_numpy(other), D] = s
+        acc = None
+        for r, v in per_k:  # group order
+            x = base.clone()
+            x[torch.from_numpy(np.searchsorted(union, r))] = v
+            acc = x if acc is None else acc.add_(x)
+        new = acc / self.num_groups
+        u_t = torch.from_numpy(union)
+        new_w, new_s = new[:, :D].contiguous(), new[:, D].contiguous()
+        emb.stores[st].write_back(u_t, new_w, new_s)
+        if o.buf_w is not None:
+            pm = torch.from_numpy(pos_mine).to(o.buf_w.device)
+            o.buf_w.copy_(new_w.to(o.buf_w.device).index_select(0, pm))
+            o.buf_s.copy_(new_s.to(o.buf_s.device).index_select(0, pm))
+        self._last[st] = (u_t, new_w, new_s)
+        self.stats["rows_synced"] += len(union)
+        self.stats["rows_from_other_groups"] += len(union) - len(mine)
 
     def _all_gather(self, t: torch.Tensor, group) -> torch.Tensor:
         """``all_gather`` on the collection's device (NCCL/HCCL need device tensors); the result on the host."""

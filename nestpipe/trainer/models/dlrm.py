@@ -115,9 +115,7 @@ def negatives(cfg) -> Tuple[int, int]:
 
 # The dense learning rate and the rows' initial spread (the pair term starts from the rows' dot products) were chosen
 # on the synthetic demo data's valid split; the tables' AdaGrad rate on real interactions' valid split (MovieLens-100K,
-# three seeds, mean valid AUC 0.6677 at the shared default 0.05, 0.6745 at 0.01, 0.6855 at 0.005, higher on every
-# seed; logloss a tie; records benchmarks/results/real_quality-ml-100k-valid-dlrm-elr*.json): at 0.05 the rows
-# overfit within the first epoch.
+# 23 dates before the eval dates; docs/trainer.md gives the figures and their records).
 TRAIN_DEFAULTS = {"optim": {"lr": 0.002}, "embedding": {"init_scale": 0.1, "lr": 0.1}}
 
 SPEC = ModelSpec(name="dlrm", task="ctr", build=build, dense_inputs=dense_inputs, negatives=negatives,

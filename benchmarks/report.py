@@ -531,6 +531,12 @@ def _f(x: Optional[float]) -> str:
     return "" if x is None else f"{x:.4f}"
 
 
+def _group_order(name: str):
+    """Records keep their keys sorted as text: "all" first, then by label and by the range's lower bound."""
+    label, _, rest = name.partition(" [")
+    return (name != "all", label, int(rest.split("..")[0]) if rest else 0)
+
+
 def breakdown_lines(rec: Dict) -> List[str]:
     """Where the models lose: the eval record's per-group figures, averaged over seeds (the groups are the same
     samples every seed)."""
@@ -541,7 +547,7 @@ def breakdown_lines(rec: Dict) -> List[str]:
         names = [n for n in ("hstu", "sasrec", "successor_counts", "most_popular")
                  if n in next(iter(first["breakdown_hr10"].values()))]
         rows = [[g, v["samples"], *(_f(_seed_mean(per_seed, "breakdown_hr10", g, n)) for n in names)]
-                for g, v in first["breakdown_hr10"].items()]
+                for g, v in sorted(first["breakdown_hr10"].items(), key=lambda kv: _group_order(kv[0]))]
         lines += [f"Next-item HR@10 by sample group ({rec['split']} split, mean of the seeds): the sample's history "
                   f"length, its target's training count, and whether the target ever followed the sample's last "
                   f"item in training (what the successor-counting baseline reads).", ""]
@@ -550,7 +556,7 @@ def breakdown_lines(rec: Dict) -> List[str]:
         names = ("dlrm", "factorization_machine")
         rows = [[g, v["samples"], f"{v['click_rate']:.3f}",
                  *(_f(_seed_mean(per_seed, "ctr_breakdown", g, n, m)) for n in names for m in ("AUC", "logloss"))]
-                for g, v in first["ctr_breakdown"].items()]
+                for g, v in sorted(first["ctr_breakdown"].items(), key=lambda kv: _group_order(kv[0]))]
         lines += [f"dlrm and the factorization machine by sample group ({rec['split']} split, mean of the seeds): "
                   f"the impressions of the sample's user and of its item in the training split.", ""]
         lines += _table(["group", "samples", "click rate", "dlrm AUC", "dlrm logloss", "FM AUC", "FM logloss"],

@@ -99,14 +99,12 @@ class PipelineRunner:
         try:
             threads = {"compute": threading.current_thread()}
             if self.fwp:
-                if self.comm_threads == 2:
-                    workers = [CommWorker("embed-comm"), CommWorker("grad-comm")]
-                    fw = FrozenWindow(st, workers[0], workers[1], update_fn=self._intermediate_update,
-                                      update_per_micro_batch=self.hooks.update_per_micro_batch)
-                else:  # one thread, embedding and gradient All2Alls in submission order (fixed, same on all ranks)
-                    workers = [CommWorker("comm")]
-                    fw = FrozenWindow(st, workers[0], workers[0], update_fn=self._intermediate_update,
-                                      update_per_micro_batch=self.hooks.update_per_micro_batch)
+                # two threads, one per exchange group; or one, embedding and gradient All2Alls in submission order
+                # (fixed, the same on all ranks)
+                workers = ([CommWorker("embed-comm"), CommWorker("grad-comm")] if self.comm_threads == 2
+                           else [CommWorker("comm")])
+                fw = FrozenWindow(st, workers[0], workers[-1], update_fn=self._intermediate_update,
+                                  update_per_micro_batch=self.hooks.update_per_micro_batch)
                 threads.update({w.name: w.thread for w in workers})
             if self.dbp:
                 schedule = DualBufferSchedule(self, records, start, stop, fw)

@@ -137,7 +137,6 @@ def train_worker(cfg: TrainConfig, device: Device, rank: int, world: int, resume
                   "nothing to resume. Train further with a larger --steps or --epochs.", flush=True)
         return {"final_loss": None, "steps": run.steps, "resumed_from_step": start, "already_finished": True}
     run.state.timeline = tlmod.Timeline(rank, start, cfg.pipe.trace_steps)
-    run.state.emb.timeline = run.state.timeline  # the memory-mapped tier's file work gets spans of its own
     runner = PipelineRunner(run.state, run.schedule.schedule)
     log = ScalarLog(os.path.join(cfg.out, "scalars.jsonl") if rank == 0 else None,
                     os.path.join(cfg.out, "tensorboard") if cfg.tensorboard else None)

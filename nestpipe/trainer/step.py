@@ -1,27 +1,29 @@
 """The synchronous step (``--pipeline off``) as explicit stage functions, in pipeline order.
 
-    prefetch -> h2d -> route -> retrieve -> forward_backward (per micro-batch: embedding All2All, dense fwd/bwd,
-    gradient All2All, owner-side accumulation) -> update (dense all-reduce + AdamW, owner row-wise AdaGrad)
+    prefetch -> h2d -> route -> retrieve -> forward_backward (embedding All2All, dense fwd/bwd per micro-batch,
+    gradient All2All) -> update (dense all-reduce + AdamW, owner row-wise AdaGrad)
 
 The arithmetic order is the specification the pipelined modes reproduce bit for bit:
 - micro-batches run in their index order; each micro-batch's loss is ``sum(per-sample loss) / (B * W)``, never a
   per-micro-batch mean, so the batch gradient is the gradient of the global mean loss;
 - dense and replicated gradients accumulate in ``.grad`` over micro-batches in order (autograd), then one flat
   all-reduce per batch (the batch's loss sum rides along as the last element);
-- owners add each entry's row gradient over micro-batches in order (``index_add_``), then over requester ranks in
-  rank order; one update per batch; embeddings are frozen between :func:`stage_retrieve` and :func:`stage_update`;
+- owners add each entry's row gradient over micro-batches in order, then over requester ranks in rank order; one
+  update per batch; embeddings are frozen between :func:`stage_retrieve` and :func:`update_sparse`;
 - random numbers come only from generators keyed by (seed, step, micro-batch, rank).
 
-Every mode (``off``, ``dbp``, ``fwp``, ``nested``) calls these same functions with the same process groups
-(:class:`~nestpipe.trainer.distributed.process_groups.StageGroups`: route, embed, grad, dense); the pipelined modes
-(:mod:`nestpipe.trainer.pipeline.scheduler`) only run them on other threads and at other times.
+The schedules (:mod:`nestpipe.trainer.pipeline.scheduler`) run these functions with the same process groups
+(:class:`~nestpipe.trainer.distributed.process_groups.StageGroups`: route, embed, grad, dense): ``off`` is
+:func:`train_step`; ``fwp`` is the same sequence with the Frozen-Window Pipeline's forward/backward; DBP runs
+stages 1-3 on stage threads, retrieves into its dual buffers (:mod:`nestpipe.trainer.pipeline.dual_buffer`) and
+calls :func:`dense_forward_backward`, :func:`update_sparse` and :func:`update_dense` on the compute thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -36,7 +38,9 @@ from nestpipe.trainer.distributed import sparse_groups
 from nestpipe.trainer.distributed.process_groups import StageGroups
 from nestpipe.trainer.embedding import replica_sync
 from nestpipe.trainer.embedding.batch import NEG_SLOT, PreparedBatch
-from nestpipe.trainer.embedding.collection import RouteInFlight, Routing, ShardedEmbeddingCollection
+from nestpipe.trainer.embedding.collection import ShardedEmbeddingCollection
+from nestpipe.trainer.embedding.exchange import InFlight
+from nestpipe.trainer.embedding.routing import Routing
 from nestpipe.trainer.models import build_model, model_spec
 from nestpipe.trainer.pipeline.timeline import Timeline
 from nestpipe.utils.timing import StageTimer
@@ -59,7 +63,6 @@ class StepState:
     timer: StageTimer
     group: Optional[object] = None  # the default group: checkpoints and metrics, only while nothing is in flight
     groups: Optional[StageGroups] = None  # one process group per concurrent stage
-    timeline: Optional[Timeline] = None  # the run's trace and Gantt chart
     # GR: step -> (tokens, attention cost a n^2 + b n summed over the batch's sequences) of this rank's batch, for
     # metrics.json's token_imbalance across ranks
     batch_costs: Dict[int, Tuple[int, float]] = dataclasses.field(default_factory=dict)
@@ -71,6 +74,15 @@ class StepState:
     total_steps: int = 0
     # test-only negative controls and faults, production unless a test passes others (train_worker's hooks)
     hooks: testing_hooks.TestingHooks = testing_hooks.PRODUCTION
+
+    @property
+    def timeline(self) -> Optional[Timeline]:
+        """The run's trace and Gantt chart: the stage timer's trace (spans given a step are recorded there)."""
+        return self.timer.trace
+
+    @timeline.setter
+    def timeline(self, timeline: Optional[Timeline]) -> None:
+        self.timer.trace = timeline
 
 
 def sequence_cost(manifest: Manifest) -> SequenceCost:
@@ -92,7 +104,7 @@ def model_feats(cfg: TrainConfig, manifest: Manifest, batch: PreparedBatch, i: i
 
 # -- stage 1: data prefetch ---------------------------------------------------------------------------------------
 def stage_prefetch(state: StepState, step: int, record: Dict, where: str) -> PreparedBatch:
-    with state.timer.span("prefetch"):
+    with state.timer.span("prefetch", step):
         batch = prepare_batch(record, state.manifest, step, state.rank, state.cfg.seed,
                               num_negatives(state.cfg), where=where, micro_batching=state.micro_batching)
         if state.manifest.task == "gr":
@@ -103,13 +115,14 @@ def stage_prefetch(state: StepState, step: int, record: Dict, where: str) -> Pre
 
 # -- stage 2: H2D ---------------------------------------------------------------------------------------------------
 def stage_h2d(state: StepState, batch: PreparedBatch) -> List[Dict[str, torch.Tensor]]:
-    with state.timer.span("h2d"):
+    with state.timer.span("h2d", batch.step):
         return [model_feats(state.cfg, state.manifest, batch, i, state.device) for i in range(len(batch.micro))]
 
 
 # -- stage 3: key routing -------------------------------------------------------------------------------------------
 def stage_route(state: StepState, batch: PreparedBatch) -> Routing:
-    return state.emb.input_dist(batch, _group(state, "route"))
+    with state.timer.span("route", batch.step):
+        return state.emb.input_dist(batch, _group(state, "route")).wait()
 
 
 def _group(state: StepState, stage: str):
@@ -119,48 +132,84 @@ def _group(state: StepState, stage: str):
     return state.groups.get(stage)
 
 
+@dataclasses.dataclass
+class RoutedAhead:
+    """The next batch, prepared and routed during the previous step (``pipe.route_ahead``)."""
+
+    step: int
+    batch: PreparedBatch
+    routing: Routing
+
+
+def take_batch(state: StepState, step: int, record: Dict, where: str) -> Tuple[PreparedBatch, Routing]:
+    """Stages 1 and 3 of ``step``: the batch routed ahead during the previous step, else ``record`` prepared and
+    routed now."""
+    ahead, state.routed_ahead = state.routed_ahead, None
+    if ahead is None:
+        batch = stage_prefetch(state, step, record, where)
+        return batch, stage_route(state, batch)
+    if ahead.step != step:
+        raise RuntimeError(f"the batch routed ahead is step {ahead.step}'s, this is step {step}")
+    return ahead.batch, ahead.routing
+
+
+def route_ahead(state: StepState, step: int, next_record: Optional[Tuple[Dict, str]]
+                ) -> InFlight[Optional[RoutedAhead]]:
+    """``pipe.route_ahead``: batch ``step`` prepared and its key routing issued now (the counts All2All in flight;
+    ``advance()`` issues the payload All2All, ``wait()`` builds the owner's plans). Routing reads keys only, so
+    the step's arithmetic is unchanged; every rank issues the same collectives in the same order. Nothing (done,
+    None) without a next record: a segment ends drained."""
+    if next_record is None:
+        return InFlight.done(None)
+    with state.timer.span("route.ahead", step):
+        batch = stage_prefetch(state, step, next_record[0], next_record[1])
+        routing = state.emb.input_dist(batch, _group(state, "route"), async_op=True)
+    return routing.then(lambda r: RoutedAhead(step, batch, r))
+
+
 # -- stage 4: embedding retrieval ----------------------------------------------------------------------------------
 def stage_retrieve(state: StepState, routing: Routing) -> None:
     """Retrieval in the synchronous schedules (``off``, ``fwp``): nothing else touches the store while the batch
-    trains, so the owner reads its rows from the store and updates them there in place (``direct``: no buffer, no
+    trains, so on CPU the owner reads its rows from the store and updates them there in place (no buffer, no
     write-back). DBP retrieves into a buffer instead (:mod:`nestpipe.trainer.pipeline.dual_buffer`); both read the
     same values and do the same arithmetic, hence bitwise the same results."""
-    state.emb.retrieve(routing, direct=True)
+    state.emb.retrieve(routing, synchronous=True)
 
 
-# -- stage 5: forward / backward, micro-batch by micro-batch ------------------------------------------------------
-def stage_forward_backward(state: StepState, routing: Routing, feats: List[Dict[str, torch.Tensor]],
-                           while_embed: Optional[Callable[[], None]] = None,
-                           while_grad: Optional[Callable[[], None]] = None) -> torch.Tensor:
-    """Returns this rank's loss sum divided by ``B * W`` (a detached scalar).
+# -- stage 5: forward / backward ------------------------------------------------------------------------------------
+def stage_embed(state: StepState, routing: Routing, async_op: bool = False
+                ) -> InFlight[List[Tuple[Dict[str, torch.Tensor], torch.Tensor]]]:
+    """Every micro-batch's embedding All2All as one collective (no dense work overlaps it here; the values are
+    those of one exchange per micro-batch, which the Frozen-Window Pipeline makes)."""
+    return state.emb.embed_all(routing, _group(state, "embed"), async_op)
 
-    No dense work overlaps the exchange here, so all micro-batches' embedding All2Alls are one collective before
-    the first dense forward, and their gradient All2Alls one after the last backward (``emb.embed_all`` /
-    ``emb.grad_exchange_all``: the same bytes and values as one exchange per micro-batch, so bitwise the same
-    result as the Frozen-Window Pipeline's per-micro-batch exchanges, which tests/test_pipeline.py compares).
-    ``while_embed`` / ``while_grad``: work on other tensors (the next batch's routing) run while the embedding /
-    gradient All2All is in flight."""
+
+def stage_dense(state: StepState, routing: Routing, feats: List[Dict[str, torch.Tensor]],
+                embedded: List[Tuple[Dict[str, torch.Tensor], torch.Tensor]]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """Every micro-batch's dense forward and backward in index order: (loss sum / (B * W), the received leaves)."""
     total = torch.zeros((), dtype=torch.float64)
-    step = routing.batch.step
-    tl = state.timeline
-    n = len(routing.batch.micro)
-    if n > 1:
-        with _span(tl, "embed.a2a", step, 0):
-            outs = state.emb.embed_all(routing, _group(state, "embed"), during=while_embed)
-        for i, (emb_out, _) in enumerate(outs):
-            with _span(tl, "dense", step, i):
-                total += dense_forward_backward(state, routing, emb_out, feats[i])
-        with _span(tl, "grad.a2a", step, n - 1):
-            state.emb.grad_exchange_all(routing, [leaf for _, leaf in outs], _group(state, "grad"), during=while_grad)
-        return total
-    for i in range(n):  # one micro-batch
-        with _span(tl, "embed.a2a", step, i):
-            emb_out, leaf = state.emb.embed(routing, i, _group(state, "embed"), during=while_embed)
-        with _span(tl, "dense", step, i):
+    for i, (emb_out, _) in enumerate(embedded):
+        with state.timer.span("dense", routing.batch.step, i):
             total += dense_forward_backward(state, routing, emb_out, feats[i])
-        with _span(tl, "grad.a2a", step, i):
-            state.emb.grad_exchange_and_accumulate(routing, i, leaf, _group(state, "grad"), during=while_grad)
-    return total
+    return total, [leaf for _, leaf in embedded]
+
+
+def stage_grad(state: StepState, routing: Routing, leaves: List[torch.Tensor], async_op: bool = False
+               ) -> InFlight[None]:
+    """Every micro-batch's gradient All2All as one collective, into the batch's gradient payload."""
+    return state.emb.grad_exchange_all(routing, leaves, _group(state, "grad"), async_op)
+
+
+def stage_forward_backward(state: StepState, routing: Routing, feats: List[Dict[str, torch.Tensor]]) -> torch.Tensor:
+    """Stage 5 without overlap (DBP without the frozen window): the exchanges around the dense compute. Returns
+    this rank's loss sum divided by ``B * W`` (a detached scalar); gradients are accumulated on return."""
+    step = routing.batch.step
+    with state.timer.span("embed.a2a", step, 0):
+        embedded = stage_embed(state, routing).wait()
+    loss, leaves = stage_dense(state, routing, feats, embedded)
+    with state.timer.span("grad.a2a", step, len(leaves) - 1):
+        stage_grad(state, routing, leaves).wait()
+    return loss
 
 
 def dense_forward_backward(state: StepState, routing: Routing, emb_out: Dict[str, torch.Tensor],
@@ -168,24 +217,10 @@ def dense_forward_backward(state: StepState, routing: Routing, emb_out: Dict[str
     """One micro-batch's dense forward and backward; loss ``sum(per-sample loss) / (B * W)``. Returns the detached
     float64 loss. Dense and replicated gradients accumulate in ``.grad`` (micro-batches in call order)."""
     norm = float(routing.batch.batch_size * state.world)
-    t0 = time.perf_counter()
-    loss = state.model(emb_out, feats_i).sum() / norm
-    loss.backward()
-    out = loss.detach().double().cpu()
-    state.timer.add("dense.fwd_bwd", time.perf_counter() - t0)
-    return out
-
-
-class _NoSpan:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _span(timeline, stage: str, step: int, mb: int = -1):
-    return timeline.span(stage, step, mb) if timeline is not None else _NoSpan()
+    with state.timer.span("dense.fwd_bwd"):
+        loss = state.model(emb_out, feats_i).sum() / norm
+        loss.backward()
+        return loss.detach().double().cpu()
 
 
 def flat_dtype(grads, rep):
@@ -285,99 +320,46 @@ def update_dense(state: StepState, red: DenseReduce) -> float:
     return float(flat[-1])
 
 
-def stage_update(state: StepState, routing: Routing, loss: torch.Tensor, release: bool = True,
-                 while_reduce: Optional[Callable[[], None]] = None) -> float:
-    """All-reduce dense + replicated gradients (one flat buffer), owner AdaGrad, AdamW. Returns the global loss.
-
-    The all-reduce is issued asynchronously and is in flight during the owners' sparse update (as a DDP backward
-    overlaps its bucket all-reduces): the collective's waiting on the other ranks and the link overlaps this rank's
-    row updates. The three parts
-    (:func:`update_begin`, ``emb.update``, :func:`update_dense`) read and write disjoint tensors, so the order
-    between them changes no bit; the pipelined modes call the same parts in the same order.
-
-    ``release=False`` keeps the updated rows in the batch's buffer (the DBP active buffer) for the dual-buffer
-    sync into the next batch's prefetch buffer. ``while_reduce``: work on other tensors run after the sparse
-    update, while the all-reduce may still be in flight."""
-    red = update_begin(state, loss, async_op=True)
+def update_sparse(state: StepState, routing: Routing, loss: torch.Tensor, release: bool = True) -> DenseReduce:
+    """Issue the all-reduce of dense + replicated gradients (one flat buffer, the loss sum last), then the owners'
+    row-wise AdaGrad while it is in flight (as a DDP backward overlaps its bucket all-reduces): the collective's
+    waiting on the other ranks and the link overlaps this rank's row updates. The parts read and write disjoint
+    tensors, so their order changes no bit. ``release=False`` keeps the updated rows in the batch's buffer (the DBP
+    active buffer) for the dual-buffer sync into the next batch's prefetch buffer."""
+    reduction = update_begin(state, loss, async_op=True)
     state.emb.update(routing, release=release)
-    if while_reduce is not None:
-        while_reduce()
-    return update_dense(state, red)
+    return reduction
 
 
-@dataclasses.dataclass
-class RoutedAhead:
-    """The next batch, prepared, with its key routing in flight (``pipe.route_ahead``): issued during the previous
-    step, taken by :func:`train_step` of step ``step``."""
-
-    step: int
-    batch: PreparedBatch
-    route: RouteInFlight
-    routing: Optional[Routing] = None  # the owner's plans, once built (off: while this step's all-reduce flies)
+def stage_update(state: StepState, routing: Routing, loss: torch.Tensor, release: bool = True) -> float:
+    """:func:`update_sparse` then :func:`update_dense` (AdamW and the replicated tables). Returns the global loss."""
+    return update_dense(state, update_sparse(state, routing, loss, release))
 
 
 def train_step(state: StepState, step: int, record: Dict, where: str = "",
-               forward_backward: Optional[Callable[[Routing, List[Dict[str, torch.Tensor]]], torch.Tensor]] = None,
                next_record: Optional[Tuple[Dict, str]] = None) -> float:
-    """One synchronous step: the stages above, one after another. ``forward_backward`` replaces
-    :func:`stage_forward_backward` (same contract: every micro-batch in order, gradients accumulated on return):
-    the ``fwp`` schedule passes the Frozen-Window Pipeline's.
-
-    ``next_record`` (the next step's record and where it came from; ``pipe.route_ahead``): the next batch is
-    prepared and its key routing issued during this step -- the preparation, the requester's plans and the counts
-    All2All while this batch's embedding All2All is in flight, the payload All2All while its gradient All2All is
-    (``fwp``: before this batch's retrieval and after its backward), its owner's plans while this batch's dense
-    all-reduce is (``off``) -- and the next call takes it (``state.routed_ahead``) instead of preparing and
-    routing ``record`` itself. Routing depends on keys only, so the step's arithmetic is unchanged; every rank
-    issues the same collectives in the same order. A step without ``next_record`` leaves nothing in flight
-    (segments end drained)."""
-    tl = state.timeline
-    ahead, state.routed_ahead = state.routed_ahead, None
-    if ahead is not None and ahead.step != step:
-        raise RuntimeError(f"the batch routed ahead is step {ahead.step}'s, this is step {step}")
-    with _span(tl, "prefetch", step):
-        batch = stage_prefetch(state, step, record, where) if ahead is None else ahead.batch
-    with _span(tl, "h2d", step):
-        feats = stage_h2d(state, batch)
-    with _span(tl, "route", step):
-        routing = (stage_route(state, batch) if ahead is None else
-                   ahead.routing if ahead.routing is not None else state.emb.input_dist_finish(ahead.route))
-    if next_record is not None and state.hooks.route_ahead_repeat_record:
-        next_record = (record, where)  # negative control: the next step trains on this step's batch again
-
-    def begin_next():  # prepare the next batch, its requester plans, and issue its counts All2All
-        if next_record is not None:
-            with _span(tl, "route.ahead", step + 1):
-                nxt = stage_prefetch(state, step + 1, next_record[0], next_record[1])
-                state.routed_ahead = RoutedAhead(step + 1, nxt,
-                                                 state.emb.input_dist_begin(nxt, _group(state, "route")))
-
-    def advance_next():  # the counts have arrived: issue the payload All2All
-        if state.routed_ahead is not None:
-            state.emb.input_dist_advance(state.routed_ahead.route)
-
-    def finish_next():  # the payload has arrived: the owner's plans of the next batch
-        if state.routed_ahead is not None:
-            state.routed_ahead.routing = state.emb.input_dist_finish(state.routed_ahead.route)
-
-    if forward_backward is not None:  # fwp: its communication threads own the exchanges; route around them
-        begin_next()
-    with _span(tl, "retrieve", step):
-        stage_retrieve(state, routing)
-    if state.hooks.step_sleep_s:
-        time.sleep(state.hooks.step_sleep_s)  # testing hook: a window to kill the run with a batch in flight
-    with _span(tl, "fwd_bwd", step):
-        if forward_backward is None:
-            # off: the next batch's routing work runs while this batch's embedding / gradient All2All is in flight
-            # (nothing to route ahead: the exchanges block, and their CPU time is measured as the calibration needs)
-            ahead_work = next_record is not None
-            loss = stage_forward_backward(state, routing, feats, while_embed=begin_next if ahead_work else None,
-                                          while_grad=advance_next if ahead_work else None)
-        else:
-            loss = forward_backward(routing, feats)
-            advance_next()
-    with _span(tl, "update", step):
-        return stage_update(state, routing, loss, while_reduce=finish_next if forward_backward is None else None)
+    """One synchronous step (``--pipeline off``), the stages in the order they run. ``next_record`` (the next
+    step's record and where it came from; ``pipe.route_ahead``): the next batch is prepared and routed while this
+    batch's exchanges and all-reduce are in flight, and the next call takes it (:func:`take_batch`)."""
+    batch, routing = take_batch(state, step, record, where)                  # 1 prefetch, 3 key routing
+    feats = stage_h2d(state, batch)                                           # 2 H2D
+    stage_retrieve(state, routing)                                            # 4 embedding retrieval
+    state.hooks.pause()
+    overlap = next_record is not None
+    with state.timer.span("fwd_bwd", step):                                   # 5 forward / backward
+        with state.timer.span("embed.a2a", step, 0):
+            embedded = stage_embed(state, routing, async_op=overlap)          # the embedding All2All in flight
+            ahead = route_ahead(state, step + 1, next_record)                 # next batch: counts All2All issued
+            embedded = embedded.wait()
+        loss, leaves = stage_dense(state, routing, feats, embedded)
+        with state.timer.span("grad.a2a", step, len(leaves) - 1):
+            grads = stage_grad(state, routing, leaves, async_op=overlap)      # the gradient All2All in flight
+            ahead.advance()                                                   # next batch: payload All2All issued
+            grads.wait()
+    with state.timer.span("update", step):
+        reduction = update_sparse(state, routing, loss)                       # the dense all-reduce in flight
+        state.routed_ahead = ahead.wait()                                     # next batch: the owner's plans
+        return update_dense(state, reduction)
 
 
 def build_state(cfg: TrainConfig, manifest: Manifest, rank: int, world: int, device: torch.device,
@@ -403,12 +385,15 @@ def build_state(cfg: TrainConfig, manifest: Manifest, rank: int, world: int, dev
     fused = device.type in ("cpu", "cuda")
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                   weight_decay=o.weight_decay, **({"fused": True} if fused else {"foreach": False}))
-    emb.timeline = timeline
     # a state built outside a run (no schedule chosen) keeps the shards' partition where micro_batching is auto
     mbat = "clustered" if cfg.pipe.micro_batching == "auto" else cfg.pipe.micro_batching
-    return StepState(cfg, manifest, rank, world, device, emb, model, optimizer, timer, group, groups, timeline,
-                     micro_batching=mbat, hooks=hooks)
+    state = StepState(cfg, manifest, rank, world, device, emb, model, optimizer, timer, group, groups,
+                      micro_batching=mbat, hooks=hooks)
+    state.timeline = timeline
+    return state
 
 
-__all__ = ["NEG_SLOT", "StepState", "build_state", "train_step", "stage_prefetch", "stage_h2d", "stage_route",
-           "stage_retrieve", "stage_forward_backward", "stage_update", "update_begin", "update_dense", "DenseReduce", "model_feats", "dense_forward_backward"]
+__all__ = ["NEG_SLOT", "StepState", "build_state", "train_step", "take_batch", "route_ahead", "RoutedAhead",
+           "stage_prefetch", "stage_h2d", "stage_route", "stage_retrieve", "stage_embed", "stage_dense", "stage_grad",
+           "stage_forward_backward", "update_sparse", "stage_update", "update_begin", "update_dense", "DenseReduce",
+           "model_feats", "dense_forward_backward"]

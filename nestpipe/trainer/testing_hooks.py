@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 import typing
 from typing import Any, Dict
 
@@ -42,6 +43,12 @@ class TestingHooks:
     fail_rank: int = 0
     checkpoint_sleep_s: float = 0.0
     step_sleep_s: float = 0.0
+
+    def pause(self) -> None:
+        """``step_sleep_s``: a window, between a batch's retrieval and its forward, to kill the run with the batch
+        in flight (nothing in production)."""
+        if self.step_sleep_s:
+            time.sleep(self.step_sleep_s)
 
     def changed(self) -> Dict[str, Any]:
         """The hooks that differ from production, by name (empty in a normal run)."""

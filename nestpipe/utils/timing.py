@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Dict
+from typing import Dict, Optional
 
 LOOKUP_STAGES = ("retrieve", "embed.owner")
 
@@ -29,6 +29,9 @@ class StageTimer:
         self.cpu: Dict[str, float] = collections.defaultdict(float)
         self.compute_thread = threading.get_ident()
         self._lock = threading.Lock()
+        # the run's trace (``nestpipe.trainer.pipeline.timeline.Timeline``: anything with ``record(stage, step, mb,
+        # t0, t1)``), attached by the trainer; spans given a step are recorded there too
+        self.trace = None
 
     def add(self, name: str, seconds: float) -> None:
         with self._lock:
@@ -55,17 +58,16 @@ class StageTimer:
         with self._lock:
             self.bytes[name] += int(n)
 
-    def span(self, name: str):
-        timer = self
+    def span(self, name: str, step: Optional[int] = None, mb: int = -1, traced_as: Optional[str] = None) -> "Span":
+        """Time a block: its seconds count as stage ``name`` and, where ``step`` is given and a trace is attached
+        (:attr:`trace`), it is also a span of the trace for ``step`` / micro-batch ``mb`` (named ``traced_as``
+        there when given)."""
+        return Span(self, name, step, mb, traced_as)
 
-        class _Span:
-            def __enter__(self):
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timer.add(name, time.perf_counter() - self.t0)
-
-        return _Span()
+    def record(self, name: str, step: int, mb: int, t0: float, t1: float) -> None:
+        """An interval measured by the caller, in the trace only (where one is attached)."""
+        if self.trace is not None:
+            self.trace.record(name, step, mb, t0, t1)
 
     def reset(self) -> None:
         with self._lock:
@@ -120,3 +122,23 @@ class StageTimer:
 
     def lookup_total(self) -> float:
         return sum(v for k, v in self.total.items() if k in LOOKUP_STAGES)
+
+
+class Span:
+    """One timed block of :meth:`StageTimer.span` (a context manager)."""
+
+    __slots__ = ("timer", "name", "step", "mb", "traced_as", "t0")
+
+    def __init__(self, timer: StageTimer, name: str, step: Optional[int], mb: int, traced_as: Optional[str]):
+        self.timer, self.name, self.step, self.mb, self.traced_as = timer, name, step, mb, traced_as
+
+    def __enter__(self) -> "Span":
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        t1 = time.perf_counter()
+        self.timer.add(self.name, t1 - self.t0)
+        if self.step is not None and self.timer.trace is not None:
+            self.timer.trace.record(self.traced_as or self.name, self.step, self.mb, self.t0, t1)
+        return False

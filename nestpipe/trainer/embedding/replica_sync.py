@@ -168,7 +168,6 @@ class ReplicaSync:
         if self._last_step != active.batch.step:
             raise RuntimeError(f"replica sync holds step {self._last_step}, the dual-buffer sync hands over step "
                                f"{active.batch.step}: the active batch was not synchronised")
-        t0 = time.perf_counter()
         n = 0
         for st, p in prefetch.own.items():
             union, new_w, new_s = self._last[st]
@@ -183,7 +182,6 @@ class ReplicaSync:
                 outside = ~np.isin(union.numpy()[iu], active.own[st].rows.numpy(), assume_unique=True)
                 self.stats["prefetch_rows_refreshed_outside_own_keys"] += int(outside.sum())
         self.stats["prefetch_rows_refreshed"] += n
-        self.emb.timer.add("dbp.sync", time.perf_counter() - t0)
         return n
 
 

@@ -51,7 +51,7 @@ class DualBuffer:
         self._free = threading.Semaphore(self.PERMITS)
         self.rows_synced = 0
 
-    def retrieve(self, routing: Routing, stop: threading.Event, timeline=None) -> float:
+    def retrieve(self, routing: Routing, stop: threading.Event) -> float:
         """Retrieval stage (its own thread): wait for a free buffer, then gather batch rows from the store.
         Returns when the gather started."""
         while not self._free.acquire(timeout=0.05):
@@ -59,15 +59,15 @@ class DualBuffer:
                 raise Stopped()
         t0 = time.perf_counter()
         self.emb.retrieve(routing)
-        if timeline is not None:
-            timeline.record("retrieve", routing.batch.step, -1, t0, time.perf_counter())
         return t0
 
     def sync(self, active: Routing, prefetch: Optional[Routing]) -> None:
         """Compute thread, after ``active``'s update (rows written back, kept in the buffer) and before
         ``prefetch``'s first embedding send: copy the rows of keys(t) ∩ keys(t+1) active -> prefetch; after it
         ``prefetch``'s buffer is final (may serve requests). :meth:`release` frees the active buffer next."""
-        if prefetch is not None and not self.skip_sync:
+        if prefetch is None or self.skip_sync:
+            return
+        with self.emb.timer.span("dbp.sync", prefetch.batch.step):
             if self.emb.replica_sync is not None and not self.replica_own_keys_only:
                 # 2D-SP: every row the replica synchronisation changed, see replica_sync.refresh_prefetch
                 self.rows_synced += self.emb.replica_sync.refresh_prefetch(active, prefetch)

@@ -100,35 +100,24 @@ class FrozenWindow:
         k = 1 if self.update_per_micro_batch else min(n, k)
         t = time.perf_counter()
         self._primed[routing.batch.step] = {i: self.embed_worker.submit(self._embed_job, routing, i) for i in range(k)}
-        if self.state.timeline is not None:  # an instant whose micro-batch field is the number of All2Alls started
-            self.state.timeline.record("prime", routing.batch.step, len(self._primed[routing.batch.step]), t, t)
+        # an instant of the trace whose micro-batch field is the number of All2Alls started
+        self.state.timer.record("prime", routing.batch.step, len(self._primed[routing.batch.step]), t, t)
 
     # -- jobs on the comm threads ----------------------------------------------------------------------------
     def _embed_job(self, routing: Routing, i: int) -> torch.Tensor:
         st = self.state
-        t0 = time.perf_counter()
-        send = st.emb.embed_send(routing, i)
-        recv = st.emb.embed_exchange(routing, i, send, st.groups.get("embed"))
-        if st.timeline is not None:
-            st.timeline.record("embed.a2a", routing.batch.step, i, t0, time.perf_counter())
-        return recv
+        with st.timer.span("embed.a2a", routing.batch.step, i):
+            send = st.emb.embed_send(routing, i)
+            return st.emb.embed_exchange(routing, i, send, st.groups.get("embed")).wait()
 
     def _grad_job(self, routing: Routing, i: int, g: torch.Tensor) -> None:
         st = self.state
-        t0 = time.perf_counter()
-        got = st.emb.grad_exchange(routing, i, g, st.groups.get("grad"))
-        st.emb.grad_accumulate(routing, i, got)
-        if st.timeline is not None:
-            st.timeline.record("grad.a2a", routing.batch.step, i, t0, time.perf_counter())
+        with st.timer.span("grad.a2a", routing.batch.step, i):
+            st.emb.grad_exchange(routing, i, g, st.groups.get("grad")).wait()
 
     def _wait(self, fut: concurrent.futures.Future, step: int, mb: int):
-        t0 = time.perf_counter()
-        out = fut.result()
-        t1 = time.perf_counter()
-        self.state.timer.add("wait.comm", t1 - t0)
-        if self.state.timeline is not None:
-            self.state.timeline.record("wait.comm", step, mb, t0, t1)
-        return out
+        with self.state.timer.span("wait.comm", step, mb):
+            return fut.result()
 
     # -- the window ------------------------------------------------------------------------------------------
     def forward_backward(self, routing: Routing, feats: List[Dict[str, torch.Tensor]]) -> torch.Tensor:
@@ -164,12 +153,10 @@ class FrozenWindow:
     def _dense(self, routing: Routing, i: int, recv: torch.Tensor, feats: Dict[str, torch.Tensor]):
         """Micro-batch ``i``'s dense forward/backward on its received embeddings: (loss, embedding gradient)."""
         st = self.state
-        t0 = time.perf_counter()
-        emb_out, leaf = st.emb.embed_unpack(routing, i, recv)
-        loss_i = dense_forward_backward(st, routing, emb_out, feats)
-        grad_i = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-        if st.timeline is not None:
-            st.timeline.record("dense", routing.batch.step, i, t0, time.perf_counter())
+        with st.timer.span("dense", routing.batch.step, i):
+            emb_out, leaf = st.emb.embed_unpack(routing, i, recv)
+            loss_i = dense_forward_backward(st, routing, emb_out, feats)
+            grad_i = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
         return loss_i, grad_i
 
     def _update_inside_window(self, routing: Routing, i: int, loss_i: torch.Tensor,

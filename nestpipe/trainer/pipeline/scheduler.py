@@ -43,8 +43,9 @@ from nestpipe.trainer.pipeline.dual_buffer import DualBuffer, Stopped
 from nestpipe.trainer.pipeline.frozen_window import CommWorker, FrozenWindow
 from nestpipe.trainer.distributed.process_groups import issuers
 from nestpipe.trainer.pipeline.streams import StageStream, wait_handoff
-from nestpipe.trainer.step import (StepState, _span, stage_forward_backward, stage_h2d, stage_prefetch,
-                                   stage_route, stage_update, train_step, update_begin, update_dense)
+from nestpipe.trainer.step import (StepState, route_ahead, stage_forward_backward, stage_h2d, stage_prefetch,
+                                   stage_retrieve, stage_route, stage_update, take_batch, train_step, update_dense,
+                                   update_sparse)
 
 
 
@@ -108,10 +109,9 @@ class PipelineRunner:
                 threads.update({w.name: w.thread for w in workers})
             if self.dbp:
                 schedule = DualBufferSchedule(self, records, start, stop, fw)
-                yield from schedule.run(threads, before_step)
             else:
-                self._bind(threads)
-                yield from self._run_sequential(records, start, stop, before_step, fw)
+                schedule = SequentialSchedule(self, records, start, stop, fw)
+            yield from schedule.run(threads, before_step)
         finally:
             for w in workers:
                 w.close()
@@ -145,31 +145,57 @@ class PipelineRunner:
         st.timer.add("wait.route.comm", comm)
         st.timer.add("wait.lookup", look)
         st.timer.add("wait.input", max(0.0, (t1 - t0) - comm - look))
-        if st.timeline is not None:
-            st.timeline.record("wait.batch", step, -1, t0, t1)
+        st.timer.record("wait.batch", step, -1, t0, t1)
 
-    def _hook_sleep(self) -> None:
-        if self.hooks.step_sleep_s:
-            time.sleep(self.hooks.step_sleep_s)  # testing hook: a window to kill the run with a batch in flight
 
-    # -- off / fwp: stages 1-4 on the compute thread -------------------------------------------------------------
-    def _run_sequential(self, records, start, stop, before_step, fw):
-        """``off`` and ``fwp``: :func:`~nestpipe.trainer.step.train_step` itself, with FWP's forward/backward."""
-        st = self.state
-        ahead = st.cfg.pipe.route_ahead  # the next batch prepared and routed during this one (within the segment)
+
+class SequentialSchedule:
+    """``off`` and ``fwp``: one step after another on the compute thread.
+
+        off   train_step: stages 1-5 in order, the next batch prepared and routed while this one's exchanges and
+              all-reduce are in flight (``pipe.route_ahead``)
+        fwp   the same stages with the Frozen-Window Pipeline's forward/backward, whose communication threads own
+              the exchanges (the next batch is routed before this one's retrieval, its payload after the backward)
+    """
+
+    def __init__(self, runner: "PipelineRunner", records, start: int, stop: int, fw: Optional[FrozenWindow]):
+        self.runner, self.state, self.records, self.fw = runner, runner.state, records, fw
+        self.start, self.stop = start, stop
+
+    def run(self, threads, before_step=None) -> Iterator[Tuple[int, float]]:
+        self.runner._bind(threads)
+        ahead = self.state.cfg.pipe.route_ahead  # the next batch prepared and routed during this one (in the segment)
         nxt = None
-        for step in range(start, stop):
+        for step in range(self.start, self.stop):
             if before_step:
                 before_step(step)
-            s, record, path = nxt if nxt is not None else next(records)
+            s, record, path = nxt if nxt is not None else next(self.records)
             if s != step:
                 raise RuntimeError(f"data stream at step {s}, expected {step}")
-            nxt = next(records) if ahead and step + 1 < stop else None
-            # off: train_step's own forward/backward, which runs the next batch's routing work while this batch's
-            # exchanges are in flight; fwp: the frozen window's, whose communication threads own the exchanges
-            yield step, train_step(st, step, record, path,
-                                   forward_backward=None if fw is None else fw.forward_backward,
-                                   next_record=nxt[1:] if nxt is not None else None)
+            nxt = next(self.records) if ahead and step + 1 < self.stop else None
+            next_record = nxt[1:] if nxt is not None else None
+            if next_record is not None and self.runner.hooks.route_ahead_repeat_record:
+                next_record = (record, path)  # negative control: the next step trains on this step's batch again
+            if self.fw is None:
+                yield step, train_step(self.state, step, record, path, next_record)
+            else:
+                yield step, self.frozen_window_step(step, record, path, next_record)
+
+    def frozen_window_step(self, step: int, record, where: str, next_record) -> float:
+        """:func:`~nestpipe.trainer.step.train_step` with the frozen window's forward/backward."""
+        st = self.state
+        batch, routing = take_batch(st, step, record, where)                  # 1 prefetch, 3 key routing
+        feats = stage_h2d(st, batch)                                          # 2 H2D
+        ahead = route_ahead(st, step + 1, next_record)                        # next batch: counts All2All issued
+        stage_retrieve(st, routing)                                           # 4 embedding retrieval
+        st.hooks.pause()
+        with st.timer.span("fwd_bwd", step):
+            loss = self.fw.forward_backward(routing, feats)                   # 5 inside the frozen window
+        ahead.advance()                                                       # next batch: payload All2All issued
+        with st.timer.span("update", step):
+            reduction = update_sparse(st, routing, loss)                      # the dense all-reduce in flight
+            st.routed_ahead = ahead.wait()                                    # next batch: the owner's plans
+            return update_dense(st, reduction)
 
 
 class DualBufferSchedule:
@@ -194,7 +220,6 @@ class DualBufferSchedule:
     def __init__(self, runner: "PipelineRunner", records, start: int, stop: int, fw: Optional[FrozenWindow]):
         self.runner, self.state, self.records, self.fw = runner, runner.state, records, fw
         self.start, self.stop = start, stop
-        self.timeline = self.state.timeline
         pc = self.state.cfg.pipe
         self.halt = threading.Event()
         self.dual = DualBuffer(self.state.emb, skip_sync=runner.hooks.skip_dual_buffer_sync,
@@ -216,7 +241,7 @@ class DualBufferSchedule:
                     before_step(step)
                 routing, feats = ready if ready is not None else self.receive(step)  # stages 1-4 done, DBP sync
                 ready = None
-                self.runner._hook_sleep()
+                self.state.hooks.pause()
                 loss = self.forward_backward(step, routing, feats)                    # stage 5: FWP inside
                 reduction = self.update_sparse(step, routing, loss)                   # dense all-reduce in flight
                 if self._primes_next_batch(step):
@@ -238,24 +263,22 @@ class DualBufferSchedule:
         s, record, path = next(self.records)
         if s != step:
             raise RuntimeError(f"data stream at step {s}, expected {step}")
-        with _span(self.timeline, "prefetch", step):
-            return stage_prefetch(self.state, step, record, path)
+        return stage_prefetch(self.state, step, record, path)
 
     def h2d(self, k: int, batch):
-        with _span(self.timeline, "h2d", batch.step), self.h2d_stream.run():
+        with self.h2d_stream.run():
             feats = stage_h2d(self.state, batch)
             return batch, feats, self.h2d_stream.handoff()
 
     def route(self, k: int, item):
         batch, feats, event = item
         t0 = time.perf_counter()
-        with _span(self.timeline, "route", batch.step):
-            routing = stage_route(self.state, batch)
+        routing = stage_route(self.state, batch)
         return routing, feats, event, {"route": (t0, time.perf_counter())}
 
     def retrieve(self, k: int, item):
         routing, feats, event, when = item
-        t0 = self.dual.retrieve(routing, self.halt, self.timeline)
+        t0 = self.dual.retrieve(routing, self.halt)
         when["retrieve"] = (t0, time.perf_counter())
         return routing, feats, event, when
 
@@ -309,8 +332,7 @@ class DualBufferSchedule:
             raise RuntimeError(f"pipeline delivered step {routing.batch.step}, expected {step}")
         wait_handoff(self.state.device, event, [t for f in feats for t in f.values()])
         if self.active is not None:
-            with _span(self.timeline, "dbp.sync", step):
-                self.dual.sync(self.active, routing)  # the DBP invariant: see dual_buffer.py
+            self.dual.sync(self.active, routing)  # the DBP invariant: see dual_buffer.py
             if early:
                 self.synced = self.active
             else:
@@ -319,22 +341,23 @@ class DualBufferSchedule:
         return routing, feats
 
     def forward_backward(self, step: int, routing, feats) -> torch.Tensor:
-        with _span(self.timeline, "fwd_bwd", step):
+        with self.state.timer.span("fwd_bwd", step):
             self._release_synced()  # batch step-1's buffer: the retrieval of step+1 starts as step computes
             return self.runner._forward_backward(self.fw, routing, feats)
 
     def update_sparse(self, step: int, routing, loss: torch.Tensor):
         """The owner's row-wise update of batch ``step`` while the dense all-reduce is in flight (disjoint
         tensors); the batch stays active until its updated rows are synced into the next batch's buffer."""
-        with _span(self.timeline, "update", step):
-            reduction = update_begin(self.state, loss, async_op=True)
-            self.state.emb.update(routing, release=False)
+        with self.state.timer.span("update", step):
+            reduction = update_sparse(self.state, routing, loss, release=False)
         self.active = routing
         return reduction
 
     def update_dense(self, step: int, reduction) -> float:
-        with _span(self.timeline, "update.dense", step):
-            return update_dense(self.state, reduction)
+        t0 = time.perf_counter()
+        loss = update_dense(self.state, reduction)
+        self.state.timer.record("update.dense", step, -1, t0, time.perf_counter())  # the trace's (timed inside)
+        return loss
 
     def _primes_next_batch(self, step: int) -> bool:
         """With FWP, the next batch's buffer is final once synced: its first embedding All2Alls start at the

@@ -104,6 +104,8 @@ def model_feats(cfg: TrainConfig, manifest: Manifest, batch: PreparedBatch, i: i
 
 # -- stage 1: data prefetch ---------------------------------------------------------------------------------------
 def stage_prefetch(state: StepState, step: int, record: Dict, where: str) -> PreparedBatch:
+    """The host batch of ``record`` (read from its shard ``where`` by the data stream, ahead of the step):
+    micro-batches, per-table keys and positions, negatives (:func:`nestpipe.trainer.data.prepare_batch`)."""
     with state.timer.span("prefetch", step):
         batch = prepare_batch(record, state.manifest, step, state.rank, state.cfg.seed,
                               num_negatives(state.cfg), where=where, micro_batching=state.micro_batching)

@@ -25,7 +25,7 @@ model.
 
 from __future__ import annotations
 
-import contextlib
+import os
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -42,7 +42,7 @@ from nestpipe.trainer.embedding.replicated import ReplicatedTable
 from nestpipe.trainer.embedding.routing import Routing
 from nestpipe.trainer.embedding.slots import NEG_SUFFIX, SlotLayout
 from nestpipe.trainer.embedding.store import RowStore
-from nestpipe.trainer.embedding.tiered_store import split_cache, tiered_store
+from nestpipe.trainer.embedding.tiered_store import TieredRowStore
 from nestpipe.trainer.embedding.unique_based import UniqueBased
 from nestpipe.trainer.sharding_plan import column_shards, plan_kinds, resolve_plan
 from nestpipe.utils.timing import StageTimer
@@ -72,6 +72,27 @@ def table_dims(manifest: Manifest, cfg: EmbeddingConfig, widths: Optional[Dict[s
         blocks, extra = row_shape((widths or {}).get(t, 1))
         out[t] = int(cfg.dim or spec.dim) * blocks + extra
     return out
+
+
+def tiered_store(name: str, placement: TablePlacement, rank: int, dim: int, seed: int, cfg, run_dir: str,
+                 world: int, table: str, first_col: int, dtype: torch.dtype,
+                 write_back: bool = True) -> TieredRowStore:
+    """The ``embedding.tier = mmap`` store of one table (or column shard) on ``rank``; its cache is sized by
+    :func:`split_cache` once every store of the rank exists."""
+    if dtype != torch.float32:
+        raise ValueError(f"embedding.tier=mmap stores float32 rows; the run's dtype is {dtype}")
+    store_dir = cfg.store_dir or os.path.join(run_dir or ".", "store")
+    return TieredRowStore(name, placement, rank, dim, seed, cfg.init_scale, store_dir, 1,
+                          os.path.abspath(run_dir or store_dir), world, table, first_col, write_back)
+
+
+def split_cache(stores: Dict[str, TieredRowStore], cache_mb: float, timer) -> None:
+    """``embedding.dram_cache_mb`` of this rank split over its tiered stores in proportion to their row bytes."""
+    total = sum(s.num_rows * (s.dim + 1) * 4 for s in stores.values()) or 1
+    for s in stores.values():
+        share = cache_mb * (1 << 20) * s.num_rows * (s.dim + 1) * 4 / total
+        s.resize_cache(int(share // ((s.dim + 1) * 4)))
+        s.timer = timer
 
 
 class ShardedEmbeddingCollection:

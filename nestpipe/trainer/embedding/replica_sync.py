@@ -32,7 +32,6 @@ the group's own keys (the negative control, which breaks nested == off).
 
 from __future__ import annotations
 
-import time
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -71,12 +70,35 @@ class ReplicaSync:
         self._last, self._last_step = {}, routing.batch.step
         if self.skip:
             return
-        t0 = time.perf_counter()
         emb = self.emb
         names = list(routing.own)
         G = self.num_groups
-        group = self.get_group()
         dims = [emb.stores[st].dim for st in names]
+        with emb.timer.span("replica.comm"):
+            all_counts, g_rows, g_vals = self._gather_replicas(routing, names, dims)
+        with emb.timer.span("replica.average"):
+            row_off = [0] * G
+            val_off = [0] * G
+            for si, st in enumerate(names):
+                D = dims[si]
+                per_k: List[Tuple[np.ndarray, torch.Tensor]] = []
+                for k in range(G):
+                    c = int(all_counts[k, si])
+                    r = g_rows[k, row_off[k]:row_off[k] + c].numpy()
+                    v = g_vals[k, val_off[k]:val_off[k] + c * (D + 1)].view(c, D + 1)
+                    row_off[k] += c
+                    val_off[k] += c * (D + 1)
+                    if len(r) > 1 and not bool(np.all(r[1:] > r[:-1])):
+                        raise RuntimeError(f"table {st}: replica {k} of shard {emb.rank} sent unsorted or duplicate "
+                                           "rows")
+                    per_k.append((r, v))
+                self._average_store(st, routing.own[st], per_k, before[st])
+        self.stats["syncs"] += 1
+
+    def _gather_replicas(self, routing, names: List[str], dims: List[int]):
+        """Every group's touched rows of this shard and their updated values (weights + state), all-gathered over
+        the replica group: (row counts [G, stores], rows [G, ...], values [G, ...])."""
+        G, group = self.num_groups, self.get_group()
         mine_rows = [routing.own[st].rows.to(torch.int64) for st in names]
         counts = torch.tensor([len(r) for r in mine_rows], dtype=torch.int64)
         all_counts = self._all_gather(counts, group).view(G, len(names))  # [G, S]
@@ -85,29 +107,11 @@ class ReplicaSync:
         rows_flat = torch.cat(mine_rows) if mine_rows else torch.zeros(0, dtype=torch.int64)
         vals = [torch.cat([routing.own[st].buf_w, routing.own[st].buf_s.unsqueeze(1)], 1).reshape(-1).cpu()
                 for st in names]
-        vals_flat = torch.cat(vals) if vals else torch.zeros(0, dtype=emb.dtype)
+        vals_flat = torch.cat(vals) if vals else torch.zeros(0, dtype=self.emb.dtype)
         g_rows = self._all_gather(_pad(rows_flat, int(n_rows.max())), group).view(G, -1)
         g_vals = self._all_gather(_pad(vals_flat, int(n_vals.max())), group).view(G, -1)
         self.emb.timer.add_bytes("replica", (G - 1) * (rows_flat.numel() * 8 + vals_flat.numel() * vals_flat.element_size()))
-        t1 = time.perf_counter()
-        row_off = [0] * G
-        val_off = [0] * G
-        for si, st in enumerate(names):
-            D = dims[si]
-            per_k: List[Tuple[np.ndarray, torch.Tensor]] = []
-            for k in range(G):
-                c = int(all_counts[k, si])
-                r = g_rows[k, row_off[k]:row_off[k] + c].numpy()
-                v = g_vals[k, val_off[k]:val_off[k] + c * (D + 1)].view(c, D + 1)
-                row_off[k] += c
-                val_off[k] += c * (D + 1)
-                if len(r) > 1 and not bool(np.all(r[1:] > r[:-1])):
-                    raise RuntimeError(f"table {st}: replica {k} of shard {emb.rank} sent unsorted or duplicate rows")
-                per_k.append((r, v))
-            self._average_store(st, routing.own[st], per_k, before[st])
-        self.stats["syncs"] += 1
-        emb.timer.add("replica.comm", t1 - t0)
-        emb.timer.add("replica.average", time.perf_counter() - t1)
+        return all_counts, g_rows, g_vals
 
     def _average_store(self, st: str, o, per_k: List[Tuple[np.ndarray, torch.Tensor]],
                        before: Tuple[torch.Tensor, torch.Tensor]) -> None:

@@ -35,7 +35,6 @@ import mmap
 import os
 import shutil
 import threading
-import time
 from typing import Dict, Optional, Tuple
 
 import numpy as np
@@ -162,32 +161,31 @@ class TieredRowStore:
     def _read_rows(self, rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Rows from the files (read in ascending order), the never-touched ones initialised; and which those were
         (the caller marks them materialised once they are held somewhere that is written back)."""
-        t0 = time.perf_counter()
-        order = np.argsort(rows, kind="stable")
-        srt = rows[order]
-        self._will_need(srt)
-        w = np.empty((len(rows), self.dim), dtype=np.float32)
-        s = np.empty(len(rows), dtype=np.float32)
-        w[order] = self.weight_file[srt]
-        s[order] = self.state_mem[srt]
-        fresh = ~self.materialized.numpy()[rows]
-        if fresh.any():
-            ids = self.placement.ids_of_rows(self.rank, rows[fresh])
-            w[fresh] = init_rows(self.seed, self.placement.table_id, ids, self.dim, self.init_scale, self.first_col)
-            s[fresh] = 0.0
-        self.timer.add("tier.read", time.perf_counter() - t0)
-        return w, s, fresh
+        with self.timer.span("tier.read"):
+            order = np.argsort(rows, kind="stable")
+            srt = rows[order]
+            self._will_need(srt)
+            w = np.empty((len(rows), self.dim), dtype=np.float32)
+            s = np.empty(len(rows), dtype=np.float32)
+            w[order] = self.weight_file[srt]
+            s[order] = self.state_mem[srt]
+            fresh = ~self.materialized.numpy()[rows]
+            if fresh.any():
+                ids = self.placement.ids_of_rows(self.rank, rows[fresh])
+                w[fresh] = init_rows(self.seed, self.placement.table_id, ids, self.dim, self.init_scale,
+                                     self.first_col)
+                s[fresh] = 0.0
+            return w, s, fresh
 
     def _write_rows(self, rows: np.ndarray, w: np.ndarray, s: np.ndarray) -> None:
-        t0 = time.perf_counter()
-        order = np.argsort(rows, kind="stable")
-        self._will_need(rows[order])  # a row is part of a page: the page is read before it is written
-        try:
-            self.weight_file[rows[order]] = w[order]
-            self.state_mem[rows[order]] = s[order]
-        except OSError as e:  # a full disk reaches a memory-mapped write as SIGBUS unless the blocks exist
-            raise TierError(f"{self.paths[0]}: writing rows failed ({e})") from e
-        self.timer.add("tier.write", time.perf_counter() - t0)
+        with self.timer.span("tier.write"):
+            order = np.argsort(rows, kind="stable")
+            self._will_need(rows[order])  # a row is part of a page: the page is read before it is written
+            try:
+                self.weight_file[rows[order]] = w[order]
+                self.state_mem[rows[order]] = s[order]
+            except OSError as e:  # a full disk reaches a memory-mapped write as SIGBUS unless the blocks exist
+                raise TierError(f"{self.paths[0]}: writing rows failed ({e})") from e
 
     def release_pages(self, touched_rows: int = -1) -> None:
         """Drop the mappings' pages from this process (the page cache keeps them) once the rows read or written
@@ -436,27 +434,6 @@ class TieredRowStore:
             w, s, _ = self._read_rows(np.arange(start, stop, dtype=np.int64))
             self.release_pages()
         return torch.from_numpy(w), torch.from_numpy(s)
-
-
-def tiered_store(name: str, placement: TablePlacement, rank: int, dim: int, seed: int, cfg, run_dir: str,
-                 world: int, table: str, first_col: int, dtype: torch.dtype,
-                 write_back: bool = True) -> TieredRowStore:
-    """The ``embedding.tier = mmap`` store of one table (or column shard) on ``rank``; its cache is sized by
-    :func:`split_cache` once every store of the rank exists."""
-    if dtype != torch.float32:
-        raise ValueError(f"embedding.tier=mmap stores float32 rows; the run's dtype is {dtype}")
-    store_dir = cfg.store_dir or os.path.join(run_dir or ".", "store")
-    return TieredRowStore(name, placement, rank, dim, seed, cfg.init_scale, store_dir, 1,
-                          os.path.abspath(run_dir or store_dir), world, table, first_col, write_back)
-
-
-def split_cache(stores: Dict[str, "TieredRowStore"], cache_mb: float, timer) -> None:
-    """``embedding.dram_cache_mb`` of this rank split over its tiered stores in proportion to their row bytes."""
-    total = sum(s.num_rows * (s.dim + 1) * 4 for s in stores.values()) or 1
-    for s in stores.values():
-        share = cache_mb * (1 << 20) * s.num_rows * (s.dim + 1) * 4 / total
-        s.resize_cache(int(share // ((s.dim + 1) * 4)))
-        s.timer = timer
 
 
 def _free_bytes(path: str) -> int:

@@ -6,17 +6,11 @@ groups; only where (which thread) and when they run differs:
     off     prefetch, h2d, route, retrieve, [embed a2a, dense, grad a2a] x N, update   - all on the compute thread
             (with ``pipe.route_ahead``, the next batch's prefetch and routing collectives are issued during this one)
     fwp     as off, but the N micro-batches run in the Frozen-Window Pipeline (``embed-comm``/``grad-comm`` threads)
+            (off and fwp: :class:`SequentialSchedule`)
     dbp     the five-stage Dual-Buffer Pipeline; micro-batches as in off
     nested  DBP between batches and FWP inside each batch (the default)
 
-DBP, per rank (threads joined by bounded queues; stages 1-3 run up to ``pipe.depth`` batches ahead, retrieval at
-most one, see :mod:`.dual_buffer`):
-
-    data     : read + prepare batch t+k              (1 data prefetch)
-    h2d      : model inputs of batch t+k to device    (2 H2D; its own stream on CUDA/NPU)
-    route    : key routing All2All of batch t+k       (3 key routing, group ``route``)
-    retrieve : gather batch t+1's rows from the store (4 embedding retrieval, into the prefetch buffer)
-    compute  : sync(t-1 -> t), forward/backward of t, update of t (5; groups ``embed``, ``grad``, ``dense``)
+DBP's five stages and their threads: :class:`DualBufferSchedule`; the invariant: :mod:`.dual_buffer`.
 
 The train loop (:mod:`nestpipe.trainer.loop`) is then the paper's algorithm:
 

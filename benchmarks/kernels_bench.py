@@ -23,8 +23,15 @@ Method (every ratio printed is measured in this one run):
     python benchmarks/kernels_bench.py --quick    # 4M-row store, fewer reps: under a minute
     python benchmarks/kernels_bench.py --default-pages   # the store on 4 KiB pages (torch.empty), for comparison
     python benchmarks/kernels_bench.py --bags     # only the pooled owner update: Numba kernel vs fbgemm's TBE backward
+    python benchmarks/kernels_bench.py --tuning   # the per-host choice: every bitwise-equal pair on the trainer's shapes
 
-Writes the record ``benchmarks/results/kernels.json`` (``kernels-bags.json`` with ``--bags``; ``benchmarks/record.py``).
+``--tuning``: every op with bitwise-equal paths (``nestpipe.kernels.tuning.EQUAL_PATHS``) timed by the trainer's own
+calibration (``tuning.time_op``: alternating paths, thread CPU time, results compared bitwise) on the shapes of
+``trainer_bench.py`` (pooled: 100k x 64 rows, 2 x 1,024 bags of 15-25 ids) and of its GR workload (unique-based: bags of
+one row), with the choice the calibration makes and how long it took.
+
+Writes the record ``benchmarks/results/kernels.json`` (``kernels-bags.json`` with ``--bags``, ``kernels-tuning.json``
+with ``--tuning``; ``benchmarks/record.py``).
 """
 
 from __future__ import annotations
@@ -156,6 +163,35 @@ def bags_bench(reps: int, rows: int, dim: int, bags: int) -> dict:
             "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3), "bitwise_equal": same}
 
 
+def tuning_bench(reps: int) -> dict:
+    """The calibration's own timing of every bitwise-equal pair, on the trainer benchmark's pooled shape and a GR
+    (unique-based) shape, and the choice it makes; how long one calibration takes."""
+    from nestpipe.kernels import tuning
+
+    print(host_line(describe_host()))
+    out = {"shapes": {}}
+    for name, shape in (("pooled", tuning.TuneShape(100_000, 64, 2 * 1024, 20)),
+                        ("gr", tuning.TuneShape(tuning.MAX_ROWS, 128, 2 * 64 * 100, 1))):
+        res = {}
+        for op in tuning.EQUAL_PATHS:
+            paths = tuning.candidates(op)
+            if not paths:
+                continue
+            timings, equal = tuning.time_op(op, shape, paths, reps=reps)
+            res[op] = {"timings_ms": timings, "bitwise_equal": equal}
+            print(f"{name:7s} {op:18s} " + ", ".join(f"{p} {ms:.3f} ms" for p, ms in timings.items())
+                  + f"; bitwise equal: {equal}")
+        t0 = time.perf_counter()
+        chosen = tuning.calibrate(shape)
+        took = time.perf_counter() - t0
+        print(f"{name:7s} calibration ({shape.key()}): {took:.2f} s, chooses "
+              + ", ".join(f"{op} {c['path']} (rule {c['rule']})" for op, c in chosen.items()))
+        out["shapes"][name] = {"shape": shape.key(), "ops": res, "calibration_s": round(took, 3),
+                               "choice": {op: c["path"] for op, c in chosen.items()},
+                               "rule": {op: c["rule"] for op, c in chosen.items()}}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--no-bags", action="store_true", help="leave out the pooled owner update (adagrad_bags)")
@@ -180,13 +216,18 @@ def main():
         help="threads for torch and numba alike (default 1: the cores here are shared; with more than one the "
         "clock is wall time)",
     )
+    ap.add_argument("--tuning", action="store_true",
+                    help="only the per-host choice: every bitwise-equal pair of paths timed on the trainer's shapes")
     args = ap.parse_args()
-    rec = Recorder("kernels-bags" if args.bags else "kernels", script=__file__)
+    rec = Recorder("kernels-tuning" if args.tuning else "kernels-bags" if args.bags else "kernels", script=__file__)
     store_rows = args.store_rows or (4_000_000 if args.quick else 32_000_000)
     reps = args.reps or (7 if args.quick else 15)
     torch.set_num_threads(args.threads)
     if args.bags:
         rec.write({"adagrad_bags": bags_bench(reps, 100_000, args.dim, 2048), "threads": args.threads})
+        return
+    if args.tuning:
+        rec.write(tuning_bench(reps))
         return
     import numba
 

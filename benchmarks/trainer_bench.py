@@ -107,6 +107,7 @@ def nestpipe_worker(rank: int, world: int, a, port: int, q):
     import torch.distributed as dist
 
     from nestpipe.datasets.shards import Manifest, TableSpec
+    from nestpipe.kernels import tuning
     from nestpipe.trainer.config import TrainConfig
     from nestpipe.trainer.models import model_spec
     from nestpipe.trainer.pipeline import auto
@@ -126,6 +127,11 @@ def nestpipe_worker(rank: int, world: int, a, port: int, q):
     cfg.embedding.placement = a.placement
     cfg.dlrm.bottom_mlp, cfg.dlrm.top_mlp, cfg.dlrm.cross_layers = (128, a.dim), (256,), 0
     state = build_state(cfg, man, rank, world, torch.device("cpu"))
+    # the kernel paths `nestpipe train` takes (train.tune_kernels): this host's measured choice among equal paths
+    lay = state.emb.slot_layout
+    kernel_choice = tuning.choose_for_run(
+        tuning.TuneShape.of_run(lay.store_rows, lay.store_dims, a.batch, world, pooled=True), torch.device("cpu"),
+        rank, world, tune=not a.no_tune_kernels)
     # the micro-batching `nestpipe train` resolves for off (pipe.micro_batching = auto: DLRM trains a batch whole)
     state.micro_batching = auto.micro_batching_for(cfg.pipe.micro_batching, "off",
                                                    model_spec(cfg.model).partition_invariant(cfg))
@@ -161,6 +167,7 @@ def nestpipe_worker(rank: int, world: int, a, port: int, q):
     layout = {t: list(table_owners(state.emb.plan, t)) or list(range(world)) for t in tables}
     q.put({"rank": rank, "elapsed": el, "cpu_s": cpu, "steps": a.steps, "loss": loss, "stage_s_per_step": stages,
            "layout": layout, "default_schedule": schedule, "micro_batching": state.micro_batching,
+           "kernel_choice": kernel_choice,
            "micro_batches": 1 if state.micro_batching == "whole" else a.micro_batches})
     dist.destroy_process_group()
 
@@ -199,7 +206,8 @@ def bench_nestpipe(a):
 
     from nestpipe.kernels import kernel_paths
 
-    return {"samples_per_s_per_rank": a.batch * a.steps / el, "kernel_paths": kernel_paths(torch.device("cpu")), "ms_per_step": 1000 * el / a.steps,
+    return {"samples_per_s_per_rank": a.batch * a.steps / el, "kernel_paths": kernel_paths(torch.device("cpu")),
+            "kernel_choice": res[0]["kernel_choice"], "ms_per_step": 1000 * el / a.steps,
             # process CPU time (all threads) per step: less sensitive than wall time to other load on shared cores
             "cpu_ms_per_step_per_rank": [round(1000 * r["cpu_s"] / a.steps, 1) for r in res],
             "final_loss": res[0]["loss"], "placement": a.placement,
@@ -566,6 +574,9 @@ def main(argv=None):
     p.add_argument("--torchrec-python", default=os.environ.get("TORCHREC_PYTHON"),
                    help="a python with torchrec 1.8 + fbgemm-gpu-cpu (e.g. /tmp/torchrec-venv/bin/python)")
     p.add_argument("--skip-nestpipe", action="store_true")
+    p.add_argument("--no-tune-kernels", action="store_true",
+                   help="NestPipe takes the fixed rule's kernel paths (default: the per-host measured choice among "
+                   "bitwise-equal paths, as nestpipe train does; NESTPIPE_KERNELS forces one)")
     p.add_argument("--big", action="store_true", help="the 32M-row KuaiRand-27K item vocabulary step (see above)")
     p.add_argument("--big-rows", type=int, default=32_038_725)
     p.add_argument("--big-batch", type=int, default=128)

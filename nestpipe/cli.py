@@ -24,6 +24,7 @@ COMMANDS = {
     "eval": "nestpipe.trainer.cli",
     "export": "nestpipe.trainer.cli",
     "kernels-info": "nestpipe.kernels.cli",
+    "kernels-tune": "nestpipe.kernels.cli",
     "plan": "nestpipe.planning.cli",
     "simulate": "nestpipe.measure.cli",
     "measure": "nestpipe.measure.cli",

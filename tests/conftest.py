@@ -6,6 +6,13 @@ handed out in collection order; long modules handed out last would leave one wor
 
 from __future__ import annotations
 
+import os
+import tempfile
+
+# Trainings measure their kernel choice once per host and cache it (nestpipe.kernels.tuning): the suite keeps that
+# cache in a directory of its own (per test process, inherited by the ranks it launches), never the user's.
+os.environ.setdefault("NESTPIPE_CACHE_DIR", tempfile.mkdtemp(prefix="nestpipe-test-cache-"))
+
 
 def pytest_collection_modifyitems(config, items):
     slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}

@@ -49,11 +49,11 @@ from .row_placement import (
     splitmix64,
 )
 from .routing import RoutedKeys, route
-from .select import OPS, forced, kernel_paths, note, reset_taken, select_path, taken_paths
+from .select import OPS, forced, kernel_paths, kernel_rule, note, reset_taken, select_path, taken_paths
 
 __all__ = [
     "MAX_VOCAB", "OPS", "RoutedKeys", "place_keys", "adagrad_bags", "adagrad_update", "affine_params", "block_size", "dual_buffer_sync",
-    "dual_buffer_sync_rows", "gather_rows", "gather_to_device", "kernel_paths", "map_into_vocab", "owner_num_rows", "placement",
+    "dual_buffer_sync_rows", "gather_rows", "gather_to_device", "kernel_paths", "kernel_rule", "map_into_vocab", "owner_num_rows", "placement",
     "placement_hash", "pool_segments", "pooled_lookup", "route_keys", "select_path", "sequence_lookup", "splitmix64",
     "dedup_rows", "csr_by_segment", "micro_batch_values", "pooled_owner_plan", "taken_paths", "reset_taken", "forced",
     "hstu_attention", "concat_ranges", "row_runs",

@@ -105,12 +105,24 @@ def has_torch_npu() -> bool:
 
 
 def select_path(op: str, device: Union[str, torch.device]) -> str:
-    """The path op ``op`` takes for tensors on ``device`` (one of :data:`PATHS`)."""
+    """The path op ``op`` takes for tensors on ``device`` (one of :data:`PATHS`): a forced path, else this host's
+    measured choice (:mod:`.tuning`, CPU only: among bitwise-equal paths), else the rule."""
     if op not in OPS:
         raise ValueError(f"unknown kernel op {op!r}; ops are {', '.join(OPS)}")
     override = _override(op)
     if override is not None:
         return override
+    if op in _TUNED and _device_kind(device) == "cpu":
+        return _TUNED[op]
+    return rule_path(op, device)
+
+
+def _device_kind(device: Union[str, torch.device]) -> str:
+    return device if isinstance(device, str) and device in ("cpu", "cuda", "npu") else torch.device(device).type
+
+
+def rule_path(op: str, device: Union[str, torch.device]) -> str:
+    """The fixed rule's path (the table above), whatever was forced or measured."""
     kind = torch.device(device).type
     if op == "hstu_attention":  # the dense model's jagged attention (autograd); padded torch ops elsewhere
         return ("numba" if has_numba() else "blocked") if kind == "cpu" else \
@@ -141,6 +153,36 @@ def select_path(op: str, device: Union[str, torch.device]) -> str:
 
 
 _FORCED: Dict[str, str] = {}  # the innermost ``forced`` block's per-op paths
+_TUNED: Dict[str, str] = {}  # this process's measured choices among bitwise-equal paths (tuning.apply)
+
+
+def set_tuned(paths: Dict[str, str]) -> None:
+    """Take ``paths`` (``{op: path}``, from :mod:`.tuning`) on CPU where nothing is forced, replacing earlier ones."""
+    bad = {op: p for op, p in paths.items() if op not in OPS or p not in PATHS}
+    if bad:
+        raise ValueError(f"set_tuned: unknown op or path in {bad}")
+    _TUNED.clear()
+    _TUNED.update(paths)
+
+
+def tuned_paths() -> Dict[str, str]:
+    return dict(_TUNED)
+
+
+@contextlib.contextmanager
+def without_tuning() -> Iterator[None]:
+    """Inside the block, the measured choices are set aside (the rule and forced paths only)."""
+    saved = tuned_paths()
+    _TUNED.clear()
+    try:
+        yield
+    finally:
+        set_tuned(saved)
+
+
+def forced_path(op: str):
+    """The path forced for ``op`` (``NESTPIPE_KERNELS`` or a :func:`forced` block), or None."""
+    return _override(op)
 
 
 def _parse_overrides(text: str) -> Dict[str, str]:
@@ -179,6 +221,11 @@ def forced(paths: Union[str, Dict[str, str]]) -> Iterator[None]:
     finally:
         _FORCED.clear()
         _FORCED.update(saved)
+
+
+def kernel_rule(device: Union[str, torch.device]) -> Dict[str, str]:
+    """``{op: path}`` of the fixed rule for ``device`` (nothing forced or measured)."""
+    return {op: rule_path(op, device) for op in OPS}
 
 
 def kernel_paths(device: Union[str, torch.device]) -> Dict[str, str]:

@@ -139,6 +139,10 @@ class _TrainConfigBase:
                                "chooses off: the parallel CPU kernels must not run from several pipeline threads)",
                        minimum=1)
     flush_denormal: bool = opt(True, help="flush subnormal floats to zero (FTZ/DAZ) in the rank's threads")
+    tune_kernels: bool = opt(
+        True, help="CPU: among kernel paths that compute bitwise the same result, take the fastest on this host, "
+        "measured once per host and shape (about a second) and cached under $NESTPIPE_CACHE_DIR or ~/.cache/nestpipe; "
+        "off: the fixed rule. NESTPIPE_KERNELS still forces a path (see nestpipe kernels-tune)")
     timeout_s: float = opt(60.0, help="process-group timeout in seconds", minimum=0)
     checkpoint_every: int = opt(0, help="checkpoint every K steps (0: only at the end)", minimum=0)
     sparse_groups: int = opt(

@@ -16,13 +16,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Iterator, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from nestpipe.kernels import kernel_paths, reset_taken, taken_paths
+from nestpipe.kernels import kernel_rule, reset_taken, taken_paths, tuning
 from nestpipe.kernels.memory import huge_pages_mode
 from nestpipe.planning.planner import format_plan, save_plan
 from nestpipe.trainer import testing_hooks
@@ -74,6 +74,7 @@ class RankRun:
     steps: int
     state: StepState
     schedule: auto.ScheduleChoice  # the schedule this run trains with (--pipeline, or auto's choice) and why
+    kernel_choice: Dict[str, Dict[str, object]]  # the kernel paths taken among equal ones, and where each came from
     early: Optional[early_stop.EarlyStop] = None  # early stopping on the valid split, where the run does it
 
 
@@ -171,7 +172,12 @@ def set_up(cfg: TrainConfig, device: Device, rank: int, world: int,
                            intra_op_threads=cfg.threads)
     state.micro_batching = schedule.micro_batching
     state.total_steps = steps
-    return RankRun(cfg, device, rank, world, hooks, flush_denormal, stream, steps, state, schedule, early)
+    lay = state.emb.slot_layout
+    shape = tuning.TuneShape.of_run(lay.store_rows, lay.store_dims, stream.manifest.batch_size, world,
+                                    pooled="reduction" in state.emb.kinds.values())
+    kernel_choice = tuning.choose_for_run(shape, device.torch, rank, world, cfg.tune_kernels)
+    return RankRun(cfg, device, rank, world, hooks, flush_denormal, stream, steps, state, schedule, kernel_choice,
+                   early)
 
 
 def resume_step(run: RankRun) -> int:
@@ -197,7 +203,8 @@ def announce(run: RankRun, start: int, log: ScalarLog) -> None:
     log.write(
         start, event="start", resumed_from_step=start, world=run.world, steps=run.steps, pipeline=run.schedule.schedule,
         pipeline_choice=run.schedule.to_dict(),
-        dropped_batches=run.stream.dropped, kinds=emb.kinds, kernel_rule=kernel_paths(run.device.torch),
+        dropped_batches=run.stream.dropped, kinds=emb.kinds, kernel_rule=kernel_rule(run.device.torch),
+        kernel_choice=run.kernel_choice,
         store_huge_pages=_huge_pages(cfg), flush_denormal=run.flush_denormal, testing_hooks=run.hooks.changed())
 
 
@@ -299,7 +306,8 @@ def report(run: RankRun, runner: PipelineRunner, start: int, progress: Progress,
                    "steps_run": done, "resumed_from_step": start, "final_loss": loss,
                    "samples_per_s": total_sps, "samples_per_s_per_rank": [g["samples_per_s"] for g in gathered],
                    "per_rank": gathered, "exchange_kinds": state.emb.kinds,
-                   "kernel_paths": _union_paths(gathered), "kernel_rule": kernel_paths(run.device.torch),
+                   "kernel_paths": _union_paths(gathered), "kernel_rule": kernel_rule(run.device.torch),
+                   "kernel_choice": run.kernel_choice,
                    "store_huge_pages": _huge_pages(cfg),
                    "flush_denormal": run.flush_denormal, "testing_hooks": run.hooks.changed(),
                    **exposure_summary(gathered, cfg.pipe.baseline_metrics), **balance_summary(gathered)}

@@ -1,14 +1,15 @@
 """The per-stage timeline: spans (thread, stage, step, micro-batch, start, end), Chrome trace JSON, a PNG Gantt chart,
 and the overlap queries the tests assert on.
 
-Each rank records its own spans (thread-safe) for steps ``[first_step, first_step + max_steps)``; times are seconds
+Spans come from :meth:`nestpipe.utils.timing.StageTimer.span` (the stage timer's trace is this rank's
+:class:`Timeline`) or, for intervals measured by hand, :meth:`Timeline.record`. Each rank records its own spans
+(thread-safe) for steps ``[first_step, first_step + max_steps)``; times are seconds
 since the rank's origin, and the origin's wall-clock time aligns ranks in the merged trace (``RUN/trace.json``,
 one Chrome-trace process per rank, one track per thread; opens in Perfetto or chrome://tracing).
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
@@ -46,14 +47,6 @@ class Timeline:
         with self._lock:
             self.spans.append({"rank": self.rank, "thread": thread, "stage": stage, "step": int(step),
                                "mb": int(mb), "t0": t0 - self.origin, "t1": t1 - self.origin})
-
-    @contextlib.contextmanager
-    def span(self, stage: str, step: int, mb: int = -1):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.record(stage, step, mb, t0, time.perf_counter())
 
     def export(self) -> Dict:
         with self._lock:

@@ -209,6 +209,16 @@ def trainer_lines(rec: Dict) -> List[str]:
                      f"TorchRec's CPU time per step {f['cpu_ratio_torchrec_over_nestpipe']:.2f}x NestPipe's.")
     else:
         lines.append("TorchRec side not run in this record (no `--torchrec-python`): no ratio.")
+    forced = f.get("nestpipe_forced") or []
+    if forced and "ratio_nestpipe_over_torchrec" in f:
+        lines += ["", "NestPipe's kernel paths in this invocation, each against the same TorchRec run: the per-host "
+                  "choice " + ", ".join(f"`{op}` {c['path']} ({c['source']})" for op, c in
+                                        f["nestpipe"].get("kernel_choice", {}).items())
+                  + f": {f['ratio_nestpipe_over_torchrec']:.2f}; "
+                  + "; ".join(f"`{r['forced']}` forced: {r['ratio_over_torchrec']:.2f}" for r in forced) + "."]
+    elif "nestpipe" in f and f["nestpipe"].get("kernel_choice"):
+        lines += ["", "NestPipe's kernel paths (the per-host choice): " + ", ".join(
+            f"`{op}` {c['path']} ({c['source']})" for op, c in f["nestpipe"]["kernel_choice"].items()) + "."]
     if "nestpipe" in f:
         lines += ["", "NestPipe's stage timers (wall time, rank 0), ms per step: " + ", ".join(
             f"{k} {v:.1f}" for k, v in f["nestpipe"]["stages_ms_per_step_rank0"].items() if v >= 0.05) + "."]
@@ -383,6 +393,27 @@ def kernels_lines(rec: Dict) -> List[str]:
     return lines
 
 
+def kernels_tuning_lines(rec: Dict) -> List[str]:
+    rows = []
+    for name, sh in rec["figures"]["shapes"].items():
+        for op, r in sh["ops"].items():
+            rows.append([name, f"`{sh['shape']}`", f"`{op}`", ", ".join(f"{p} {ms:.2f}" for p, ms in
+                                                                    r["timings_ms"].items()),
+                         "yes" if r["bitwise_equal"] else "**no**", sh["choice"].get(op, "-"), sh["rule"].get(op, "-")])
+    lines = _table(["workload", "shape", "op", "ms per call (thread CPU, median)", "results bitwise equal",
+                    "chosen", "rule"], rows)
+    lines += ["", "One calibration (every op of the shape): " + ", ".join(
+        f"{name} {sh['calibration_s']:.2f} s" for name, sh in rec["figures"]["shapes"].items()) + "."]
+    return lines
+
+
+def kernels_tuning_summary(rec: Dict) -> str:
+    sh = rec["figures"]["shapes"]
+    pooled = sh.get("pooled") or next(iter(sh.values()))
+    return "per-host choice on the pooled shape: " + ", ".join(f"`{op}` {p} (rule {pooled['rule'][op]})"
+                                                               for op, p in pooled["choice"].items())
+
+
 def kernels_summary(rec: Dict) -> str:
     f = rec["figures"]
     parts = [f"{o['op'].split(' ')[0]} {o['speedup']:.2f}x the unfused torch ops" for o in f.get("ops", [])
@@ -503,6 +534,14 @@ SECTIONS = [
          means="`gather_rows` runs `torch.index_select` on CPU (the reference path), so its row is a bandwidth "
                "figure, not a speedup. Only CPU paths are measured: the Triton and NPU paths have not run on "
                "hardware."),
+    dict(name="kernels-tuning", title="Per-host kernel choice", anchor="per-host-kernel-choice",
+         command="python benchmarks/kernels_bench.py --tuning",
+         what="Every op with two paths that compute bitwise the same result (`nestpipe.kernels.tuning.EQUAL_PATHS`), "
+              "timed by the trainer's own calibration (paths alternating, thread CPU time, results compared bitwise) "
+              "on the trainer benchmark's pooled shape and a GR (unique-based) shape, and the choice it makes.",
+         render=kernels_tuning_lines, summary=kernels_tuning_summary,
+         means="The choice holds for this record's host: the cache is keyed by the host's fingerprint, and another "
+               "host measures again. Only equal paths are compared, so the choice changes time, never a result."),
     dict(name="simulator_validation", title="Simulator validation", anchor="simulator-validation",
          command="python benchmarks/simulator_validation.py --repeats 2 --steps 10",
          what="`nestpipe simulate --calibrate RUN` fitted on one measured `--pipeline off` run (world 2, 8 "

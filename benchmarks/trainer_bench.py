@@ -219,6 +219,23 @@ def bench_nestpipe(a):
             "versions": _versions(("torch", "fbgemm-gpu-cpu", "numba", "numpy")), "threads_per_rank": 1}
 
 
+def bench_nestpipe_forced(a, paths: str) -> dict:
+    """NestPipe's step with ``paths`` forced on both ranks (``NESTPIPE_KERNELS``, inherited by the spawned ranks)."""
+    saved = os.environ.get("NESTPIPE_KERNELS")
+    os.environ["NESTPIPE_KERNELS"] = paths
+    try:
+        r = bench_nestpipe(a)
+    finally:
+        if saved is None:
+            os.environ.pop("NESTPIPE_KERNELS")
+        else:
+            os.environ["NESTPIPE_KERNELS"] = saved
+    print(f"NestPipe with {paths} forced: {r['samples_per_s_per_rank']:.0f} samples/s per rank "
+          f"({r['ms_per_step']:.1f} ms/step)", flush=True)
+    return {"forced": paths, **{k: r[k] for k in ("samples_per_s_per_rank", "ms_per_step", "cpu_ms_per_step_per_rank",
+                                                  "stages_ms_per_step_rank0")}}
+
+
 def _versions(names) -> dict:
     import importlib.metadata as md
 
@@ -574,6 +591,10 @@ def main(argv=None):
     p.add_argument("--torchrec-python", default=os.environ.get("TORCHREC_PYTHON"),
                    help="a python with torchrec 1.8 + fbgemm-gpu-cpu (e.g. /tmp/torchrec-venv/bin/python)")
     p.add_argument("--skip-nestpipe", action="store_true")
+    p.add_argument("--forced-paths", nargs="+", default=[], metavar="OP:PATH[,OP:PATH]",
+                   help="also time NestPipe with each of these kernel paths forced (NESTPIPE_KERNELS syntax, e.g. "
+                   "adagrad_bags:numba adagrad_bags:fbgemm), in this invocation, each beside the measured choice "
+                   "and compared with the same TorchRec run")
     p.add_argument("--no-tune-kernels", action="store_true",
                    help="NestPipe takes the fixed rule's kernel paths (default: the per-host measured choice among "
                    "bitwise-equal paths, as nestpipe train does; NESTPIPE_KERNELS forces one)")
@@ -624,6 +645,9 @@ def main(argv=None):
                   + ("" if ds["schedule"] == "off" else "; this benchmark times off: see pipeline_bench.py for "
                      "the pipelined schedules"), flush=True)
             print(f"  versions {out['nestpipe']['versions']}", flush=True)
+            print("  kernel choice: " + ", ".join(f"{op} {c['path']} ({c['source']})" for op, c in
+                                                  out["nestpipe"]["kernel_choice"].items()), flush=True)
+            out["nestpipe_forced"] = [bench_nestpipe_forced(a, paths) for paths in a.forced_paths]
         if a.torchrec_python:
             runs = [bench_torchrec(a, plan) for plan in a.torchrec_plans]
             for r in runs:
@@ -643,6 +667,9 @@ def main(argv=None):
                 print(f"ratio NestPipe / TorchRec ({out['torchrec']['plan_kind']} plan, the faster; this run): "
                       f"{out['ratio_nestpipe_over_torchrec']:.2f} in samples/s; "
                       f"{out['cpu_ratio_torchrec_over_nestpipe']:.2f} in CPU time per step (TorchRec / NestPipe)")
+            for r in out.get("nestpipe_forced", []):
+                r["ratio_over_torchrec"] = r["samples_per_s_per_rank"] / out["torchrec"]["samples_per_s_per_rank"]
+                print(f"  with {r['forced']} forced: NestPipe / TorchRec {r['ratio_over_torchrec']:.2f}")
         else:
             print("TorchRec side skipped: pass --torchrec-python PATH (a venv with torchrec 1.8, fbgemm-gpu-cpu 1.8)")
     out["load_average_after"] = os.getloadavg()

@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from nestpipe import kernels
 from nestpipe.kernels import select, tuning
 from nestpipe.measure.launcher import run_plan, write_run
 from nestpipe.trainer.export import assemble
@@ -34,6 +35,16 @@ def test_only_equal_paths_are_candidates_and_they_agree_on_the_calibration_data(
     for op, c in measured.items():
         assert c["equal"], op  # the calibration compared the candidates' results bitwise
         assert c["path"] in tuning.candidates(op) and set(c["timings_ms"]) == set(tuning.candidates(op))
+
+
+def test_the_calibrations_calls_are_not_in_the_runs_record(cache):
+    select.reset_taken()
+    tuning.calibrate(SMALL)
+    assert select.taken_paths() == {}  # metrics.json's kernel_paths lists what training executed
+    # negative control: the same kind of call outside the calibration is recorded
+    w, s = torch.zeros(8, 4), torch.zeros(8)
+    kernels.adagrad_bags(w, s, torch.tensor([1, 2]), torch.tensor([0, 1, 2]), torch.ones(2, 4), 0.1)
+    assert "adagrad_bags" in select.taken_paths()
 
 
 def test_a_faster_path_whose_results_differ_is_never_chosen(cache, monkeypatch):

@@ -574,13 +574,15 @@ def _paths_problem(recorded, rule):
 @pytest.mark.parametrize("name", ["off", "nested"])
 def test_kernel_paths_record_what_ran(runs, model, name):
     m = json.load(open(os.path.join(runs[(2, model, name)], "metrics.json")))
-    assert _paths_problem(m["kernel_paths"], m["kernel_rule"]) is None, m["kernel_paths"]
+    # what the run selects: the rule, with this host's measured choice among bitwise-equal paths over it
+    selected = dict(m["kernel_rule"], **{op: c["path"] for op, c in m["kernel_choice"].items()})
+    assert _paths_problem(m["kernel_paths"], selected) is None, m["kernel_paths"]
     assert all(r["kernel_paths"] for r in m["per_rank"])  # every rank noted its calls, with counts
     # the data stage, the routing, the owner update and the exchange all went through the dispatch
     assert set(m["kernel_paths"]) >= {"place_keys", "adagrad_bags", "pool_segments", "micro_batch_values"}, \
         m["kernel_paths"]
-    # the owner update took the host's rule (fbgemm's TBE on AVX-512 hosts with fbgemm_gpu, else numba), not a fallback
-    assert set(m["kernel_paths"]["adagrad_bags"]) == {m["kernel_rule"]["adagrad_bags"]}, m["kernel_paths"]
+    # the owner update took the selected path (a compiled one: numba or fbgemm's TBE), not a fallback
+    assert set(m["kernel_paths"]["adagrad_bags"]) == {selected["adagrad_bags"]}, m["kernel_paths"]
     if model == "dlrm":  # its pooled tables' owner plans too
         assert "pooled_owner_plan" in m["kernel_paths"], m["kernel_paths"]
         # the record is this run's own: the hstu runs trained before it in the same rank processes are not in it
@@ -589,9 +591,9 @@ def test_kernel_paths_record_what_ran(runs, model, name):
         assert set(m["kernel_paths"].get("hstu_attention", [])) & {"numba", "blocked"}, m["kernel_paths"]
     # negative controls: the rule's table (what metrics.json held before) lists paths this run never took; a
     # fallback to the references where the rule picks a kernel is caught
-    assert _paths_problem({op: [p] for op, p in m["kernel_rule"].items()}, m["kernel_rule"]) is not None
-    fallback = {op: ["reference"] for op in m["kernel_paths"] if m["kernel_rule"].get(op, "reference") != "reference"}
-    assert not fallback or _paths_problem(fallback, m["kernel_rule"]) is not None
+    assert _paths_problem({op: [p] for op, p in selected.items()}, selected) is not None
+    fallback = {op: ["reference"] for op in m["kernel_paths"] if selected.get(op, "reference") != "reference"}
+    assert not fallback or _paths_problem(fallback, selected) is not None
 
 
 def test_export_refuses_diverged_data_parallel_replicas(runs, tmp_path):

@@ -256,6 +256,20 @@ def taken_paths() -> Dict[str, Dict[str, int]]:
         return {op: dict(sorted(paths.items())) for op, paths in sorted(_TAKEN.items())}
 
 
+@contextlib.contextmanager
+def calls_unrecorded() -> Iterator[None]:
+    """Calls inside the block are not part of :func:`taken_paths` (the kernel calibration's own calls: a run's
+    record lists what its training executed)."""
+    with _TAKEN_LOCK:
+        saved = {op: dict(paths) for op, paths in _TAKEN.items()}
+    try:
+        yield
+    finally:
+        with _TAKEN_LOCK:
+            _TAKEN.clear()
+            _TAKEN.update(saved)
+
+
 def reset_taken() -> None:
     """Forget the calls noted so far (a trainer calls it when a run starts)."""
     with _TAKEN_LOCK:

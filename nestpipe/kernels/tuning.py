@@ -187,7 +187,13 @@ def _adagrad_bags_pass(case, path: str):
 
 
 def _lookup_case(shape: TuneShape, calls: int, rng: np.random.Generator):
-    return _floats(rng, shape.rows, shape.dim), [_bags_case(shape, rng) for _ in range(calls)], shape.bags, shape.dim
+    """Pooled bags (segment sums) or, with bags of one row (unique-based tables), row copies: the trainer's two
+    uses of ``pool_segments``."""
+    if shape.pooling <= 1:
+        cases = [(torch.from_numpy(rng.integers(0, shape.rows, size=shape.bags)), None) for _ in range(calls)]
+    else:
+        cases = [_bags_case(shape, rng) for _ in range(calls)]
+    return _floats(rng, shape.rows, shape.dim), cases, shape.bags, shape.dim
 
 
 def _lookup_pass(case, path: str):
@@ -239,11 +245,12 @@ def time_op(op: str, shape: TuneShape, paths: List[str], reps: int = 5, rounds: 
     case = make(shape, reps + 1, np.random.default_rng(0))
     times: Dict[str, List[float]] = {p: [] for p in paths}
     results = {}
-    for k in range(rounds):
-        for p in (paths if k % 2 == 0 else list(reversed(paths))):
-            t, out = run(case, p)
-            times[p] += t[1:]
-            results.setdefault(p, out)
+    with select.calls_unrecorded():
+        for k in range(rounds):
+            for p in (paths if k % 2 == 0 else list(reversed(paths))):
+                t, out = run(case, p)
+                times[p] += t[1:]
+                results.setdefault(p, out)
     first = results[paths[0]]
     equal = all(all(torch.equal(x, y) for x, y in zip(first, results[p])) for p in paths[1:])
     return {p: round(statistics.median(v) * 1e3, 4) for p, v in times.items()}, equal

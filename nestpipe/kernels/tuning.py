@@ -10,6 +10,7 @@ What may be swapped (:data:`EQUAL_PATHS`, CPU only), each pair shown bitwise equ
     adagrad_bags      numba <-> fbgemm      tests/test_kernels.py::test_adagrad_bags_numba_equals_fbgemm_bitwise
     lookup            numba <-> reference   tests/test_kernels.py::test_pool_segments_bitwise_equals_index_add
     dual_buffer_sync  numba <-> reference   tests/test_kernels.py::test_dual_buffer_sync_rows_exact (copies)
+    place_keys        numba <-> reference   tests/test_hashing.py::test_place_keys_paths_agree (integer arithmetic)
 
 Never swapped by timing (:data:`NOT_TIMED`): ``hstu_attention`` (numba's exact loops and the blocked tiles round
 differently), ``adagrad_update`` (the reference builds per-entry gradients, another summation order), and every
@@ -44,12 +45,14 @@ import torch.distributed as dist
 
 from nestpipe import kernels
 from nestpipe.kernels import select
+from nestpipe.kernels.row_placement import affine_params
 from nestpipe.utils.host import describe_host
 
 EQUAL_PATHS: Dict[str, Tuple[str, ...]] = {
     "adagrad_bags": ("numba", "fbgemm"),
     "lookup": ("numba", "reference"),
     "dual_buffer_sync": ("numba", "reference"),
+    "place_keys": ("numba", "reference"),
 }
 NOT_TIMED: Dict[str, str] = {
     "hstu_attention": "numba's exact loops and the blocked tiles round differently",
@@ -233,8 +236,29 @@ def _dual_buffer_sync_pass(case, path: str):
     return times, tuple(outs)
 
 
+def _place_keys_case(shape: TuneShape, calls: int, rng: np.random.Generator):
+    """The requester's routing of a batch's distinct keys over two owners (a table of twice the rows)."""
+    vocab = 2 * shape.rows
+    a, b = affine_params(0, vocab)
+    n = min(vocab, shape.bags * shape.pooling)
+    return [rng.integers(0, vocab, size=n) for _ in range(calls)], a, b, vocab, -(-vocab // 2)
+
+
+def _place_keys_pass(case, path: str):
+    calls, a, b, vocab, rows_per_shard = case
+    outs, times = [], []
+    with select.forced({"place_keys": path}):
+        for ids in calls:
+            t0 = time.thread_time()
+            owner, row = kernels.place_keys(ids, a, b, vocab, rows_per_shard)
+            times.append(time.thread_time() - t0)
+            outs += [torch.from_numpy(owner), torch.from_numpy(row)]
+    return times, tuple(outs)
+
+
 _CASES = {"adagrad_bags": (_adagrad_bags_case, _adagrad_bags_pass), "lookup": (_lookup_case, _lookup_pass),
-          "dual_buffer_sync": (_dual_buffer_sync_case, _dual_buffer_sync_pass)}
+          "dual_buffer_sync": (_dual_buffer_sync_case, _dual_buffer_sync_pass),
+          "place_keys": (_place_keys_case, _place_keys_pass)}
 
 
 def time_op(op: str, shape: TuneShape, paths: List[str], reps: int = 5, rounds: int = 2

@@ -8,6 +8,8 @@ nothing but time, so it may be made by timing them.
 What may be swapped (:data:`EQUAL_PATHS`, CPU only), each pair shown bitwise equal by a test:
 
     adagrad_bags      numba <-> fbgemm      tests/test_kernels.py::test_adagrad_bags_numba_equals_fbgemm_bitwise
+                                            (row widths that are multiples of 8 only: fbgemm sums the tail lanes in
+                                            another order, so other widths keep the Numba kernel)
     lookup            numba <-> reference   tests/test_kernels.py::test_pool_segments_bitwise_equals_index_add
     dual_buffer_sync  numba <-> reference   tests/test_kernels.py::test_dual_buffer_sync_rows_exact (copies)
     place_keys        numba <-> reference   tests/test_hashing.py::test_place_keys_paths_agree (integer arithmetic)
@@ -17,9 +19,9 @@ differently), ``adagrad_update`` (the reference builds per-entry gradients, anot
 accelerator path. The calibration also compares the candidates' results on its own data and drops a path that
 differs, so a pair that stopped being equal (a new library version) is never chosen.
 
-How: :func:`calibrate` times each candidate on shapes from the run (:class:`TuneShape`: the largest store's rows
-(capped), its dim, the owner's bags per update), alternating the paths, a few repetitions each (about a second in
-all on a 2-core host); the fastest median wins unless it is within 3% of the rule's path (ties keep the rule). The
+How: :func:`calibrate` times each candidate on shapes from the run (:class:`TuneShape`: the largest store's rows,
+capped at 131,072 rows and 32 MiB, its dim, the owner's bags per update), for the ops the run calls only,
+alternating the paths, a few repetitions each (about a second in all on a 2-core host); the fastest median wins unless it is within 3% of the rule's path (ties keep the rule). The
 result is cached per host fingerprint (CPU model, instruction-set flags, usable cores, torch / numba / fbgemm_gpu /
 nestpipe versions) and shape in ``$NESTPIPE_CACHE_DIR`` (default ``~/.cache/nestpipe``)``/kernels/``; a cache
 written on another host (another fingerprint) is ignored. A path forced by ``NESTPIPE_KERNELS`` wins over the cache
@@ -62,6 +64,7 @@ CACHE_ENV = "NESTPIPE_CACHE_DIR"
 CACHE_FORMAT = 1
 TIE = 0.03  # a candidate must beat the rule's path by more than this fraction to replace it
 MAX_ROWS = 1 << 17  # calibration table rows (a larger table's gathers are memory-bound alike for every path)
+MAX_TABLE_BYTES = 32 << 20  # and at most this many bytes of rows: wide rows get fewer (a bounded calibration)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +92,8 @@ class TuneShape:
         if not store_rows:
             return TuneShape(1024, 64, batch_size * world, 20 if pooled else 1)
         big = max(store_rows, key=lambda s: store_rows[s])
-        return TuneShape(min(store_rows[big], MAX_ROWS), store_dims[big], batch_size * world, 20 if pooled else 1)
+        rows = min(store_rows[big], MAX_ROWS, max(1024, MAX_TABLE_BYTES // (4 * store_dims[big])))
+        return TuneShape(rows, store_dims[big], batch_size * world, 20 if pooled else 1)
 
 
 # -- the host -------------------------------------------------------------------------------------------------------
@@ -150,12 +154,15 @@ def store_cache(fp: Dict[str, object], shape_key: str, result: Dict[str, Dict[st
 
 
 # -- candidates and their timing --------------------------------------------------------------------------------------
-def candidates(op: str, device: str = "cpu") -> List[str]:
-    """The paths of ``op`` that may be swapped on ``device`` and are available here (empty: nothing to tune)."""
+def candidates(op: str, device: str = "cpu", shape: Optional[TuneShape] = None) -> List[str]:
+    """The paths of ``op`` that may be swapped on ``device`` for ``shape`` and are available here (empty: nothing
+    to tune). fbgemm's bag update equals the Numba kernel for row widths that are multiples of 8 only (its tail
+    lanes sum in another order: ``tests/test_kernel_tuning.py`` shows both)."""
     if torch.device(device).type != "cpu" or op not in EQUAL_PATHS:
         return []
     have = {"numba": select.has_numba(), "reference": True,
-            "fbgemm": select.has_fbgemm_tbe_cpu() if op == "adagrad_bags" else select.has_fbgemm()}
+            "fbgemm": (select.has_fbgemm_tbe_cpu() and (shape is None or shape.dim % 8 == 0))
+            if op == "adagrad_bags" else select.has_fbgemm()}
     paths = [p for p in EQUAL_PATHS[op] if have[p]]
     return paths if len(paths) > 1 else []
 
@@ -286,7 +293,7 @@ def calibrate(shape: TuneShape, device: str = "cpu", ops: Optional[List[str]] = 
     rule's path on a tie within :data:`TIE`, or where the results differed)."""
     out = {}
     for op in ops or list(EQUAL_PATHS):
-        paths = candidates(op, device)
+        paths = candidates(op, device, shape)
         if not paths:
             continue
         rule = _rule_path(op, device)
@@ -304,17 +311,18 @@ def _rule_path(op: str, device: str) -> str:
 
 
 # -- the run's choice -------------------------------------------------------------------------------------------------
-def choose(shape: TuneShape, device: str = "cpu", tune: bool = True) -> Dict[str, Dict[str, object]]:
+def choose(shape: TuneShape, device: str = "cpu", tune: bool = True, ops: Optional[List[str]] = None
+           ) -> Dict[str, Dict[str, object]]:
     """``{op: {"path", "source", ...}}`` for every tunable op on this host: forced (``NESTPIPE_KERNELS``), else the
     cached measurement of this host and shape, else a calibration now (then cached), else the rule (``tune`` off,
     or nothing to choose between)."""
     choice: Dict[str, Dict[str, object]] = {}
     todo = []
-    for op in EQUAL_PATHS:
+    for op in (list(EQUAL_PATHS) if ops is None else ops):
         forced = select.forced_path(op)
         if forced is not None:
             choice[op] = {"path": forced, "source": "forced"}
-        elif tune and candidates(op, device):
+        elif tune and candidates(op, device, shape):
             todo.append(op)
         else:
             choice[op] = {"path": _rule_path(op, device), "source": "rule"}
@@ -352,11 +360,11 @@ def applied(choice: Dict[str, Dict[str, object]]) -> Iterator[None]:
         select.set_tuned(saved)
 
 
-def choose_for_run(shape: TuneShape, device: torch.device, rank: int, world: int, tune: bool, group=None
-                   ) -> Dict[str, Dict[str, object]]:
-    """Rank 0's :func:`choose`, broadcast so that every rank takes the same paths, then applied on every rank.
-    Collective: every rank calls it."""
-    choice = choose(shape, device.type, tune) if rank == 0 else None
+def choose_for_run(shape: TuneShape, device: torch.device, rank: int, world: int, tune: bool, group=None,
+                   ops: Optional[List[str]] = None) -> Dict[str, Dict[str, object]]:
+    """Rank 0's :func:`choose` for ``ops`` (the ones the run calls; default every tunable op), broadcast so that
+    every rank takes the same paths, then applied on every rank. Collective: every rank calls it."""
+    choice = choose(shape, device.type, tune, ops) if rank == 0 else None
     if world > 1:
         box = [json.dumps(choice)]
         dist.broadcast_object_list(box, src=0, group=group)  # a JSON string: rank 0's decision, on every rank

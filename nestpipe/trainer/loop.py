@@ -175,7 +175,10 @@ def set_up(cfg: TrainConfig, device: Device, rank: int, world: int,
     lay = state.emb.slot_layout
     shape = tuning.TuneShape.of_run(lay.store_rows, lay.store_dims, stream.manifest.batch_size, world,
                                     pooled="reduction" in state.emb.kinds.values())
-    kernel_choice = tuning.choose_for_run(shape, device.torch, rank, world, cfg.tune_kernels)
+    # only the ops this run calls: the bag update where it is on, the dual-buffer sync in the DBP schedules
+    ops = (["lookup", "place_keys"] + (["adagrad_bags"] if state.emb.bag_update() else [])
+           + (["dual_buffer_sync"] if schedule.schedule in ("dbp", "nested") else []))
+    kernel_choice = tuning.choose_for_run(shape, device.torch, rank, world, cfg.tune_kernels, ops=ops)
     return RankRun(cfg, device, rank, world, hooks, flush_denormal, stream, steps, state, schedule, kernel_choice,
                    early)
 

@@ -64,7 +64,7 @@ def test_fbgemm_bag_update_is_a_candidate_only_for_row_widths_of_whole_lanes(cac
 
 
 def test_a_faster_path_whose_results_differ_is_never_chosen(cache, monkeypatch):
-    rule = tuning._rule_path("lookup", "cpu")
+    rule = select.rule_path("lookup", "cpu")
     other = next(p for p in tuning.candidates("lookup") if p != rule)
     fast_other = {rule: 10.0, other: 1.0}
     monkeypatch.setattr(tuning, "time_op", lambda op, shape, paths: (fast_other, False))

@@ -169,17 +169,6 @@ def tuned_paths() -> Dict[str, str]:
     return dict(_TUNED)
 
 
-@contextlib.contextmanager
-def without_tuning() -> Iterator[None]:
-    """Inside the block, the measured choices are set aside (the rule and forced paths only)."""
-    saved = tuned_paths()
-    _TUNED.clear()
-    try:
-        yield
-    finally:
-        set_tuned(saved)
-
-
 def forced_path(op: str):
     """The path forced for ``op`` (``NESTPIPE_KERNELS`` or a :func:`forced` block), or None."""
     return _override(op)

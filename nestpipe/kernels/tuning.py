@@ -296,18 +296,13 @@ def calibrate(shape: TuneShape, device: str = "cpu", ops: Optional[List[str]] = 
         paths = candidates(op, device, shape)
         if not paths:
             continue
-        rule = _rule_path(op, device)
+        rule = select.rule_path(op, device)
         timings, equal = time_op(op, shape, paths)
         best = min(paths, key=lambda p: timings[p])
         if not equal or rule not in timings or timings[best] >= timings[rule] * (1 - TIE):
             best = rule if rule in timings else paths[0]
         out[op] = {"path": best, "timings_ms": timings, "rule": rule, "equal": equal}
     return out
-
-
-def _rule_path(op: str, device: str) -> str:
-    with select.without_tuning():
-        return select.rule_path(op, device)
 
 
 # -- the run's choice -------------------------------------------------------------------------------------------------
@@ -325,7 +320,7 @@ def choose(shape: TuneShape, device: str = "cpu", tune: bool = True, ops: Option
         elif tune and candidates(op, device, shape):
             todo.append(op)
         else:
-            choice[op] = {"path": _rule_path(op, device), "source": "rule"}
+            choice[op] = {"path": select.rule_path(op, device), "source": "rule"}
     if todo:
         fp = host_fingerprint()
         cached = load_cache(fp).get(shape.key(), {})

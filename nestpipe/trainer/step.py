@@ -39,7 +39,7 @@ from nestpipe.trainer.distributed.process_groups import StageGroups
 from nestpipe.trainer.embedding import replica_sync
 from nestpipe.trainer.embedding.batch import NEG_SLOT, PreparedBatch
 from nestpipe.trainer.embedding.collection import ShardedEmbeddingCollection
-from nestpipe.trainer.embedding.exchange import InFlight
+from nestpipe.trainer.embedding.exchange import InFlight, issued
 from nestpipe.trainer.embedding.routing import Routing
 from nestpipe.trainer.models import build_model, model_spec
 from nestpipe.trainer.pipeline.timeline import Timeline
@@ -239,9 +239,7 @@ class DenseReduce:
     grads: List[torch.Tensor]
     rep: List[torch.Tensor]
     flat: torch.Tensor
-    work: Optional[object] = None
-    t_issue: float = 0.0
-    t_done: Optional[float] = None  # set by the collective's completion callback (on the communication thread)
+    reduced: Optional[InFlight[torch.Tensor]] = None  # the all-reduce in flight (async_op), waited by update_dense
 
 
 def updates_done(optimizer: torch.optim.Optimizer) -> int:
@@ -280,16 +278,12 @@ def update_begin(state: StepState, loss: torch.Tensor, async_op: bool = False) -
     red = DenseReduce(params, grads, rep, flat)
     t0, c0 = time.perf_counter(), time.process_time()
     if state.world > 1:
-        red.work = dist.all_reduce(flat, group=_group(state, "dense"), async_op=async_op)
-        if not async_op:
-            red.work = None
-        else:
-            # its completion time: the wait comes after the sparse update, later than the collective ends
-            red.work.get_future().add_done_callback(lambda _f: setattr(red, "t_done", time.perf_counter()))
+        work = dist.all_reduce(flat, group=_group(state, "dense"), async_op=async_op)
+        if async_op:  # the wait comes after the sparse update, later than the collective ends
+            red.reduced = issued(work, state.timer, "dense.allreduce", flat, t0)
         # ring all-reduce: each rank sends 2 (W - 1) / W of the buffer
         state.timer.add_bytes("dense.allreduce", 2 * (state.world - 1) * flat.numel() * flat.element_size() // state.world)
-    red.t_issue = t0
-    if red.work is None:
+    if red.reduced is None:
         state.timer.add("dense.allreduce.comm", time.perf_counter() - t0)
         state.timer.add_cpu("dense.allreduce.comm", time.process_time() - c0)
     return red
@@ -297,14 +291,9 @@ def update_begin(state: StepState, loss: torch.Tensor, async_op: bool = False) -
 
 def update_dense(state: StepState, red: DenseReduce) -> float:
     """Wait for the all-reduce (if in flight), then AdamW and the replicated tables. Returns the global loss."""
-    if red.work is not None:
-        t0 = time.perf_counter()
-        red.work.wait()
-        t1 = time.perf_counter()
-        # in flight from issue to completion (communication time); the compute thread only waited t1 - t0 (exposed)
-        done = min(red.t_done, t1) if red.t_done is not None else t1
-        state.timer.add_split("dense.allreduce.comm", done - red.t_issue, t1 - t0)
-        red.work = None
+    if red.reduced is not None:
+        red.reduced.wait()  # in flight from issue to completion; the compute thread waited only the rest (exposed)
+        red.reduced = None
     t0 = time.perf_counter()
     flat = red.flat
     off = 0

@@ -81,13 +81,20 @@ def all_to_all(timer: StageTimer, rank: int, send: torch.Tensor, send_splits: Li
         timer.add(stage + ".comm", time.perf_counter() - t0)
         timer.add_cpu(stage + ".comm", time.process_time() - c0)
         return InFlight.done(out)
-    return InFlight(_all_to_all_async(timer, send, send_splits, recv_splits, stage, group, out))
-
-
-def _all_to_all_async(timer: StageTimer, send: torch.Tensor, send_splits: List[int], recv_splits: List[int],
-                      stage: str, group, out: torch.Tensor):
-    t_issue, completed = time.perf_counter(), []
+    t_issue = time.perf_counter()
     work = dist.all_to_all_single(out, send, recv_splits, send_splits, group=group, async_op=True)
+    return issued(work, timer, stage, out, t_issue, keep=send)
+
+
+def issued(work, timer: StageTimer, stage: str, value: T, t_issue: float, keep=None) -> InFlight[T]:
+    """A collective issued asynchronously at ``t_issue`` (its ``work``), whose ``wait()`` returns ``value``: its time
+    from issue to completion counts as ``STAGE.comm`` and the caller's wait for it as exposed. ``value`` and
+    ``keep`` (its other buffers) are held until it completes."""
+    return InFlight(_completion(work, timer, stage, value, t_issue, keep))
+
+
+def _completion(work, timer: StageTimer, stage: str, value, t_issue: float, keep):
+    completed = []  # the completion time, from the collective's callback (it may fire long before the wait)
     work.get_future().add_done_callback(lambda _f: completed.append(time.perf_counter()))
     yield
     t0 = time.perf_counter()
@@ -95,13 +102,12 @@ def _all_to_all_async(timer: StageTimer, send: torch.Tensor, send_splits: List[i
     t1 = time.perf_counter()
     done = min(completed[0], t1) if completed else t1
     timer.add_split(stage + ".comm", done - t_issue, t1 - t0)
-    return out
+    return value
 
 
 def fuse_by_peer(blocks: List[List[torch.Tensor]], world: int, empty: torch.Tensor) -> torch.Tensor:
     """``blocks[i][r]`` (micro-batch i's part for peer r) -> one buffer ordered (peer, micro-batch); ``empty``
-    when there is nothing. With one micro-batch the parts are already in peer order: their buffer itself when
-    they are its consecutive views."""
+    when there is nothing."""
     parts = [blocks[i][r] for r in range(world) for i in range(len(blocks))]
     if not parts:
         return empty

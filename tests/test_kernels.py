@@ -827,6 +827,31 @@ def test_adagrad_bags_numba_equals_fbgemm_bitwise(rows):
     assert not torch.equal(wr, wn)
 
 
+@pytest.mark.skipif(not kernels.select.has_numba(), reason="numba not installed")
+def test_bag_grouping_counting_and_merge_sort_agree():
+    """The bag update's grouping of occurrences by row: the counting sort (stores within a multiple of the
+    occurrences) and the merge sort (larger stores) give the same rows, starts and bags, each row's occurrences in
+    ascending position. Control: a grouping that is not stable (occurrences of a row reversed) differs."""
+    from nestpipe.kernels import cpu
+
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(0, 6, 300)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    indices = rng.integers(0, 700, offsets[-1]).astype(np.int64)  # repeats across and within bags
+    counting = cpu._bag_rows_sorted(indices, offsets, 700)
+    merge = cpu._bag_rows_sorted(indices, offsets, 8 * len(indices) + 65537 + 700)  # the merge-sort branch
+    bag_of = np.repeat(np.arange(len(lengths)), lengths)
+    order = np.argsort(indices, kind="stable")
+    uniq, first = np.unique(indices[order], return_index=True)
+    expected = (uniq, np.append(first, len(indices)), bag_of[order])
+    for got in (counting, merge):
+        for g, e in zip(got, expected):
+            np.testing.assert_array_equal(g, e)
+    unstable = np.concatenate([bag_of[order][a:b][::-1] for a, b in zip(expected[1][:-1], expected[1][1:])])
+    assert not np.array_equal(counting[2], unstable)
+
+
 def test_adagrad_bags_rejects_bad_input():
     weight, state, indices, offsets, grad = _bags(3)
     with pytest.raises(IndexError):

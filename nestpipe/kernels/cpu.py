@@ -368,38 +368,39 @@ def _pooled_owner_plan(got, at, size, b, b0, out_at, grad_off, dim, rows_all):
 def _bag_rows_sorted(indices, offsets, num_rows):
     """The occurrences of ``indices`` grouped by row, stably (a row's occurrences in ascending position): ``uniq``
     (distinct rows ascending), ``starts`` [len(uniq) + 1] and ``src`` (the bag of each occurrence in that order).
-    A counting sort when ``num_rows`` is within a small multiple of the occurrences, else a stable merge sort (a
-    32M-row store must not cost a 32M-entry count per call)."""
+    Both ways give the same three arrays. A counting sort when ``num_rows`` is within a small multiple of the occurrences (three passes: count, one scan
+    that turns the counts into each row's first slot while listing the rows, and the scatter), else a stable merge
+    sort (a 32M-row store must not cost a 32M-entry count per call)."""
     n = indices.shape[0]
     n_bags = offsets.shape[0] - 1
+    if num_rows <= 8 * n + 65536 and n < 2**31:  # int32 slots: half the scanned bytes
+        slot = np.zeros(num_rows, dtype=np.int32)
+        for j in range(n):
+            slot[indices[j]] += 1
+        uniq = np.empty(n, dtype=np.int64)
+        starts = np.empty(n + 1, dtype=np.int64)
+        u = 0
+        taken = 0
+        for r in range(num_rows):
+            c = slot[r]
+            if c > 0:
+                uniq[u] = r
+                starts[u] = taken
+                slot[r] = taken
+                taken += c
+                u += 1
+        starts[u] = n
+        src = np.empty(n, dtype=np.int64)
+        for b in range(n_bags):
+            for j in range(offsets[b], offsets[b + 1]):
+                r = indices[j]
+                src[slot[r]] = b
+                slot[r] += 1
+        return uniq[:u], starts[:u + 1], src
     bag_of = np.empty(n, dtype=np.int64)
     for b in range(n_bags):
         for j in range(offsets[b], offsets[b + 1]):
             bag_of[j] = b
-    if num_rows <= 8 * n + 65536:
-        counts = np.zeros(num_rows + 1, dtype=np.int64)
-        for j in range(n):
-            counts[indices[j] + 1] += 1
-        u = 0
-        for r in range(num_rows):
-            if counts[r + 1] > 0:
-                u += 1
-            counts[r + 1] += counts[r]
-        uniq = np.empty(u, dtype=np.int64)
-        starts = np.empty(u + 1, dtype=np.int64)
-        k = 0
-        for r in range(num_rows):
-            if counts[r + 1] > counts[r]:
-                uniq[k] = r
-                starts[k] = counts[r]
-                k += 1
-        starts[u] = n
-        src = np.empty(n, dtype=np.int64)
-        for j in range(n):
-            r = indices[j]
-            src[counts[r]] = bag_of[j]
-            counts[r] += 1
-        return uniq, starts, src
     order = np.argsort(indices, kind="mergesort")
     u = 0
     for i in range(n):

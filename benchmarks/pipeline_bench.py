@@ -62,23 +62,25 @@ from record import Recorder  # noqa: E402
 
 MODES = ("off", "dbp", "fwp", "nested")
 NS = "nestpipe-bench"
+PREFIX = ["ip", "netns", "exec", NS]  # a command run inside the capped namespace
 WORLD = 2
 POOLED = {"tables": 8, "rows": 100_000, "dim": 64, "batch": 1024, "dense": 13, "min_len": 15, "max_len": 25}
 NEGATIVES = (32, 32)  # uniform, in-batch popular: 64 shared by the batch
 
 
 # -- workloads ------------------------------------------------------------------------------------------------------
-def make_gr_shards(out, batch, seq_len, micro_batches, vocab, batches_per_rank, zipf=1.2, seed=7):
+def make_gr_shards(out, batch, seq_len, micro_batches, vocab, batches_per_rank, zipf=1.2, seed=7, world=WORLD):
     """GR-shaped shards: item (``vocab`` rows) + action (256 rows) tokens, ``batch`` sequences of ``seq_len``; one
-    train shard per rank (the simulator's validation harness writes the same workload)."""
-    return make_gr_workload_shards(out, batch, seq_len, micro_batches, vocab, batches_per_rank, n_shards=WORLD,
+    train shard per rank of ``world`` (the simulator's validation harness writes the same workload)."""
+    return make_gr_workload_shards(out, batch, seq_len, micro_batches, vocab, batches_per_rank, n_shards=world,
                                    zipf=zipf, seed=seed)
 
 
-def make_pooled_shards(out, micro_batches, batches_per_rank, seed=11):
-    """The pooled comparison workload as CTR shards (micro-batches from the clustering of table t0), the tables in
-    one packed group as ``nestpipe ingest`` writes its bag tables (six tar members instead of six per table)."""
-    P = POOLED
+def make_pooled_shards(out, micro_batches, batches_per_rank, seed=11, world=WORLD, pooled=None):
+    """The pooled comparison workload (``pooled``: :data:`POOLED` by default) as CTR shards, one train shard per
+    rank of ``world`` (micro-batches from the clustering of table t0), the tables in one packed group as ``nestpipe
+    ingest`` writes its bag tables (six tar members instead of six per table)."""
+    P = pooled or POOLED
     rng = np.random.default_rng(seed)
     names = [f"t{i}" for i in range(P["tables"])]
     tables = {t: TableSpec(P["rows"], P["dim"], "pooled") for t in names}
@@ -101,18 +103,18 @@ def make_pooled_shards(out, micro_batches, batches_per_rank, seed=11):
         rec["labels"] = (rng.random(B) < 1 / (1 + np.exp(-0.8 * d[:, 0]))).astype(np.float32)[:, None]
         return pack_tables(rec, "bags", names)
 
-    sets_ = write_split_shards(out, (("train", [batches_per_rank] * WORLD), ("eval", [1])), P["batch"], record)
+    sets_ = write_split_shards(out, (("train", [batches_per_rank] * world), ("eval", [1])), P["batch"], record)
     save_manifest(out, Manifest(task="ctr", batch_size=P["batch"], micro_batches=micro_batches, tables=tables,
                                 sets=sets_, dense_features=[f"d{i}" for i in range(P["dense"])], labels=["is_click"]))
 
 
-def torchrec_gr_data(shards, path, batches):
+def torchrec_gr_data(shards, path, batches, world=WORLD):
     """Per rank, the first ``batches`` batches that rank trains in NestPipe (item and action token sequences)."""
     from nestpipe.trainer.data import ShardStream
 
     out = {"batches": np.array(batches)}
-    for r in range(WORLD):
-        recs = ShardStream(shards, "train", r, WORLD, verify=False).records(0)
+    for r in range(world):
+        recs = ShardStream(shards, "train", r, world, verify=False).records(0)
         for k in range(batches):
             _, rec, _ = next(recs)
             out[f"r{r}_b{k}_lengths"] = np.asarray(rec["item.lengths"])
@@ -140,7 +142,9 @@ def rotated(modes, k):
     return modes[k:] + modes[:k]
 
 
-def run_modes(args, shards, tag, prefix=None, modes=MODES, workload="gr", env=None):
+def run_modes(args, shards, tag, prefix=None, modes=MODES, workload="gr", env=None, world=WORLD, pipe_sets=None):
+    """Train ``modes`` on ``shards`` in one launch of ``world`` ranks (``prefix``: e.g. into the capped namespace);
+    ``pipe_sets``: extra ``pipe`` settings for every run. Returns each mode's metrics.json."""
     # a short unreported run first: one-off costs of a launch (imports, JIT-compiled kernels loaded, allocator) are
     # not charged to whichever mode happens to run first
     warm = os.path.join(args.out, f"{tag}-warmup")
@@ -152,6 +156,7 @@ def run_modes(args, shards, tag, prefix=None, modes=MODES, workload="gr", env=No
         run = os.path.join(args.out, f"{tag}-{m}")
         shutil.rmtree(run, ignore_errors=True)
         cfg = sets(args, workload)
+        cfg["pipe"].update(pipe_sets or {})
         if m.endswith("-1t"):
             cfg["pipe"]["comm_threads"] = 1  # the one-comm-thread FWP layout
         if m.endswith("-clustered"):
@@ -162,7 +167,7 @@ def run_modes(args, shards, tag, prefix=None, modes=MODES, workload="gr", env=No
     saved = dict(os.environ)
     os.environ.update(env or {})
     try:
-        p = run_plan(plan, WORLD, os.path.join(args.out, f"plan-{tag}.json"), timeout=3600, prefix=prefix)
+        p = run_plan(plan, world, os.path.join(args.out, f"plan-{tag}.json"), timeout=3600, prefix=prefix)
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -454,7 +459,7 @@ def main(argv=None):
         rate = args.rate or B * 8 / C
         print(f"\ncalibration (GR workload): {B / 1e6:.2f} MB per step over the link, compute {C * 1e3:.1f} ms per "
               f"step -> cap {rate / 1e6:.0f} Mbit/s")
-        prefix = ["ip", "netns", "exec", NS]
+        prefix = PREFIX
         try:
             make_namespace(rate)
             if not args.rate:  # one refinement: communication time scales ~ 1 / rate

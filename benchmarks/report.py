@@ -442,6 +442,57 @@ def simval_summary(rec: Dict) -> str:
             f"configurations within 15%, median |error| {100 * f['median_abs_error']:.1f}%")
 
 
+def scaling_lines(rec: Dict) -> List[str]:
+    f = rec["figures"]
+    rows = []
+    for w_key in sorted(f["worlds"], key=int):
+        r = f["worlds"][w_key]
+        for wl in ("gr", "pooled"):
+            if wl not in r:
+                continue
+            n, t, q = r[wl]["nestpipe"], r[wl].get("torchrec", {}), f["ratios"][wl][w_key]
+            rows.append([w_key, wl, f"{n['auto']['samples_per_s']:.0f} ({n['auto']['pipeline']})",
+                         f"{n['nested']['samples_per_s']:.0f}", f"{n['off']['samples_per_s']:.0f}",
+                         f"{t['samples_per_s']:.0f} ({t['plan']})" if "samples_per_s" in t else "-",
+                         f"**{q['auto_over_torchrec']:.2f}**" if "auto_over_torchrec" in q else "-",
+                         f"{q['nested_over_off']:.2f}",
+                         f"{q['predicted_nested_over_off']:.2f} ({100 * q['prediction_error']:+.0f}%)"
+                         if "predicted_nested_over_off" in q else "-",
+                         f"{n['auto']['wire_bytes_per_sample']:.0f} / "
+                         + (f"{t['wire_bytes_per_sample']:.0f}" if "wire_bytes_per_sample" in t else "-"),
+                         f"{n['auto']['exposed_communication_ms']:.1f}",
+                         f"{n['auto']['compute_share']:.2f} / "
+                         + (f"{t['compute_share']:.2f}" if "compute_share" in t else "-")])
+    lines = _table(["world", "workload", "NestPipe auto samples/s", "nested", "off", "TorchRec samples/s (plan)",
+                    "auto / TorchRec", "nested / off", "predicted nested / off (error)",
+                    "bytes per sample NestPipe / TorchRec", "NestPipe exposed comm ms", "CPU share NestPipe / TorchRec"],
+                   rows)
+    tg = f["targets"]
+
+    def yes(x):
+        return "not measured" if x is None else ("holds" if x else "**fails**")
+
+    lines += ["", f"Cap: `{f['cap_tc']}` ({f['cap_bit_per_s'] / 1e6:.1f} Mbit/s, calibrated at world 2, held for every "
+              f"world). Targets: GR ratio does not fall with the world {yes(tg['gr_ratio_does_not_fall'])}, pooled "
+              f"{yes(tg['pooled_ratio_does_not_fall'])}; GR NestPipe / TorchRec at the largest world "
+              + (f"{tg['gr_ratio_at_largest_world']:.2f}" if tg["gr_ratio_at_largest_world"] is not None else "-")
+              + f" (target >= 1.5); GR bytes per sample <= 0.5x TorchRec's {yes(tg['gr_wire_bytes_at_most_half'])}; "
+              f"simulator within 20% at worlds > 2 {yes(tg['prediction_within_20pct'])}.", "",
+              "![NestPipe / TorchRec and nested / off against the world](scaling.png)"]
+    return lines
+
+
+def scaling_summary(rec: Dict) -> str:
+    f = rec["figures"]
+    parts = []
+    for wl in ("gr", "pooled"):
+        q = f["ratios"].get(wl, {})
+        if q and all("auto_over_torchrec" in v for v in q.values()):
+            parts.append(f"{wl} NestPipe / TorchRec " + ", ".join(f"{v['auto_over_torchrec']:.2f} at world {w}"
+                                                                  for w, v in sorted(q.items(), key=lambda kv: int(kv[0]))))
+    return "; ".join(parts) + " behind one shared capped link" if parts else "NestPipe only (no TorchRec side)"
+
+
 SECTIONS = [
     dict(name="ingest", title="Ingest", anchor="ingest",
          command='python benchmarks/ingest_bench.py --sizes 5000000 --repeats 3 --tools "ingest gr" "bare polars" '
@@ -499,6 +550,21 @@ SECTIONS = [
                "loopback there is little waiting to hide; the capped link is where overlap can pay. `auto` picks "
                "the schedule at start (its choice is shown beside it). Compare within the record: the machine is "
                "shared."),
+    dict(name="scaling", title="Scaling", anchor="scaling",
+         command="python benchmarks/scaling_bench.py --torchrec-python .venv-torchrec/bin/python",
+         what="Weak scaling (per-rank batch fixed) at world 2, 4 and 8 of a smaller GR workload (32 sequences x 64 "
+              "tokens per rank, 200k-row item table) and the pooled one (256 samples per rank), NestPipe `off`, "
+              "`nested` and `auto` against TorchRec's faster plan (default or row-wise), every rank of every world in "
+              "one network namespace whose loopback carries one `tc tbf` cap, calibrated once at world 2 so that "
+              "`off`'s communication takes about its compute. Bytes per sample: what each engine's collectives send "
+              "to other ranks (NestPipe's counters; TorchRec's collectives counted by its runner, DDP's all-reduce "
+              "from the dense parameter count). The simulator is fitted on the world-2 `off` run only and its "
+              "predictions are written before world 4 runs.",
+         render=scaling_lines, summary=scaling_summary,
+         means="All ranks share one link and two cores: world W stands for a cluster whose per-rank bandwidth and "
+               "per-rank compute are both 2 / W of world 2's, so the cap's balance of communication and compute is "
+               "kept while the peers per All2All, the per-call costs and the bytes per sample grow as on a cluster. "
+               "It does not stand for ranks with a link each. One invocation, one round: compare within it."),
     dict(name="hstu", title="HSTU jagged attention", anchor="hstu-attention",
          command="python benchmarks/hstu_bench.py --lengths 256 1024 --batches 4 --repeats 2 --e2e-steps 8",
          what="The default HSTU layer stack (2 layers, 2 heads x 16) forward + backward per 128-sample batch on "

@@ -1,11 +1,12 @@
 """TorchRec's ``TrainPipelineSparseDist`` on the benchmark workloads, for comparison with NestPipe.
 
 Runs under a python that has torchrec 1.8 + fbgemm-gpu-cpu 1.8 + torch 2.13 (a separate venv: torchrec is not a
-dependency of this project), two ranks over gloo on CPU, one intra-op thread per rank:
+dependency of this project), ``world`` ranks (default 2) over gloo on CPU, one intra-op thread per rank:
 
     TORCHREC_PYTHON benchmarks/torchrec_runner.py '{"workload": "gr", "data": "DATA.npz", ...}'
 
-and prints one line ``RESULT {json}`` (samples/s per rank, ms per step, the sharding plan). Callers:
+and prints one line ``RESULT {json}`` (samples/s per rank, ms per step, the sharding plan, the bytes its collectives
+sent to other ranks per step and, inside a network namespace, the loopback's own byte count). Callers:
 :func:`run` (from the project venv; optional prefix such as ``ip netns exec NS``), used by
 ``benchmarks/pipeline_bench.py``.
 
@@ -47,6 +48,83 @@ def run(python: str, params: dict, prefix=None, timeout: float = 1800) -> dict:
 
 
 # -- everything below runs under the TorchRec python ----------------------------------------------------------------
+def _link_tx_bytes():
+    """Bytes the loopback interface sent so far (``/proc/net/dev``): inside a benchmark's network namespace, every
+    rank's traffic and nothing else (headers included). None where unreadable."""
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name.strip() == "lo":
+                    return int(rest.split()[8])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _count_collectives(dist):
+    """Wrap the ``torch.distributed`` collectives TorchRec's eager CPU path calls (its comm ops call them through
+    the module, so the wrappers see every call) and count the bytes each sends to other ranks while
+    ``counting["on"]``: an All2All its input less the rank's own split, a reduce-scatter the other ranks' parts, an
+    all-gather its input times W - 1, an all-reduce 2 (W - 1) / W of the buffer (ring). Returns the counter."""
+    counting = {"on": False, "all_to_all": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0, "all_reduce": 0.0}
+
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    def peers(group):
+        return dist.get_world_size(group), dist.get_rank(group)
+
+    def wrap(name, kind, sent):
+        inner = getattr(dist, name)
+
+        def wrapper(*args, **kwargs):
+            if counting["on"]:
+                counting[kind] += sent(*args, **kwargs)
+            return inner(*args, **kwargs)
+
+        setattr(dist, name, wrapper)
+
+    def a2a_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **_):
+        w, r = peers(group)
+        if not input_split_sizes:
+            return nbytes(input) * (w - 1) / w
+        row = nbytes(input) / max(sum(input_split_sizes), 1)
+        return row * (sum(input_split_sizes) - input_split_sizes[r])
+
+    def a2a(output_list, input_list, group=None, **_):
+        _, r = peers(group)
+        return sum(nbytes(t) for i, t in enumerate(input_list) if i != r)
+
+    def rs_list(output, input_list, op=None, group=None, **_):
+        _, r = peers(group)
+        return sum(nbytes(t) for i, t in enumerate(input_list) if i != r)
+
+    def rs_tensor(output, input, op=None, group=None, **_):
+        w, _ = peers(group)
+        return nbytes(input) * (w - 1) / w
+
+    def ag_list(tensor_list, tensor, group=None, **_):
+        w, _ = peers(group)
+        return nbytes(tensor) * (w - 1)
+
+    def ag_tensor(output, input, group=None, **_):
+        w, _ = peers(group)
+        return nbytes(input) * (w - 1)
+
+    def ar(tensor, op=None, group=None, **_):
+        w, _ = peers(group)
+        return 2 * (w - 1) * nbytes(tensor) / w
+
+    for name, kind, fn in (("all_to_all_single", "all_to_all", a2a_single), ("all_to_all", "all_to_all", a2a),
+                           ("reduce_scatter", "reduce_scatter", rs_list),
+                           ("reduce_scatter_tensor", "reduce_scatter", rs_tensor),
+                           ("all_gather", "all_gather", ag_list), ("all_gather_into_tensor", "all_gather", ag_tensor),
+                           ("all_reduce", "all_reduce", ar)):
+        wrap(name, kind, fn)
+    return counting
+
+
 def _pooled_batches(rank, a):
     import numpy as np
 
@@ -205,6 +283,7 @@ def _worker(rank, world, a, port, q):
 
     torch.manual_seed(0)
     m = Model()
+    dense_numel = sum(p.numel() for p in m.head.parameters())
     emb_params = (list(m.ebc.parameters()) if a["workload"] == "pooled"
                   else [*m.ec.parameters(), *m.ec_action.parameters()])
     apply_optimizer_in_backward(RowWiseAdagrad, emb_params, {"lr": 0.05, "eps": 1e-8})
@@ -232,7 +311,10 @@ def _worker(rank, world, a, port, q):
     itr = iter(it())
     for _ in range(warm):
         pipe.progress(itr)
+    counting = _count_collectives(dist)
     dist.barrier()
+    link0 = _link_tx_bytes() if rank == 0 else None
+    counting["on"] = True
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         pipe.progress(itr)
@@ -242,7 +324,14 @@ def _worker(rank, world, a, port, q):
     shard_types = sorted({str(ps.sharding_type) for mod in plan.plan.values() for ps in mod.values()})
     import importlib.metadata as md
 
+    counting["on"] = False
+    link = None if link0 is None or _link_tx_bytes() is None else _link_tx_bytes() - link0
+    wire = {k: v for k, v in counting.items() if k != "on"}
+    # the dense gradients' all-reduce (DDP's reducer issues it from C++, out of the wrappers' sight): a ring
+    # all-reduce sends 2 (W - 1) / W of the buffer per rank, as NestPipe counts its own
+    wire["allreduce.ddp"] = steps * 2 * (world - 1) * dense_numel * 4 / world
     q.put({"rank": rank, "elapsed_s": el, "cpu_s": cpu, "steps": steps, "batch": B, "sharding": shard_types,
+           "wire_bytes": wire, "link_bytes": link if rank == 0 else None,
            "plan": sharding, "threads": torch.get_num_threads(),
            "versions": {n: md.version(n) for n in ("torch", "fbgemm-gpu-cpu", "torchrec", "numpy")}})
     dist.destroy_process_group()
@@ -260,7 +349,8 @@ def main(argv=None) -> int:
     s.close()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    ps = [ctx.Process(target=_worker, args=(r, 2, a, port, q)) for r in range(2)]
+    world = int(a.get("world", 2))
+    ps = [ctx.Process(target=_worker, args=(r, world, a, port, q)) for r in range(world)]
     for p in ps:
         p.start()
     res = []
@@ -283,9 +373,13 @@ def main(argv=None) -> int:
                 p.kill()
     el = max(r["elapsed_s"] for r in res)
     B, steps = res[0]["batch"], res[0]["steps"]
-    out = {"workload": a["workload"], "pipeline": "TrainPipelineSparseDist", "world": 2, "steps": steps,
+    wire = [r["wire_bytes"] for r in res]
+    out = {"workload": a["workload"], "pipeline": "TrainPipelineSparseDist", "world": world, "steps": steps,
            "batch_per_rank": B, "ms_per_step": 1e3 * el / steps, "samples_per_s_per_rank": B * steps / el,
-           "samples_per_s": 2 * B * steps / el, "sharding": res[0]["sharding"], "plan": res[0]["plan"],
+           "samples_per_s": world * B * steps / el, "sharding": res[0]["sharding"], "plan": res[0]["plan"],
+           # bytes the ranks' collectives sent to other ranks per step (mean over ranks), by collective
+           "wire_bytes_per_step_per_rank": {k: sum(w[k] for w in wire) / (len(wire) * steps) for k in wire[0]},
+           "link_bytes_per_step": res[0]["link_bytes"] / steps if res[0]["link_bytes"] is not None else None,
            "cpu_ms_per_step_per_rank": [round(1e3 * r["cpu_s"] / steps, 1) for r in res],
            "threads_per_rank": res[0]["threads"], "versions": res[0]["versions"]}
     print("RESULT " + json.dumps(out), flush=True)

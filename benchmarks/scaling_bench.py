@@ -357,7 +357,10 @@ def main(argv=None):
     if rec is not None:
         docs_png = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "scaling.png")
         shutil.copyfile(png, docs_png)
-        rec.write(json.loads(json.dumps(results, default=str)))
+        torchrec = next((r[w]["torchrec"].get("versions") for r in res.values() for w in ("gr", "pooled")
+                         if w in r and r[w].get("torchrec", {}).get("versions")), None) or {}
+        rec.write(json.loads(json.dumps(results, default=str)),
+                  extra_versions={f"torchrec env: {k}": str(v) for k, v in torchrec.items()})
     return results
 
 

@@ -481,6 +481,21 @@ def scaling_lines(rec: Dict) -> List[str]:
               + f" (target >= 1.5); GR bytes per sample <= 0.5x TorchRec's {yes(tg['gr_wire_bytes_at_most_half'])}; "
               f"simulator within 20% at worlds > 2 {yes(tg['prediction_within_20pct'])}.", "",
               "![NestPipe / TorchRec and nested / off against the world](scaling.png)"]
+    gr = f["ratios"].get("gr", {})
+    if gr and all("predicted_off_step_ms" in v for v in gr.values()):
+        rows = []
+        for w in sorted(gr, key=int):
+            q, n = gr[w], f["worlds"][w]["gr"]["nestpipe"]
+            dense = {m: n[m].get("stages_ms", {}).get("dense") for m in ("off", "nested")}
+            rows.append([w, f"{q['off_step_ms']:.0f} / {q['predicted_off_step_ms']:.0f}",
+                         f"{q['nested_step_ms']:.0f} / {q['predicted_nested_step_ms']:.0f}",
+                         f"{dense['off']:.0f} / {dense['nested']:.0f}" if None not in dense.values() else "-",
+                         f"{n['nested']['exposed_communication_ms']:.0f} of {n['nested']['communication_ms']:.0f}"])
+        lines += ["", "The simulator's step against the measured one (GR; fitted on the world-2 `off` run on plain "
+                  "loopback), and the dense stage of `off` and `nested` (the compute thread's forward and backward; "
+                  "in `nested` it shares the rank's core with the exchange threads):", ""]
+        lines += _table(["world", "off step ms measured / predicted", "nested step ms measured / predicted",
+                         "dense ms off / nested", "nested exposed of total comm ms"], rows)
     return lines
 
 

@@ -56,6 +56,9 @@ from nestpipe.utils.host import describe_host, host_line  # noqa: E402
 WORLDS = (2, 4, 8)
 MODES = ("off", "nested", "auto")
 TORCHREC_PLANS = ("default", "row_wise")
+# the stages a record keeps per NestPipe run (ms per step, mean over ranks)
+STAGES = ("dense", "embed.owner", "update.sparse", "route.comm", "embed.comm", "grad.comm", "dense.allreduce.comm",
+          "wait.comm")
 
 
 def _now() -> str:
@@ -141,6 +144,9 @@ def nestpipe_summary(m: Dict, world: int, batch: int, cores: int) -> Dict:
             "communication_ms": m["communication_s_per_step"] * 1e3,
             "exposed_lookup_ms": m["exposed_lookup_s_per_step"] * 1e3,
             "wire_bytes_per_sample": wire / (world * batch), "wire_bytes_per_sample_by_stage": by_kind,
+            # per step, mean over ranks: where the step's time went (the compute thread's stages and the comm waits)
+            "stages_ms": {k: 1e3 * sum(r["stages_s"].get(k, 0.0) / n for r, n in zip(ranks, steps)) / len(ranks)
+                          for k in STAGES},
             "pipeline": m.get("pipeline"), "pipeline_choice": m.get("pipeline_choice")}
 
 

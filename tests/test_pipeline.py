@@ -121,6 +121,8 @@ def runs(tmp_path_factory):
     for model in ("hstu", "dlrm"):
         add(plan2, 2, model, "nested-wb", "nested", emb=wb)
     add(plan2, 2, "hstu", "nosync-wb", "nested", emb=wb, hooks=nosync)
+    # the device stage streams' hand-offs, recorded on CPU by a stand-in for the device's stream API
+    add(plan2, 2, "hstu", "streams", "nested", emb=wb, hooks={"record_streams": str(base / "streams-hstu")})
     add(plan2, 2, "hstu", "per-mb", "nested", hooks={"update_per_micro_batch": True})
     add(plan2, 2, "hstu", "random-mb", "nested", micro_batching="random")
     # the default micro-batching (auto): off and dbp train a batch as one micro-batch where the loss allows it
@@ -302,6 +304,39 @@ def test_routing_ahead_is_bitwise_equal_to_routing_in_step(runs, model):
 def test_negative_control_stale_batch_routed_ahead_breaks_equality(runs):
     diff = _bitwise_diff(_export(runs[(2, "dlrm", "off")]), _export(runs[(2, "dlrm", "off-stale-ahead")]))
     assert any(k.startswith("embedding.") for k in diff), diff
+
+
+def test_device_stage_streams_hand_off_in_batch_order(runs):
+    """The device stages' ordering, on CPU: the DBP schedule's h2d and retrieval stages enqueue their copies on
+    their own streams and record an event after each batch's; the compute stream waits on every event, after it
+    is recorded and in batch order, before it uses the batch (streams.check_handoffs). Recorded by the
+    ``record_streams`` testing hook (a stand-in for torch.cuda's stream API); the run trains bitwise like off.
+    Controls: the check catches a missing wait, a wait before its event is recorded, waits out of batch order and
+    a batch whose rows were not copied on the retrieval stream."""
+    from nestpipe.trainer.pipeline.streams import check_handoffs
+
+    run = runs[(2, "hstu", "streams")]
+    stages = ("h2d", "retrieve")
+    for rank in (0, 1):
+        doc = json.load(open(os.path.join(os.path.dirname(run), f"streams-hstu.rank{rank}.json")))
+        log = [tuple(e) for e in doc["log"]]
+        assert check_handoffs(log, stages, STEPS) == [], rank
+        assert sum(1 for op, s, _ in log if op == "copy" and s == "retrieve") >= STEPS
+    assert _bitwise_diff(_export(runs[(2, "hstu", "off")]), _export(run)) == []
+    assert json.load(open(os.path.join(run, "metrics.json")))["testing_hooks"]["record_streams"]
+    events = [e for op, s, e in log if op == "record" and s == "retrieve"]
+    no_wait = [x for x in log if not (x[0] == "wait" and x[2] == events[1])]
+    assert any("never waited" in p for p in check_handoffs(no_wait, stages, STEPS))
+    w = next(i for i, x in enumerate(log) if x[0] == "wait" and x[2] == events[1])
+    r = next(i for i, x in enumerate(log) if x[0] == "record" and x[2] == events[1])
+    early = log[:r] + [log[w]] + [x for i, x in enumerate(log[r:], r) if i != w]
+    assert any("before it is recorded" in p for p in check_handoffs(early, stages, STEPS))
+    w2 = next(i for i, x in enumerate(log) if x[0] == "wait" and x[2] == events[2])
+    late = [x for i, x in enumerate(log[:w2 + 1]) if i != w] + [log[w]] + log[w2 + 1:]  # batch 1 waited after 2
+    assert any("before batch 1's" in p for p in check_handoffs(late, stages, STEPS))
+    r0 = next(i for i, x in enumerate(log) if x[0] == "record" and x[2] == events[0])
+    uncopied = [x for i, x in enumerate(log) if not (i < r0 and x[0] == "copy" and x[1] == "retrieve")]
+    assert any("copied nothing" in p for p in check_handoffs(uncopied, stages, STEPS))
 
 
 @pytest.mark.parametrize("model", ["hstu", "dlrm"])

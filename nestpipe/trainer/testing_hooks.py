@@ -43,6 +43,9 @@ class TestingHooks:
     fail_rank: int = 0
     checkpoint_sleep_s: float = 0.0
     step_sleep_s: float = 0.0
+    # observation: the DBP stage streams run on a recording stand-in for the device's stream API (CPU too), and the
+    # order of their copies, events and waits is written to ``PREFIX.rankR.json`` (pipeline/streams.py)
+    record_streams: str = ""
 
     def pause(self) -> None:
         """``step_sleep_s``: a window, between a batch's retrieval and its forward, to kill the run with the batch

@@ -215,18 +215,20 @@ class ShardedEmbeddingCollection:
                                        self.negatives)
 
     # -- stage: embedding retrieval -----------------------------------------------------------------------------
-    def retrieve(self, routing: Routing, synchronous: bool = False) -> None:
+    def retrieve(self, routing: Routing, synchronous: bool = False, copy=None) -> None:
         """Make the batch's owner rows readable (weights + AdaGrad state) and allocate its gradient payload.
 
         Called by the retrieval stage, possibly while the previous batch trains: rows it shares with that batch may
         be stale here and are overwritten by :meth:`sync_dual_buffer` before this buffer serves any request.
         ``synchronous`` (the synchronous schedules: nothing else touches the store during the batch): on CPU the
         batch reads and updates its rows in the store itself (owner_compute.write_path); the values read and the
-        arithmetic are those of the buffered path, so both give bitwise the same results."""
+        arithmetic are those of the buffered path, so both give bitwise the same results. ``copy``: how a
+        gathered host tensor reaches the device (default ``.to(device)``; the DBP retrieval passes its stream's)."""
         host = self.device.type == "cpu" and self.replica_sync is None
         paths = {st: owner_compute.write_path(synchronous, host, self.cfg.dbp_update_in_store, s.in_dram)
                  for st, s in self.stores.items()}
-        owner_compute.retrieve(routing, self.stores, paths, self.device, self.dtype, self.timer, self._tier_span)
+        owner_compute.retrieve(routing, self.stores, paths, self.device, self.dtype, self.timer, self._tier_span,
+                               copy=copy)
 
     def _tier_span(self, store, name: str, traced_as: str, step: int):
         """A memory-mapped store's gather or write-back: timed as ``name``, and a span of the run's trace

@@ -19,7 +19,7 @@ bitwise the same rows.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -45,10 +45,13 @@ def write_path(synchronous: bool, host_in_place: bool, dbp_update_in_store: bool
 
 
 def retrieve(routing: Routing, stores: Dict[str, RowStore], paths: Dict[str, str], device: torch.device,
-             dtype: torch.dtype, timer: StageTimer, tier_span: TierSpan) -> None:
+             dtype: torch.dtype, timer: StageTimer, tier_span: TierSpan,
+             copy: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
     """Make every store's batch rows readable by the forward (``src`` at ``fwd_idx[i]``) and allocate the batch's
     gradient payload: the store itself (``IN_STORE``), else a fresh buffer gathered from the store (weights, and
-    the AdaGrad state where the update writes the buffer)."""
+    the AdaGrad state where the update writes the buffer), brought to the device by ``copy`` (default
+    ``.to(device)``; the DBP retrieval's stream copy, non-blocking from pinned memory on an accelerator)."""
+    copy = copy or (lambda t: t.to(device))
     with timer.span("retrieve", routing.batch.step):
         for st, o in routing.own.items():
             store = stores[st]
@@ -63,7 +66,7 @@ def retrieve(routing: Routing, stores: Dict[str, RowStore], paths: Dict[str, str
                 continue
             with tier_span(store, "retrieve.gather", "tier.gather", routing.batch.step):
                 w, s_ = store.gather(o.rows, with_state=o.write_path == BUFFER)
-            o.buf_w, o.buf_s = w.to(device), s_.to(device) if s_ is not None else None
+            o.buf_w, o.buf_s = copy(w), copy(s_) if s_ is not None else None
             o.src = o.buf_w
             o.fwd_idx = [torch.from_numpy(p) for p in o.fwd_pos]
         total = routing.grad_mb_off[-1] + sum(routing.send_splits[-1]) if routing.send_splits else 0

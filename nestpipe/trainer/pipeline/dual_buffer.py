@@ -51,14 +51,15 @@ class DualBuffer:
         self._free = threading.Semaphore(self.PERMITS)
         self.rows_synced = 0
 
-    def retrieve(self, routing: Routing, stop: threading.Event) -> float:
-        """Retrieval stage (its own thread): wait for a free buffer, then gather batch rows from the store.
-        Returns when the gather started."""
+    def retrieve(self, routing: Routing, stop: threading.Event, copy=None) -> float:
+        """Retrieval stage (its own thread): wait for a free buffer, then gather batch rows from the store
+        (``copy``: how a gathered host tensor reaches the device, the retrieval stream's
+        :meth:`~nestpipe.trainer.pipeline.streams.StageStream.copy`). Returns when the gather started."""
         while not self._free.acquire(timeout=0.05):
             if stop.is_set():
                 raise Stopped()
         t0 = time.perf_counter()
-        self.emb.retrieve(routing)
+        self.emb.retrieve(routing, copy=copy)
         return t0
 
     def sync(self, active: Routing, prefetch: Optional[Routing]) -> None:

@@ -36,7 +36,8 @@ from nestpipe.trainer.config import PIPELINE_MODES
 from nestpipe.trainer.pipeline.dual_buffer import DualBuffer, Stopped
 from nestpipe.trainer.pipeline.frozen_window import CommWorker, FrozenWindow
 from nestpipe.trainer.distributed.process_groups import issuers
-from nestpipe.trainer.pipeline.streams import StageStream, wait_handoff
+from nestpipe.trainer.pipeline.streams import RecordingBackend, StageStream, wait_handoff
+from nestpipe.utils.jsonio import write_json_atomic
 from nestpipe.trainer.step import (StepState, route_ahead, stage_forward_backward, stage_h2d, stage_prefetch,
                                    stage_retrieve, stage_route, stage_update, take_batch, train_step, update_dense,
                                    update_sparse)
@@ -80,6 +81,8 @@ class PipelineRunner:
         if self.hooks.update_per_micro_batch and not self.fwp:
             raise ValueError("the update_per_micro_batch testing hook needs --pipeline fwp or nested")
         self.rows_synced = 0
+        # test-only: the device stage streams' operations recorded on CPU (testing_hooks.record_streams)
+        self.stream_backend = RecordingBackend() if self.hooks.record_streams else None
         # FWP communication threads: 2 (one per exchange group) or 1 (both groups in one fixed order)
         self.comm_threads = int(pc.comm_threads)
 
@@ -113,6 +116,14 @@ class PipelineRunner:
                 st.groups.unbind_all()
 
     # -- helpers -------------------------------------------------------------------------------------------------
+    def dump_stream_log(self) -> None:
+        """testing_hooks.record_streams: write the recorded stream operations so far to ``PREFIX.rankR.json``
+        (atomic; every schedule segment rewrites it with the whole log)."""
+        if self.stream_backend is None:
+            return
+        write_json_atomic(f"{self.hooks.record_streams}.rank{self.state.rank}.json",
+                          {"rank": self.state.rank, "mode": self.mode, "log": self.stream_backend.log})
+
     def _bind(self, threads) -> None:
         if self.state.groups is None:
             return
@@ -220,7 +231,9 @@ class DualBufferSchedule:
                                replica_own_keys_only=runner.hooks.replica_refresh_own_keys_only)
         self.q_data, self.q_h2d, self.q_route = (queue.Queue(maxsize=pc.depth) for _ in range(3))
         self.q_ready: queue.Queue = queue.Queue(maxsize=1)  # retrieval: at most one batch ahead of compute
-        self.h2d_stream = StageStream(self.state.device)
+        backend = runner.stream_backend
+        self.h2d_stream = StageStream(self.state.device, "h2d", backend)
+        self.retrieve_stream = StageStream(self.state.device, "retrieve", backend)
         self.active = None  # the batch whose updated rows are still to be synced into the next batch's buffer
         self.synced = None  # the active batch, already synced into the next one, whose buffer is still held
 
@@ -246,6 +259,7 @@ class DualBufferSchedule:
             finished = True
         finally:
             self.runner.rows_synced += self.dual.rows_synced
+            self.runner.dump_stream_log()
             if not finished:
                 self.halt.set()
             for t in stage_threads:
@@ -272,9 +286,11 @@ class DualBufferSchedule:
 
     def retrieve(self, k: int, item):
         routing, feats, event, when = item
-        t0 = self.dual.retrieve(routing, self.halt)
+        with self.retrieve_stream.run():  # the rows' copy into the device buffer, on the retrieval's stream
+            t0 = self.dual.retrieve(routing, self.halt, copy=self.retrieve_stream.copy)
+            retrieved = self.retrieve_stream.handoff()
         when["retrieve"] = (t0, time.perf_counter())
-        return routing, feats, event, when
+        return routing, feats, (event, retrieved), when
 
     def _start_stage_threads(self, threads) -> List[threading.Thread]:
         stage_threads = [self._stage_thread("data", self.prefetch, None, self.q_data),
@@ -320,11 +336,14 @@ class DualBufferSchedule:
         if isinstance(item, _Failure):
             raise RuntimeError(f"pipeline stage {item.stage!r} failed at or before step {step}: "
                                f"{type(item.exc).__name__}: {item.exc}") from item.exc
-        routing, feats, event, when = item
+        routing, feats, (h2d_done, retrieved), when = item
         self.runner._account_wait(step, t0, t1, when)
         if routing.batch.step != step:
             raise RuntimeError(f"pipeline delivered step {routing.batch.step}, expected {step}")
-        wait_handoff(self.state.device, event, [t for f in feats for t in f.values()])
+        backend = self.runner.stream_backend
+        wait_handoff(self.state.device, h2d_done, [t for f in feats for t in f.values()], backend)
+        wait_handoff(self.state.device, retrieved, [t for o in routing.own.values() for t in (o.buf_w, o.buf_s)
+                                                    if t is not None], backend)
         if self.active is not None:
             self.dual.sync(self.active, routing)  # the DBP invariant: see dual_buffer.py
             if early:

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test clean torchrec-env
+.PHONY: setup demo test clean torchrec-env gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,12 @@ test: $(STAMP)
 # The TorchRec comparison baseline (benchmarks/torchrec_env.sh): pinned versions, its own venv.
 torchrec-env:
 	benchmarks/torchrec_env.sh .venv-torchrec
+
+# The accelerator path on a CUDA machine (about 5 minutes; prints "no CUDA device" and exits 0 elsewhere). Runs with
+# the python on PATH: on a GPU machine without network, install the project's wheels with --no-deps first (see
+# benchmarks/gpu_check.py --help).
+gpu-check:
+	python benchmarks/gpu_check.py
 
 clean:
 	rm -rf runs $(VENV) .venv-torchrec

@@ -103,6 +103,9 @@ class PipelineConfig:
     trace_steps: int = opt(64, help="steps recorded in the timeline (RUN/trace.json)", minimum=0)
     gantt_steps: int = opt(3, help="steady-state steps drawn in RUN/timeline.png, after the warm-up steps (0: no chart)",
                            minimum=0)
+    profile_steps: int = opt(0, help="steps of rank 0 recorded by torch.profiler after the first two (host and, on "
+                             "an accelerator, device activity) into RUN/profile-rank0.json (Chrome trace); 0: none",
+                             minimum=0)
     baseline_metrics: str = opt("", help="a --pipeline off run's metrics.json: the exposed-time ratios in "
                                 "metrics.json are measured against it")
 
@@ -133,6 +136,9 @@ class _TrainConfigBase:
     epochs: Optional[int] = opt(None, help="epochs to train when steps is null (null: 1)", minimum=1)
     seed: int = opt(0, help="seed of initialisation, negatives and random micro-batching", minimum=0)
     device: str = opt("auto", help="auto | cpu | cuda | npu", choices=("auto", "cpu", "cuda", "npu"))
+    dist_backend: str = opt(
+        "auto", help="collective backend: auto (cpu gloo, cuda nccl, npu hccl) or gloo (any device; gloo can run "
+        "several ranks on one GPU, which NCCL refuses)", choices=("auto", "gloo"))
     dtype: str = opt("float32", help="float32, or float64 (verification against the float64 reference)",
                      choices=("float32", "float64"))
     threads: int = opt(1, help="torch intra-op threads per rank; more than 1 needs pipeline off or auto (auto then "

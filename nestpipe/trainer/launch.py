@@ -91,7 +91,7 @@ def worker_main(argv: Optional[List[str]] = None) -> int:
     def _main() -> int:
         dense_optim.skip_dynamo_import()  # a rank process never compiles: seconds less at every start
         cfg = load_run_config(a.worker_run)
-        dev = devmod.resolve(cfg.device, devmod.local_rank())
+        dev = devmod.resolve(cfg.device, devmod.local_rank(), cfg.dist_backend)
         devmod.set_flush_denormal(cfg.flush_denormal)  # before any thread starts: they inherit the mode
         rank, world = devmod.init_distributed(dev, cfg.timeout_s)
         try:

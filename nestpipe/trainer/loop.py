@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from nestpipe.kernels import kernel_rule, reset_taken, taken_paths, tuning
 from nestpipe.kernels.memory import huge_pages_mode
+from nestpipe.trainer.step_profiler import StepProfiler
 from nestpipe.planning.planner import format_plan, save_plan
 from nestpipe.trainer import testing_hooks
 from nestpipe.trainer import checkpoint, early_stop
@@ -226,20 +227,27 @@ def train_segments(run: RankRun, runner: PipelineRunner, start: int, progress: P
     """The pipeline over each segment; a checkpoint at every segment end before the last (drained there)."""
     hooks, rank = run.hooks, run.rank
 
+    profiler = StepProfiler(run.cfg.pipe.profile_steps, rank, run.cfg.out, start)
+
     def before_step(step: int) -> None:
         if step == hooks.fail_step and rank == hooks.fail_rank:
             raise RuntimeError(f"rank {rank}: injected failure at step {step} (testing hook fail_step)")
+        profiler.before(step)
 
     records = run.stream.records(start)
     epoch_len = run.stream.batches_per_rank if run.early is not None else 0
-    for seg_start, seg_stop in segments(start, run.steps, run.cfg.checkpoint_every, epoch_len):
-        for step, loss in runner.run(records, seg_start, seg_stop, before_step):
-            progress.step_done(step, loss)
-        # drained: every stage thread joined, no buffer held, nothing in flight
-        if seg_stop < run.steps or run.early is not None:
-            checkpoint.save(run.cfg.out, run.state, seg_stop, hooks.checkpoint_sleep_s)
-        if epoch_len and seg_stop % epoch_len == 0 and end_of_epoch(run, seg_stop // epoch_len, seg_stop):
-            return
+    try:
+        for seg_start, seg_stop in segments(start, run.steps, run.cfg.checkpoint_every, epoch_len):
+            for step, loss in runner.run(records, seg_start, seg_stop, before_step):
+                progress.step_done(step, loss)
+                profiler.after(step)
+            # drained: every stage thread joined, no buffer held, nothing in flight
+            if seg_stop < run.steps or run.early is not None:
+                checkpoint.save(run.cfg.out, run.state, seg_stop, hooks.checkpoint_sleep_s)
+            if epoch_len and seg_stop % epoch_len == 0 and end_of_epoch(run, seg_stop // epoch_len, seg_stop):
+                return
+    finally:
+        profiler.close()
 
 
 def end_of_epoch(run: RankRun, epoch: int, step: int) -> bool:

@@ -1,7 +1,8 @@
 """The one device layer: which accelerator and which collective backend a rank uses.
 
-cpu -> gloo, cuda -> nccl, npu (Ascend, through an import-guarded ``torch_npu``) -> hccl. Everything else in the
-trainer asks this module; nothing else imports ``torch_npu`` or picks a backend.
+cpu -> gloo, cuda -> nccl, npu (Ascend, through an import-guarded ``torch_npu``) -> hccl, or gloo on any device
+(``dist_backend``). Everything else in the trainer asks this module; nothing else imports ``torch_npu`` or picks a
+backend.
 
 Host-side state (the DRAM embedding store, its optimizer state) always lives on the CPU; only the per-batch
 buffers, the dense model and the collectives' payloads live on ``Device.torch``.
@@ -38,8 +39,18 @@ def _npu_available() -> bool:
     return bool(getattr(torch, "npu", None) and torch.npu.is_available())  # type: ignore[attr-defined]
 
 
-def resolve(kind: str = "auto", local_rank: int = 0) -> Device:
-    """The device for this rank: ``auto`` prefers cuda, then npu, then cpu."""
+def resolve(kind: str = "auto", local_rank: int = 0, backend: str = "auto") -> Device:
+    """The device for this rank: ``auto`` prefers cuda, then npu, then cpu. ``backend``: ``auto`` (the device's
+    own: gloo, nccl, hccl) or ``gloo`` on any device (several ranks may then share one GPU)."""
+    dev = _resolve(kind, local_rank)
+    if backend == "auto":
+        return dev
+    if backend != "gloo":
+        raise ValueError(f"dist_backend {backend!r}: auto or gloo")
+    return dataclasses.replace(dev, backend="gloo")
+
+
+def _resolve(kind: str, local_rank: int) -> Device:
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else ("npu" if _npu_available() else "cpu")
     if kind == "cpu":
@@ -85,7 +96,7 @@ def init_distributed(device: Device, timeout_s: float) -> tuple:
         dist.init_process_group(
             backend=device.backend,
             timeout=datetime.timedelta(seconds=float(timeout_s)),
-            device_id=device.torch if device.kind != "cpu" else None,
+            device_id=device.torch if device.kind != "cpu" and device.backend != "gloo" else None,
         )
     return dist.get_rank(), dist.get_world_size()
 

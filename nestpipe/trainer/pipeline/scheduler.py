@@ -81,7 +81,7 @@ class PipelineRunner:
         if self.hooks.update_per_micro_batch and not self.fwp:
             raise ValueError("the update_per_micro_batch testing hook needs --pipeline fwp or nested")
         self.rows_synced = 0
-        # test-only: the device stage streams' operations recorded on CPU (testing_hooks.record_streams)
+        # test-only: the device stage streams' operations recorded on CPU (the record_streams testing hook)
         self.stream_backend = RecordingBackend() if self.hooks.record_streams else None
         # FWP communication threads: 2 (one per exchange group) or 1 (both groups in one fixed order)
         self.comm_threads = int(pc.comm_threads)
@@ -117,7 +117,7 @@ class PipelineRunner:
 
     # -- helpers -------------------------------------------------------------------------------------------------
     def dump_stream_log(self) -> None:
-        """testing_hooks.record_streams: write the recorded stream operations so far to ``PREFIX.rankR.json``
+        """the record_streams testing hook: write the recorded stream operations so far to ``PREFIX.rankR.json``
         (atomic; every schedule segment rewrites it with the whole log)."""
         if self.stream_backend is None:
             return

@@ -64,10 +64,15 @@ def test_check_handoffs_counts_events_per_batch():
     rec = streams.RecordingBackend()
     s = streams.StageStream(torch.device("cpu"), "h2d", rec)
     with s.run():
+        s.copy(torch.ones(3))
         ev = s.handoff()
     streams.wait_handoff(torch.device("cpu"), ev, (), rec)
     assert streams.check_handoffs(rec.log, ("h2d",), 1) == []
     assert streams.check_handoffs(rec.log, ("h2d",), 2) == ["h2d: 1 events recorded for 2 batches"]
+    with s.run():
+        ev = s.handoff()  # a batch whose inputs were not copied on the stream
+    streams.wait_handoff(torch.device("cpu"), ev, (), rec)
+    assert streams.check_handoffs(rec.log, ("h2d",), 2) == ["h2d: batch 1 copied nothing on its stream"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the pinned ring's copy runs on a GPU only")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -116,9 +116,16 @@ def stage_prefetch(state: StepState, step: int, record: Dict, where: str) -> Pre
 
 
 # -- stage 2: H2D ---------------------------------------------------------------------------------------------------
-def stage_h2d(state: StepState, batch: PreparedBatch) -> List[Dict[str, torch.Tensor]]:
+def stage_h2d(state: StepState, batch: PreparedBatch,
+              copy: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> List[Dict[str, torch.Tensor]]:
+    """The micro-batches' dense inputs on the device: built on the host, then moved by ``copy`` (default
+    ``.to(device)``; the DBP h2d stage passes its stream's copy, non-blocking from pinned staging memory on an
+    accelerator)."""
+    copy = copy or (lambda t: t.to(state.device))
+    host = torch.device("cpu")
     with state.timer.span("h2d", batch.step):
-        return [model_feats(state.cfg, state.manifest, batch, i, state.device) for i in range(len(batch.micro))]
+        return [{k: copy(v) for k, v in model_feats(state.cfg, state.manifest, batch, i, host).items()}
+                for i in range(len(batch.micro))]
 
 
 # -- stage 3: key routing -------------------------------------------------------------------------------------------

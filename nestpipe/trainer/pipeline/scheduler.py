@@ -275,7 +275,7 @@ class DualBufferSchedule:
 
     def h2d(self, k: int, batch):
         with self.h2d_stream.run():
-            feats = stage_h2d(self.state, batch)
+            feats = stage_h2d(self.state, batch, copy=self.h2d_stream.copy)
             return batch, feats, self.h2d_stream.handoff()
 
     def route(self, k: int, item):

@@ -209,7 +209,7 @@ def check_handoffs(log: List[Tuple[str, str, object]], stages: Iterable[str], st
     """The ordering the pipeline promises, checked on a :class:`RecordingBackend` log: on every stage stream one
     event per batch, recorded after the batch's copies on that stream (the copies between two of its events are the
     later batch's); the compute stream waits on every one of them, after it is recorded and in batch order (batch k's
-    outputs are used only after their copies); the ``retrieve`` stream copies something for every batch. Returns the
+    outputs are used only after their copies); every stage stream copies something for every batch. Returns the
     violations (empty: the order holds)."""
     problems: List[str] = []
     waited = {e: i for i, (op, s, e) in enumerate(log) if op == "wait" and s == "compute"}
@@ -228,7 +228,7 @@ def check_handoffs(log: List[Tuple[str, str, object]], stages: Iterable[str], st
             else:
                 prev_wait = waited[e]
             copies = sum(1 for op, s, _ in log[prev + 1:i] if op == "copy" and s == stage)
-            if stage == "retrieve" and not copies:
+            if not copies:
                 problems.append(f"{stage}: batch {k} copied nothing on its stream")
             prev = i
     return problems

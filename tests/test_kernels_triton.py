@@ -74,6 +74,25 @@ def test_dual_buffer_sync(device, keys):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_state", [True, False])
+def test_dual_buffer_sync_rows_equals_the_reference(device, with_state):
+    """The trainer's sync of weights and AdaGrad state (what DBP calls on a device): the same rows copied, bitwise,
+    and the same count. Control: a prefetch buffer left unsynced differs from the reference's."""
+    a_keys, p_keys = torch.tensor([1, 4, 6, 9, 12, 30]), torch.tensor([0, 4, 5, 9, 30, 31, 40])
+    aw, as_ = torch.randn(6, 7), torch.rand(6)
+    pw, ps = torch.randn(7, 7), torch.rand(7)
+    ew, es = pw.clone(), ps.clone()
+    n_ref = reference.dual_buffer_sync_rows(a_keys, p_keys, aw, as_ if with_state else None, ew,
+                                            es if with_state else None, False)
+    args = _on(device, a_keys, p_keys, aw, as_, pw, ps)
+    n = triton_kernels.dual_buffer_sync_rows(args[0], args[1], args[2], args[3] if with_state else None, args[4],
+                                             args[5] if with_state else None)
+    assert n == n_ref == 3
+    assert torch.equal(args[4].cpu(), ew) and not torch.equal(pw, ew)
+    assert torch.equal(args[5].cpu(), es if with_state else ps)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_rows,n,dim", [(6, 40, 3), (1, 25, 16), (5, 0, 4)])
 def test_lookup_segment_sums(device, num_rows, n, dim):
     rows = torch.randn(num_rows, dim)

@@ -147,6 +147,25 @@ def dual_buffer_sync(active_keys, active_rows, prefetch_keys, prefetch_rows) -> 
     return None
 
 
+def dual_buffer_sync_rows(active_keys, prefetch_keys, src_weight, src_state, dst_weight, dst_state,
+                          from_store: bool = False) -> int:
+    """The trainer's DBP sync (``nestpipe.kernels.dual_buffer_sync_rows``) on the device: the weights and, where
+    given, the AdaGrad state of keys(t) ∩ keys(t+1) copied active -> prefetch buffer by :func:`dual_buffer_sync`'s
+    binary-search kernel (the state as rows of width 1). From the store (a host path: on a device the update writes
+    the buffer) it is the reference's. Returns the rows copied (one reduction on the device)."""
+    if from_store:
+        from . import reference
+
+        return reference.dual_buffer_sync_rows(active_keys, prefetch_keys, src_weight, src_state, dst_weight,
+                                               dst_state, from_store)
+    if active_keys.numel() == 0 or prefetch_keys.numel() == 0:
+        return 0
+    dual_buffer_sync(active_keys, src_weight, prefetch_keys, dst_weight)
+    if dst_state is not None:
+        dual_buffer_sync(active_keys, src_state.view(-1, 1), prefetch_keys, dst_state.view(-1, 1))
+    return int(torch.isin(prefetch_keys, active_keys).sum())
+
+
 def segment_sum_rows(src: torch.Tensor, src_index: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``out[s] = sum(src[src_index[i]] for offsets[s] <= i < offsets[s + 1])``, ascending ``i`` from zero. ``src``
     may be any view whose rows are unit-stride (e.g. the overlapping windows of a flat payload)."""

@@ -15,13 +15,16 @@ PASS or FAIL per line and recording every figure (``benchmarks/results/gpu_check
    copy and exchange time that overlaps device compute (target >= 50%), and the same for ``off`` (reference).
 5. samples/s of ``off`` and ``nested`` per model and world.
 
-The machine it is written for has CUDA but no network: its system Python holds torch and Triton but not this
-project's other pure-Python needs. Install them from wheels carried over, without dependencies, then the project:
+The machine it is written for has CUDA but no network: its system Python holds torch, Triton and numpy but not
+this project nor the other modules its training path imports (scipy for the shard writer's clustering, tqdm). Carry
+them over as wheels (34 MiB for Python 3.11) and install them without dependencies:
 
-    pip download -d wheels --no-deps polars pyarrow webdataset numba llvmlite ...   # on a networked machine
-    pip install --no-deps wheels/*.whl && pip install --no-deps -e .                  # on the GPU machine
+    benchmarks/gpu_wheels.sh wheels 3.11          # on a machine with a package index: this project + scipy + tqdm
+    pip install --no-deps wheels/*.whl            # on the GPU machine (the project's torch pin is not enforced)
+    make gpu-check
 
-(the project's own torch pin is not enforced by ``--no-deps``; the check prints the torch and Triton it ran with).
+The check prints the torch, CUDA and Triton versions it ran with. Numba is optional there (the host ops fall back to
+NumPy, recorded in ``kernel_paths``).
 """
 
 from __future__ import annotations

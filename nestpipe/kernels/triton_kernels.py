@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import reference
 from .reference import csr_by_segment  # noqa: F401  (part of this path's op set)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -154,8 +155,6 @@ def dual_buffer_sync_rows(active_keys, prefetch_keys, src_weight, src_state, dst
     binary-search kernel (the state as rows of width 1). From the store (a host path: on a device the update writes
     the buffer) it is the reference's. Returns the rows copied (one reduction on the device)."""
     if from_store:
-        from . import reference
-
         return reference.dual_buffer_sync_rows(active_keys, prefetch_keys, src_weight, src_state, dst_weight,
                                                dst_state, from_store)
     if active_keys.numel() == 0 or prefetch_keys.numel() == 0:

@@ -3,6 +3,7 @@ and the meaning of the samples (chronological windows, leave-one-out)."""
 
 from __future__ import annotations
 
+import io
 import csv
 import glob
 import json
@@ -703,3 +704,22 @@ def test_defaults_fit_small_data_and_leave_data_that_fills_them_unchanged(raw, t
     assert "sized_to_data" not in auto.stats
     assert _shard_bytes(str(tmp_path / "ctr")) == _shard_bytes(str(tmp_path / "ctr512"))
     assert [e.sha256 for e in auto.sets["train"]] == [e.sha256 for e in given.sets["train"]]
+
+
+@pytest.mark.parametrize("quoted_any", [False, True])
+def test_a_line_that_is_not_utf8_is_rejected_by_name(quoted_any):
+    """A byte sequence that is not UTF-8 (a Latin-1 letter) in one line: that line is rejected ("not UTF-8 text",
+    its raw text kept with a replacement character), the others parse, on the fast/validating path and on the
+    quote-aware one. Control: Polars itself refuses the chunk (its strings must be UTF-8), which is what crashed the
+    ingest before (found by benchmarks/chaos.py's latin1_line class)."""
+    from nestpipe.ingest.parse import NOT_UTF8, ColumnSpec, parse_chunk
+
+    schema = {"id": pl.Int64, "name": pl.Utf8, "x": pl.Float64}
+    spec = ColumnSpec(list(schema), schema, ["id"], quoted_any=quoted_any)
+    data = b"1,ab,0.5\n2,caf\xe9,1\n3,cd,2\n"
+    df, rejects = parse_chunk(data, spec, path="f.csv", first_line=2)
+    assert df["id"].to_list() == [1, 3]
+    assert [(r.file, r.line, r.reason) for r in rejects] == [("f.csv", 3, NOT_UTF8)]
+    assert "\ufffd" in rejects[0].raw and rejects[0].raw.startswith("2,caf")
+    with pytest.raises(Exception):
+        pl.read_csv(io.BytesIO(data), has_header=False, schema=schema)

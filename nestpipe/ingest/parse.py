@@ -132,10 +132,43 @@ class ColumnSpec:
     keep: Optional[Sequence[str]] = None  # columns to return (default: all)
 
 
+NOT_UTF8 = "not UTF-8 text"
+
+
+def _utf8_lines(data: bytes) -> Tuple[bytes, Optional[np.ndarray], Optional[np.ndarray]]:
+    """``(data, offsets, bad)``: where every line is UTF-8, ``data`` unchanged and no mask; else each line that is
+    not valid UTF-8 decoded with replacement characters (so the reject keeps a readable copy of it), the chunk's new
+    line offsets and the mask of those lines. Arrow and Polars strings must be valid UTF-8 (Polars panics on
+    others), so no other path may see the original bytes."""
+    if data.isascii():
+        return data, None, None
+    try:
+        data.decode("utf-8")
+        return data, None, None
+    except UnicodeDecodeError:
+        pass
+    offsets = line_starts(data)
+    lines, bad = [], []
+    for i in range(len(offsets) - 1):
+        ln = data[offsets[i]:offsets[i + 1]]
+        try:
+            ln.decode("utf-8")
+            bad.append(False)
+        except UnicodeDecodeError:
+            ln = ln.decode("utf-8", errors="replace").encode("utf-8")
+            bad.append(True)
+        lines.append(ln)
+    fixed = b"".join(lines)
+    new_offsets = np.zeros(len(lines) + 1, dtype=np.int64)
+    np.cumsum([len(ln) for ln in lines], out=new_offsets[1:])
+    return fixed, new_offsets, np.asarray(bad)
+
+
 def parse_chunk(data: bytes, spec: ColumnSpec, *, path: str, first_line: int) -> Tuple[pl.DataFrame, List[Reject]]:
     """Parse one chunk. Returns good rows (with a ``line`` column, 1-based) and the rejects.
 
-    ``first_line`` is the file line number of the chunk's first line.
+    ``first_line`` is the file line number of the chunk's first line. A line that is not UTF-8 text is rejected
+    (reason ``not UTF-8 text``, its raw text with replacement characters).
     """
     keep = list(spec.keep or spec.columns)
     newlines, total_commas, n_quotes = byte_counts(data, (_NL, _COMMA, _QUOTE))
@@ -144,6 +177,13 @@ def parse_chunk(data: bytes, spec: ColumnSpec, *, path: str, first_line: int) ->
         empty = pl.DataFrame(schema={**{c: spec.dtypes[c] for c in keep}, "line": pl.Int64})
         return empty, []
     ncols = len(spec.columns)
+    data, fixed_offsets, not_utf8 = _utf8_lines(data)
+    if not_utf8 is not None:  # the validating paths, with those lines rejected by name
+        if spec.quoted_any:
+            return _parse_csv_module(data, fixed_offsets, spec, path=path, first_line=first_line, keep=keep,
+                                     not_utf8=not_utf8)
+        return _parse_validating(data, fixed_offsets, spec, path=path, first_line=first_line, keep=keep,
+                                 not_utf8=not_utf8)
     if spec.quoted_any:
         return _parse_csv_module(data, line_starts(data), spec, path=path, first_line=first_line, keep=keep)
     has_quotes = n_quotes > 0
@@ -188,18 +228,20 @@ def parse_chunk(data: bytes, spec: ColumnSpec, *, path: str, first_line: int) ->
 
 
 def _parse_csv_module(
-    data: bytes, offsets: np.ndarray, spec: ColumnSpec, *, path: str, first_line: int, keep: List[str]
+    data: bytes, offsets: np.ndarray, spec: ColumnSpec, *, path: str, first_line: int, keep: List[str],
+    not_utf8: Optional[np.ndarray] = None,
 ) -> Tuple[pl.DataFrame, List[Reject]]:
     """Quote-aware validating path for small files whose fields may all be quoted (user features)."""
     ncols = len(spec.columns)
-    text = [data[offsets[i]:offsets[i + 1]].decode("utf-8", errors="replace").rstrip("\r\n")
-            for i in range(len(offsets) - 1)]
+    text = [data[offsets[i]:offsets[i + 1]].decode("utf-8").rstrip("\r\n") for i in range(len(offsets) - 1)]
     rows: List[List[Optional[str]]] = []
     structural: List[Optional[str]] = []
-    for line in text:
+    for k, line in enumerate(text):
         fields: List[Optional[str]] = [None] * ncols
         reason = None
-        if not line:
+        if not_utf8 is not None and not_utf8[k]:
+            reason = NOT_UTF8
+        elif not line:
             reason = "empty line"
         else:
             try:
@@ -219,7 +261,8 @@ def _parse_csv_module(
 
 
 def _parse_validating(
-    data: bytes, offsets: np.ndarray, spec: ColumnSpec, *, path: str, first_line: int, keep: List[str]
+    data: bytes, offsets: np.ndarray, spec: ColumnSpec, *, path: str, first_line: int, keep: List[str],
+    not_utf8: Optional[np.ndarray] = None,
 ) -> Tuple[pl.DataFrame, List[Reject]]:
     """Validating path for unquoted files and files whose only quoted column is the last one."""
     ncols = len(spec.columns)
@@ -236,8 +279,10 @@ def _parse_validating(
         parts = raw.str.split_exact(",", ncols).struct.rename_fields([f"f{i}" for i in range(ncols + 1)])
         fields = pl.DataFrame({"s": parts}).unnest("s")
         count_ok = fields[f"f{ncols - 1}"].is_not_null() & fields[f"f{ncols}"].is_null()
+    bad_text = pl.Series(not_utf8 if not_utf8 is not None else np.zeros(len(raw), dtype=bool))
     structural = pl.select(
-        pl.when(raw.str.len_bytes() == 0).then(pl.lit("empty line"))
+        pl.when(bad_text).then(pl.lit(NOT_UTF8))
+        .when(raw.str.len_bytes() == 0).then(pl.lit("empty line"))
         .when(~count_ok).then(pl.lit(f"wrong number of columns (expected {ncols})"))
         .otherwise(pl.lit(None, dtype=pl.Utf8))
     ).to_series()

@@ -94,28 +94,38 @@ def fuzz(clean: str, out: str, cls: str, seed: int) -> Dict:
     return what
 
 
-def _children(pid: int) -> List[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
+def run_tracked(cmd: List[str], timeout: float = 300, grace: float = 5.0) -> Dict:
+    """Run ``cmd``, watching its process tree while it runs (every descendant seen, as ``ingest_bench.py`` samples
+    it: once the driver exits its orphans belong to init and cannot be found from it), then give the descendants
+    ``grace`` seconds to exit. Returns the exit code, the output's tails and the pids still alive (killed)."""
+    import tempfile
+
+    import psutil
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        root, seen = psutil.Process(p.pid), {}
+        deadline = time.time() + timeout
+        while p.poll() is None:
             try:
-                with open(f"/proc/{d}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[1]) == pid:
-                    out.append(int(d))
-            except (OSError, IndexError, ValueError):
+                seen.update((c.pid, c) for c in root.children(recursive=True))
+            except psutil.Error:
                 pass
-    return out
+            if time.time() > deadline:
+                p.kill()
+            time.sleep(0.02)
+        _, alive = psutil.wait_procs(list(seen.values()), timeout=grace)
+        for c in alive:  # do not leave them behind for the next trial
+            c.kill()
+        out.seek(0)
+        err.seek(0)
+        return {"rc": p.returncode, "stdout": out.read()[-2000:], "stderr": err.read()[-4000:],
+                "left_behind": [c.pid for c in alive]}
 
 
 def ingest(raw: str, out: str, timeout: float = 300) -> Dict:
     shutil.rmtree(out, ignore_errors=True)
-    p = subprocess.Popen([sys.executable, "-m", "nestpipe", "ingest", "--raw", raw, "--out", out, *INGEST],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stdout, stderr = p.communicate(timeout=timeout)
-    time.sleep(0.05)
-    left = _children(p.pid)
-    return {"rc": p.returncode, "stdout": stdout[-2000:], "stderr": stderr[-4000:], "left_behind": left}
+    return run_tracked([sys.executable, "-m", "nestpipe", "ingest", "--raw", raw, "--out", out, *INGEST], timeout)
 
 
 def _digest(out: str) -> str:
@@ -198,9 +208,10 @@ def campaign(out: str, classes, trials: int, seed: int, replay: Optional[int] = 
         for s in seeds:
             v = trial(out, clean, clean_rows, cls, s)
             rows.append(v)
+            verdicts = {k: v[k] for k in ("one_message", "deterministic", "no_process_left", "accounted", "message")
+                        if k in v}
             print(f"{cls:15} seed {s:6} {'ok  ' if v['ok'] else 'FAIL'} rc {v['rc']} {json.dumps(v['fault'])}"
-                  + ("" if v["ok"] else f"  {json.dumps({k: v[k] for k in ('one_message', 'deterministic', 'no_process_left', 'accounted', 'message') if k in v})}"),
-                  flush=True)
+                  + ("" if v["ok"] else f"  {json.dumps(verdicts)}"), flush=True)
     return {"trials": rows, "clean_input_rows": clean_rows, "summary": summarise(rows)}
 
 

@@ -26,6 +26,17 @@ def test_faults_are_drawn_from_the_seed(tmp_path):
     assert (tmp_path / "d" / "log_a.csv").read_bytes().count(b"\n") == 3 and d["line"] >= 2
 
 
+def test_a_process_that_outlives_its_driver_is_reported():
+    """The "no process left behind" verdict can fail: a driver that starts a child and exits without it leaves the
+    child adopted by init, and the watch that saw it while the driver ran reports (and kills) it. Control: a child
+    the driver waits for is not reported."""
+    orphan = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])"
+    r = chaos.run_tracked([sys.executable, "-c", orphan + "; import time; time.sleep(0.5)"], grace=1.0)
+    assert r["rc"] == 0 and len(r["left_behind"]) == 1
+    waited = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(0.5)'])"
+    assert chaos.run_tracked([sys.executable, "-c", waited], grace=1.0)["left_behind"] == []
+
+
 @pytest.mark.slow
 def test_a_few_trials_hold(tmp_path, capsys, monkeypatch):
     """One trial of each line-level class and a truncation: every verdict holds (the ingest rejects the bad line by

@@ -198,10 +198,11 @@ def check(args) -> Dict:
                     ov = read_overlap(prof)
                     res["runs"][f"{key}-{mode}"]["overlap"] = ov
                     if mode == "nested":
+                        off_share = res["runs"].get(f"{key}-off", {}).get("overlap", {}).get("share", float("nan"))
                         line(f"{key} nested overlap", ov["share"] >= OVERLAP_TARGET,
                              f"{100 * ov['share']:.0f}% of copy + exchange time overlaps compute (target >= "
                              f"{100 * OVERLAP_TARGET:.0f}%; off: "
-                             f"{100 * res['runs'][f'{key}-off'].get('overlap', {}).get('share', float('nan')):.0f}%)")
+                             f"{100 * off_share:.0f}%)")
                 else:
                     line(f"{key} {mode} profile", False, f"{prof} missing")
             if len(runs) == 2:

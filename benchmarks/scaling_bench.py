@@ -12,8 +12,8 @@ the balance of communication and compute that the cap sets at world 2 is kept as
 peers per All2All, the per-call costs and the bytes per sample change as they do on a cluster. It is not a
 cluster whose ranks each have their own link (that would turn worlds 4 and 8 compute-bound here).
 The cap is calibrated once, at world 2, by the pipeline benchmark's rule (an ``off`` run on plain loopback, each batch
-routed in its own step, measures the bytes every rank sends per step and the compute per step; the cap is the rate at which the bytes take as long as
-the compute, refined once by an ``off`` run under it) and held for worlds 4 and 8.
+routed in its own step, measures the bytes every rank sends per step and the compute per step; the cap is the rate
+at which the bytes take as long as the compute, refined once by an ``off`` run under it) and held for worlds 4 and 8.
 
 Workloads (``pipeline_bench.py``'s, smaller so that 8 ranks fit 2 cores): GR, per rank ``--batch`` sequences of
 ``--seq-len`` tokens, a ``--vocab``-row item table and a 256-row action table, Zipf(1.2) ids, HSTU 1 layer x 2 heads,
@@ -133,7 +133,7 @@ def nestpipe_summary(m: Dict, world: int, batch: int, cores: int) -> Dict:
     ranks = m["per_rank"]
     steps = [max(r["measured_steps"], 1) for r in ranks]
     cpu_s = sum(r["cpu_s"] / n for r, n in zip(ranks, steps))  # all ranks, per step
-    wire = sum(sum(r["network_bytes"].values()) / n for r, n in zip(ranks, steps))
+    wire = pb.bytes_per_step(m)  # all ranks
     by_kind: Dict[str, float] = {}
     for r, n in zip(ranks, steps):
         for k, v in r["network_bytes"].items():

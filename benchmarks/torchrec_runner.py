@@ -85,30 +85,19 @@ def _count_collectives(dist):
 
         setattr(dist, name, wrapper)
 
-    def a2a_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **_):
+    def split_tensor(output, input, output_split_sizes=None, input_split_sizes=None, op=None, group=None, **_):
+        # one input tensor in W parts (even unless split sizes are given): all but the rank's own part leaves
         w, r = peers(group)
         if not input_split_sizes:
             return nbytes(input) * (w - 1) / w
         row = nbytes(input) / max(sum(input_split_sizes), 1)
         return row * (sum(input_split_sizes) - input_split_sizes[r])
 
-    def a2a(output_list, input_list, group=None, **_):
+    def part_list(output, input_list, op=None, group=None, **_):  # one input tensor per rank: all but its own
         _, r = peers(group)
         return sum(nbytes(t) for i, t in enumerate(input_list) if i != r)
 
-    def rs_list(output, input_list, op=None, group=None, **_):
-        _, r = peers(group)
-        return sum(nbytes(t) for i, t in enumerate(input_list) if i != r)
-
-    def rs_tensor(output, input, op=None, group=None, **_):
-        w, _ = peers(group)
-        return nbytes(input) * (w - 1) / w
-
-    def ag_list(tensor_list, tensor, group=None, **_):
-        w, _ = peers(group)
-        return nbytes(tensor) * (w - 1)
-
-    def ag_tensor(output, input, group=None, **_):
+    def gathered(output, input, group=None, **_):  # the rank's input, to each of the W - 1 others
         w, _ = peers(group)
         return nbytes(input) * (w - 1)
 
@@ -116,10 +105,10 @@ def _count_collectives(dist):
         w, _ = peers(group)
         return 2 * (w - 1) * nbytes(tensor) / w
 
-    for name, kind, fn in (("all_to_all_single", "all_to_all", a2a_single), ("all_to_all", "all_to_all", a2a),
-                           ("reduce_scatter", "reduce_scatter", rs_list),
-                           ("reduce_scatter_tensor", "reduce_scatter", rs_tensor),
-                           ("all_gather", "all_gather", ag_list), ("all_gather_into_tensor", "all_gather", ag_tensor),
+    for name, kind, fn in (("all_to_all_single", "all_to_all", split_tensor), ("all_to_all", "all_to_all", part_list),
+                           ("reduce_scatter", "reduce_scatter", part_list),
+                           ("reduce_scatter_tensor", "reduce_scatter", split_tensor),
+                           ("all_gather", "all_gather", gathered), ("all_gather_into_tensor", "all_gather", gathered),
                            ("all_reduce", "all_reduce", ar)):
         wrap(name, kind, fn)
     return counting
@@ -325,7 +314,8 @@ def _worker(rank, world, a, port, q):
     import importlib.metadata as md
 
     counting["on"] = False
-    link = None if link0 is None or _link_tx_bytes() is None else _link_tx_bytes() - link0
+    link1 = _link_tx_bytes() if link0 is not None else None
+    link = link1 - link0 if link1 is not None else None
     wire = {k: v for k, v in counting.items() if k != "on"}
     # the dense gradients' all-reduce (DDP's reducer issues it from C++, out of the wrappers' sight): a ring
     # all-reduce sends 2 (W - 1) / W of the buffer per rank, as NestPipe counts its own

@@ -177,17 +177,14 @@ def parse_chunk(data: bytes, spec: ColumnSpec, *, path: str, first_line: int) ->
         empty = pl.DataFrame(schema={**{c: spec.dtypes[c] for c in keep}, "line": pl.Int64})
         return empty, []
     ncols = len(spec.columns)
-    data, fixed_offsets, not_utf8 = _utf8_lines(data)
-    if not_utf8 is not None:  # the validating paths, with those lines rejected by name
-        if spec.quoted_any:
-            return _parse_csv_module(data, fixed_offsets, spec, path=path, first_line=first_line, keep=keep,
-                                     not_utf8=not_utf8)
-        return _parse_validating(data, fixed_offsets, spec, path=path, first_line=first_line, keep=keep,
-                                 not_utf8=not_utf8)
+    data, offsets, not_utf8 = _utf8_lines(data)
     if spec.quoted_any:
-        return _parse_csv_module(data, line_starts(data), spec, path=path, first_line=first_line, keep=keep)
-    has_quotes = n_quotes > 0
-    offsets: Optional[np.ndarray] = None
+        return _parse_csv_module(data, offsets if offsets is not None else line_starts(data), spec, path=path,
+                                 first_line=first_line, keep=keep, not_utf8=not_utf8)
+    if not_utf8 is not None:  # the validating path, with those lines rejected by name
+        return _parse_validating(data, offsets, spec, path=path, first_line=first_line, keep=keep,
+                                 not_utf8=not_utf8)
+    has_quotes = n_quotes > 0  # offsets stays None (every line is UTF-8) until the validating path needs them
     if has_quotes and not spec.quoted_last:
         fast = False
     else:

@@ -466,12 +466,10 @@ def dual_buffer_sync_rows(
     if not from_store and src_weight.shape[0] != active_keys.numel():
         raise ValueError("the active buffer must have one row per active key")
     path = select_path("dual_buffer_sync", dst_weight.device)
-    if note("dual_buffer_sync_rows", path if path in ("numba", "triton") else "reference") != "reference":
-        return backend(path).dual_buffer_sync_rows(active_keys.to(dst_weight.device),
-                                                   prefetch_keys.to(dst_weight.device), src_weight, src_state,
-                                                   dst_weight, dst_state, from_store)
-    return reference.dual_buffer_sync_rows(active_keys.to(dst_weight.device), prefetch_keys.to(dst_weight.device),
-                                           src_weight, src_state, dst_weight, dst_state, from_store)
+    path = note("dual_buffer_sync_rows", path if path in ("numba", "triton") else "reference")
+    impl = reference if path == "reference" else backend(path)
+    return impl.dual_buffer_sync_rows(active_keys.to(dst_weight.device), prefetch_keys.to(dst_weight.device),
+                                      src_weight, src_state, dst_weight, dst_state, from_store)
 
 
 class _SequenceLookup(torch.autograd.Function):

@@ -368,9 +368,9 @@ def _pooled_owner_plan(got, at, size, b, b0, out_at, grad_off, dim, rows_all):
 def _bag_rows_sorted(indices, offsets, num_rows):
     """The occurrences of ``indices`` grouped by row, stably (a row's occurrences in ascending position): ``uniq``
     (distinct rows ascending), ``starts`` [len(uniq) + 1] and ``src`` (the bag of each occurrence in that order).
-    Both ways give the same three arrays. A counting sort when ``num_rows`` is within a small multiple of the occurrences (three passes: count, one scan
-    that turns the counts into each row's first slot while listing the rows, and the scatter), else a stable merge
-    sort (a 32M-row store must not cost a 32M-entry count per call)."""
+    Both ways give the same three arrays. A counting sort when ``num_rows`` is within a small multiple of the
+    occurrences (three passes: count, one scan that turns the counts into each row's first slot while listing the
+    rows, and the scatter), else a stable merge sort (a 32M-row store must not cost a 32M-entry count per call)."""
     n = indices.shape[0]
     n_bags = offsets.shape[0] - 1
     if num_rows <= 8 * n + 65536 and n < 2**31:  # int32 slots: half the scanned bytes

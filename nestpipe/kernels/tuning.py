@@ -21,11 +21,11 @@ differs, so a pair that stopped being equal (a new library version) is never cho
 
 How: :func:`calibrate` times each candidate on shapes from the run (:class:`TuneShape`: the largest store's rows,
 capped at 131,072 rows and 32 MiB, its dim, the owner's bags per update), for the ops the run calls only,
-alternating the paths, a few repetitions each (about a second in all on a 2-core host); the fastest median wins unless it is within 3% of the rule's path (ties keep the rule). The
-result is cached per host fingerprint (CPU model, instruction-set flags, usable cores, torch / numba / fbgemm_gpu /
-nestpipe versions) and shape in ``$NESTPIPE_CACHE_DIR`` (default ``~/.cache/nestpipe``)``/kernels/``; a cache
-written on another host (another fingerprint) is ignored. A path forced by ``NESTPIPE_KERNELS`` wins over the cache
-and the calibration. In a run, rank 0 decides and broadcasts; every rank applies the same paths (:func:`apply`) and
+alternating the paths, a few repetitions each (about a second in all on a 2-core host); the fastest median wins
+unless it is within 3% of the rule's path (ties keep the rule). The result is cached per host fingerprint (CPU
+model, instruction-set flags, usable cores, torch / numba / fbgemm_gpu / nestpipe versions) and shape in
+``$NESTPIPE_CACHE_DIR`` (default ``~/.cache/nestpipe``)``/kernels/``; a cache written on another host (another
+fingerprint) is ignored. A path forced by ``NESTPIPE_KERNELS`` wins over the cache and the calibration. In a run, rank 0 decides and broadcasts; every rank applies the same paths (:func:`apply`) and
 ``metrics.json`` records them (``kernel_choice``: path, source -- forced, cache, calibration or rule -- and timings).
 """
 

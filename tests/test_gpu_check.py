@@ -84,3 +84,8 @@ def test_its_training_commands_run_on_cpu_with_the_profile_and_gloo(tmp_path):
     paths = gpu_check.device_paths(runs["nested"])
     assert not paths["ok"] and set(paths["not_on_device"]) <= set(gpu_check.DEVICE_OPS)
     assert all("triton" not in p for p in paths["not_on_device"].values())
+    # the names are those the kernels record: every device op ran here (the CPU's bag update replaces the entry
+    # update), so a device run that skipped one would be reported
+    assert paths["not_taken"] == ["adagrad_update"] and "adagrad_bags" in paths["kernel_paths"]
+    assert "dual_buffer_sync_rows" not in gpu_check.device_paths(runs["off"], "off")["not_taken"] + \
+        list(gpu_check.device_paths(runs["off"], "off")["kernel_paths"])

@@ -123,6 +123,8 @@ def runs(tmp_path_factory):
     add(plan2, 2, "hstu", "nosync-wb", "nested", emb=wb, hooks=nosync)
     # the device stage streams' hand-offs, recorded on CPU by a stand-in for the device's stream API
     add(plan2, 2, "hstu", "streams", "nested", emb=wb, hooks={"record_streams": str(base / "streams-hstu")})
+    add(plan2, 2, "hstu", "streams-late", "nested", emb=wb,  # control: the write-back reaches the store too late
+        hooks={"record_streams": str(base / "streams-late"), "late_write_back": True})
     add(plan2, 2, "hstu", "per-mb", "nested", hooks={"update_per_micro_batch": True})
     add(plan2, 2, "hstu", "random-mb", "nested", micro_batching="random")
     # the default micro-batching (auto): off and dbp train a batch as one micro-batch where the loss allows it
@@ -306,22 +308,35 @@ def test_negative_control_stale_batch_routed_ahead_breaks_equality(runs):
     assert any(k.startswith("embedding.") for k in diff), diff
 
 
+def _stream_log(run, prefix, rank):
+    doc = json.load(open(os.path.join(os.path.dirname(run), f"{prefix}.rank{rank}.json")))
+    return [tuple(e) for e in doc["log"]]
+
+
 def test_device_stage_streams_hand_off_in_batch_order(runs):
     """The device stages' ordering, on CPU: the DBP schedule's h2d and retrieval stages enqueue their copies on
     their own streams and record an event after each batch's; the compute stream waits on every event, after it
-    is recorded and in batch order, before it uses the batch (streams.check_handoffs). Recorded by the
-    ``record_streams`` testing hook (a stand-in for torch.cuda's stream API); the run trains bitwise like off.
-    Controls: the check catches a missing wait, a wait before its event is recorded, waits out of batch order and
-    a batch whose rows were not copied on the retrieval stream."""
-    from nestpipe.trainer.pipeline.streams import check_handoffs
+    is recorded and in batch order, before it uses the batch (streams.check_handoffs); the write-back stream copies
+    each batch's updated rows after the update and the host scatters them into the store before the retrieval of
+    batch k+2 (streams.check_write_backs). Recorded by the ``record_streams`` testing hook (a stand-in for
+    torch.cuda's stream API); the run trains bitwise like off. Controls: the check catches a missing wait, a wait
+    before its event is recorded, waits out of batch order and a batch whose rows were not copied on the retrieval
+    stream; a write-back finished one retrieval late (the ``late_write_back`` hook) fails the write-back check and
+    trains on stale rows."""
+    from nestpipe.trainer.pipeline.streams import check_handoffs, check_write_backs
 
     run = runs[(2, "hstu", "streams")]
     stages = ("h2d", "retrieve")
     for rank in (0, 1):
-        doc = json.load(open(os.path.join(os.path.dirname(run), f"streams-hstu.rank{rank}.json")))
-        log = [tuple(e) for e in doc["log"]]
+        log = _stream_log(run, "streams-hstu", rank)
         assert check_handoffs(log, stages, STEPS) == [], rank
+        assert check_write_backs(log, STEPS) == [], rank
         assert sum(1 for op, s, _ in log if op == "copy" and s == "retrieve") >= STEPS
+        late = _stream_log(runs[(2, "hstu", "streams-late")], "streams-late", rank)
+        assert check_handoffs(late, stages, STEPS) == [], rank
+        assert any("reached the store after" in p for p in check_write_backs(late, STEPS)), rank
+    diff = _bitwise_diff(_export(runs[(2, "hstu", "off")]), _export(runs[(2, "hstu", "streams-late")]))
+    assert any(k.startswith("embedding.") for k in diff), diff
     assert _bitwise_diff(_export(runs[(2, "hstu", "off")]), _export(run)) == []
     assert json.load(open(os.path.join(run, "metrics.json")))["testing_hooks"]["record_streams"]
     events = [e for op, s, e in log if op == "record" and s == "retrieve"]

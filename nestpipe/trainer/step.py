@@ -318,14 +318,16 @@ def update_dense(state: StepState, red: DenseReduce) -> float:
     return float(flat[-1])
 
 
-def update_sparse(state: StepState, routing: Routing, loss: torch.Tensor, release: bool = True) -> DenseReduce:
+def update_sparse(state: StepState, routing: Routing, loss: torch.Tensor, release: bool = True,
+                  write_back_stream=None) -> DenseReduce:
     """Issue the all-reduce of dense + replicated gradients (one flat buffer, the loss sum last), then the owners'
     row-wise AdaGrad while it is in flight (as a DDP backward overlaps its bucket all-reduces): the collective's
     waiting on the other ranks and the link overlaps this rank's row updates. The parts read and write disjoint
     tensors, so their order changes no bit. ``release=False`` keeps the updated rows in the batch's buffer (the DBP
-    active buffer) for the dual-buffer sync into the next batch's prefetch buffer."""
+    active buffer) for the dual-buffer sync into the next batch's prefetch buffer; ``write_back_stream``: the DBP
+    write-back's device stream (the rows reach the store when the batch's pending write-back is finished)."""
     reduction = update_begin(state, loss, async_op=True)
-    state.emb.update(routing, release=release)
+    state.emb.update(routing, release=release, write_back_stream=write_back_stream)
     return reduction
 
 

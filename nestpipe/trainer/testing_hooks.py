@@ -37,6 +37,7 @@ class TestingHooks:
     replica_refresh_own_keys_only: bool = False  # 2D-SP + DBP: the sync refreshes only the group's own keys(t)
     skip_tier_write_back: bool = False  # tier=mmap: updated rows evicted from the DRAM cache are not written back
     route_ahead_repeat_record: bool = False  # pipe.route_ahead: the batch routed ahead is this step's again (stale)
+    late_write_back: bool = False  # DBP write-back stream: a batch's rows reach the store one retrieval too late
     # faults and timing: raise on ``fail_rank`` at step ``fail_step``; sleep inside checkpoint writes or between
     # retrieval and forward (a batch in flight), so a test can kill the run there
     fail_step: int = -1

@@ -215,7 +215,7 @@ class ShardedEmbeddingCollection:
                                        self.negatives)
 
     # -- stage: embedding retrieval -----------------------------------------------------------------------------
-    def retrieve(self, routing: Routing, synchronous: bool = False, copy=None) -> None:
+    def retrieve(self, routing: Routing, synchronous: bool = False, copy=None, host_buffer=None) -> None:
         """Make the batch's owner rows readable (weights + AdaGrad state) and allocate its gradient payload.
 
         Called by the retrieval stage, possibly while the previous batch trains: rows it shares with that batch may
@@ -223,12 +223,13 @@ class ShardedEmbeddingCollection:
         ``synchronous`` (the synchronous schedules: nothing else touches the store during the batch): on CPU the
         batch reads and updates its rows in the store itself (owner_compute.write_path); the values read and the
         arithmetic are those of the buffered path, so both give bitwise the same results. ``copy``: how a
-        gathered host tensor reaches the device (default ``.to(device)``; the DBP retrieval passes its stream's)."""
+        gathered host tensor reaches the device (default ``.to(device)``; the DBP retrieval passes its stream's);
+        ``host_buffer(shape, dtype)``: pinned memory to gather into, or None (the stream's, on an accelerator)."""
         host = self.device.type == "cpu" and self.replica_sync is None
         paths = {st: owner_compute.write_path(synchronous, host, self.cfg.dbp_update_in_store, s.in_dram)
                  for st, s in self.stores.items()}
         owner_compute.retrieve(routing, self.stores, paths, self.device, self.dtype, self.timer, self._tier_span,
-                               copy=copy)
+                               copy=copy, host_buffer=host_buffer)
 
     def _tier_span(self, store, name: str, traced_as: str, step: int):
         """A memory-mapped store's gather or write-back: timed as ``name``, and a span of the run's trace
@@ -386,23 +387,45 @@ class ShardedEmbeddingCollection:
 
     # -- stage: owner update -------------------------------------------------------------------------------------
     @torch.no_grad()
-    def update(self, routing: Routing, release: bool = True) -> None:
+    def update(self, routing: Routing, release: bool = True, write_back_stream=None) -> None:
         """One row-wise AdaGrad step per store (owner_compute.update_store); entries are summed in entry
-        (= requester rank) order. The updated rows are in the DRAM store (the source of truth) when this returns.
-        With ``release=False`` the batch's buffer (the *active* buffer) is kept for :meth:`sync_dual_buffer`, and
-        the gradient payload restarts from zero."""
+        (= requester rank) order. The updated rows are in the DRAM store (the source of truth) when this returns,
+        except with ``write_back_stream`` (DBP on a device stream, :class:`~nestpipe.trainer.pipeline.streams.StageStream`):
+        the buffers' copies to the host are enqueued on it and :attr:`Routing.pending_write_back` scatters them into
+        the stores when finished (the retrieval stage does, before its next gather). With ``release=False`` the
+        batch's buffer (the *active* buffer) is kept for :meth:`sync_dual_buffer`, and the gradient payload restarts
+        from zero."""
+        # 2D-SP averages the replicas in the store right after the owner's write-back: that one stays synchronous
+        defer = write_back_stream is not None and self.replica_sync is None
         with self.timer.span("update.sparse"):
             g = routing.grad_payload
             before = self.replica_sync.snapshot(routing) if self.replica_sync is not None else None
-            for st, o in routing.own.items():
-                owner_compute.update_store(self.stores[st], o, g, self.lr_of(self.stores[st].table), self.cfg.eps,
-                                           self.sparse_momentum_scale, routing.batch.step, self._tier_span)
+            deferred = [st for st, o in routing.own.items()
+                        if owner_compute.update_store(self.stores[st], o, g, self.lr_of(self.stores[st].table),
+                                                      self.cfg.eps, self.sparse_momentum_scale, routing.batch.step,
+                                                      self._tier_span, defer_write_back=defer)]
+            if deferred:
+                self._write_back_later(routing, deferred, write_back_stream)
             if self.replica_sync is not None:  # 2D-SP: average the replicas of the touched rows (store and buffer)
                 self.replica_sync.sync(routing, before)
             if release:
                 self.release(routing)
             elif g is not None:
                 g.zero_()  # the gradients restart from zero (only the per-micro-batch-update control updates again)
+
+    def _write_back_later(self, routing: Routing, names: List[str], stream) -> None:
+        """The updated buffers of stores ``names`` to the host on ``stream``; their scatter into the stores is
+        :attr:`Routing.pending_write_back` (an earlier one still pending on this batch is finished first)."""
+        if routing.pending_write_back is not None:
+            routing.pending_write_back.finish()
+        plans = [(self.stores[st], routing.own[st]) for st in names]
+        step = routing.batch.step
+
+        def scatter(host: List[torch.Tensor]) -> None:
+            for k, (store, o) in enumerate(plans):
+                owner_compute.write_back(store, o.rows, host[2 * k], host[2 * k + 1], step, self._tier_span)
+
+        routing.pending_write_back = stream.write_back([t for _, o in plans for t in (o.buf_w, o.buf_s)], scatter)
 
     def sync_dual_buffer(self, active: Routing, prefetch: Routing) -> int:
         """DBP consistency (owner_compute.sync_dual_buffer): batch t's updated rows that batch t+1 shares, copied

@@ -46,11 +46,13 @@ def write_path(synchronous: bool, host_in_place: bool, dbp_update_in_store: bool
 
 def retrieve(routing: Routing, stores: Dict[str, RowStore], paths: Dict[str, str], device: torch.device,
              dtype: torch.dtype, timer: StageTimer, tier_span: TierSpan,
-             copy: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
+             copy: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+             host_buffer: Optional[Callable[..., Optional[torch.Tensor]]] = None) -> None:
     """Make every store's batch rows readable by the forward (``src`` at ``fwd_idx[i]``) and allocate the batch's
     gradient payload: the store itself (``IN_STORE``), else a fresh buffer gathered from the store (weights, and
     the AdaGrad state where the update writes the buffer), brought to the device by ``copy`` (default
-    ``.to(device)``; the DBP retrieval's stream copy, non-blocking from pinned memory on an accelerator)."""
+    ``.to(device)``; the DBP retrieval's stream copy, non-blocking from pinned memory on an accelerator). A DRAM
+    store gathers straight into ``host_buffer(shape, dtype)`` where it gives memory (pinned, on an accelerator)."""
     copy = copy or (lambda t: t.to(device))
     with timer.span("retrieve", routing.batch.step):
         for st, o in routing.own.items():
@@ -64,8 +66,16 @@ def retrieve(routing: Routing, stores: Dict[str, RowStore], paths: Dict[str, str
                 o.fwd_idx = (list(torch.split(o.bag_rows, [len(e) for e in o.pair_entry])) if o.bags
                              else [torch.from_numpy(o.rows_all[e]) for e in o.pair_entry])
                 continue
+            with_state = o.write_path == BUFFER
+            out = None
+            if host_buffer is not None and store.in_dram:
+                n = len(o.rows)
+                out = (host_buffer((n, store.dim), store.weight.dtype),
+                       host_buffer((n,), store.state.dtype) if with_state else None)
+                out = out if out[0] is not None else None
             with tier_span(store, "retrieve.gather", "tier.gather", routing.batch.step):
-                w, s_ = store.gather(o.rows, with_state=o.write_path == BUFFER)
+                w, s_ = (store.gather(o.rows, with_state=with_state, out=out) if out is not None
+                         else store.gather(o.rows, with_state=with_state))
             o.buf_w, o.buf_s = copy(w), copy(s_) if s_ is not None else None
             o.src = o.buf_w
             o.fwd_idx = [torch.from_numpy(p) for p in o.fwd_pos]
@@ -101,18 +111,29 @@ def pool_all(routing: Routing, out: torch.Tensor) -> None:
 
 @torch.no_grad()
 def update_store(store: RowStore, o: OwnerPlan, g: torch.Tensor, lr: float, eps: float, momentum_scale: float,
-                 step: int, tier_span: TierSpan) -> None:
+                 step: int, tier_span: TierSpan, defer_write_back: bool = False) -> bool:
     """One row-wise AdaGrad step on every row of ``store`` the batch touched, summed as the plan says (bags or
-    entries), written where :attr:`OwnerPlan.write_path` says. The rows are in the store when it returns."""
+    entries), written where :attr:`OwnerPlan.write_path` says. The rows are in the store when it returns, except
+    with ``defer_write_back`` where the buffer was updated: then it returns True and the caller writes the buffer
+    back (:func:`write_back`, or through the write-back stream)."""
     if o.bags and len(o.bag_grad) == 0:
-        return
+        return False
     if o.updates_in_store:
         with store.lock:
             _adagrad(o, store.weight, store.state, True, g, lr, eps, momentum_scale, store.dim)
-        return
+        return False
     _adagrad(o, o.buf_w, o.buf_s, False, g, lr, eps, momentum_scale, store.dim)
+    if defer_write_back:
+        return True
+    write_back(store, o.rows, o.buf_w, o.buf_s, step, tier_span)
+    return False
+
+
+def write_back(store: RowStore, rows: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, step: int,
+               tier_span: TierSpan) -> None:
+    """A batch's updated rows of ``store`` (buffer order: ``rows``) into the store."""
     with tier_span(store, "update.write_back", "tier.write_back", step):
-        store.write_back(o.rows, o.buf_w, o.buf_s)
+        store.write_back(rows, weight, state)
 
 
 def _adagrad(o: OwnerPlan, weight: torch.Tensor, state: torch.Tensor, in_store: bool, g: torch.Tensor, lr: float,
@@ -172,11 +193,16 @@ def sync_dual_buffer(active: Routing, prefetch: Routing, stores: Dict[str, RowSt
 
 
 def release(routing: Routing) -> None:
-    """Free a batch's buffers (after its update and, in DBP, after the sync into the next batch)."""
+    """Free a batch's buffers (after its update and, in DBP, after the sync into the next batch). A write-back
+    still pending on the batch (nobody took it, :attr:`Routing.pending_write_back`) is finished first: it is
+    never lost."""
+    if routing.pending_write_back is not None:
+        routing.pending_write_back.finish()
+        routing.pending_write_back = None
     for o in routing.own.values():
         o.buf_w = o.buf_s = o.src = o.fwd_idx = None
     routing.grad_payload = None
 
 
 __all__ = ["IN_STORE", "BUFFER", "BUFFER_UPDATE_IN_STORE", "write_path", "retrieve", "pool", "pool_all",
-           "update_store", "sync_dual_buffer", "release"]
+           "update_store", "write_back", "sync_dual_buffer", "release"]

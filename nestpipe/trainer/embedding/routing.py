@@ -155,6 +155,9 @@ class Routing:
     # allocated by the retrieval, written by the gradient exchange, summed by the update
     grad_mb_off: List[int] = dataclasses.field(default_factory=list)
     grad_payload: Optional[torch.Tensor] = None
+    # owner: the update's write-back still on its way to the store (a PendingWriteBack, DBP on a device stream):
+    # finished by the retrieval stage before its next gather (pipeline.dual_buffer), else when the batch is released
+    pending_write_back: Optional[object] = None
 
 
 @dataclasses.dataclass

@@ -78,15 +78,21 @@ class RowStore:
             with self.lock:
                 self.materialize(rows)
 
-    def gather(self, rows: torch.Tensor, with_state: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def gather(self, rows: torch.Tensor, with_state: bool = True,
+               out: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+               ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(weights [n, dim], state [n] or None without ``with_state``) of ``rows`` (int64, unique), materialising
-        untouched ones."""
+        untouched ones; written into ``out`` (weights, state) when given (pinned staging memory)."""
+        w_out, s_out = out if out is not None else (None, None)
         with self.lock:
             if self.num_materialized < self.num_rows:
                 self.materialize(rows)
             # the row gather through the kernels' dispatch (its path is recorded); the state is one float per row
-            return (kernels.gather_rows(self.weight, rows),
-                    self.state.index_select(0, rows) if with_state else None)
+            w = kernels.gather_rows(self.weight, rows, w_out)
+            if not with_state:
+                return w, None
+            return w, (torch.index_select(self.state, 0, rows, out=s_out) if s_out is not None
+                       else self.state.index_select(0, rows))
 
     def write_back(self, rows: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> None:
         with self.lock:

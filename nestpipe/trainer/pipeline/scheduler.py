@@ -228,12 +228,14 @@ class DualBufferSchedule:
         pc = self.state.cfg.pipe
         self.halt = threading.Event()
         self.dual = DualBuffer(self.state.emb, skip_sync=runner.hooks.skip_dual_buffer_sync,
-                               replica_own_keys_only=runner.hooks.replica_refresh_own_keys_only)
+                               replica_own_keys_only=runner.hooks.replica_refresh_own_keys_only,
+                               late_write_back=runner.hooks.late_write_back)
         self.q_data, self.q_h2d, self.q_route = (queue.Queue(maxsize=pc.depth) for _ in range(3))
         self.q_ready: queue.Queue = queue.Queue(maxsize=1)  # retrieval: at most one batch ahead of compute
         backend = runner.stream_backend
         self.h2d_stream = StageStream(self.state.device, "h2d", backend)
         self.retrieve_stream = StageStream(self.state.device, "retrieve", backend)
+        self.writeback_stream = StageStream(self.state.device, "writeback", backend)
         self.active = None  # the batch whose updated rows are still to be synced into the next batch's buffer
         self.synced = None  # the active batch, already synced into the next one, whose buffer is still held
 
@@ -287,7 +289,8 @@ class DualBufferSchedule:
     def retrieve(self, k: int, item):
         routing, feats, event, when = item
         with self.retrieve_stream.run():  # the rows' copy into the device buffer, on the retrieval's stream
-            t0 = self.dual.retrieve(routing, self.halt, copy=self.retrieve_stream.copy)
+            t0 = self.dual.retrieve(routing, self.halt, copy=self.retrieve_stream.copy,
+                                    host_buffer=self.retrieve_stream.host_buffer)
             retrieved = self.retrieve_stream.handoff()
         when["retrieve"] = (t0, time.perf_counter())
         return routing, feats, (event, retrieved), when
@@ -361,8 +364,9 @@ class DualBufferSchedule:
     def update_sparse(self, step: int, routing, loss: torch.Tensor):
         """The owner's row-wise update of batch ``step`` while the dense all-reduce is in flight (disjoint
         tensors); the batch stays active until its updated rows are synced into the next batch's buffer."""
+        stream = self.writeback_stream if self.writeback_stream.stream is not None else None  # CPU: at once
         with self.state.timer.span("update", step):
-            reduction = update_sparse(self.state, routing, loss, release=False)
+            reduction = update_sparse(self.state, routing, loss, release=False, write_back_stream=stream)
         self.active = routing
         return reduction
 
@@ -382,6 +386,7 @@ class DualBufferSchedule:
         if self.active is not None:
             self.dual.release(self.active)
             self.active = None
+        self.dual.finish_write_backs()  # every update is in the store: the segment ends drained
 
     def _release_synced(self) -> None:
         if self.synced is not None:

@@ -1,27 +1,34 @@
 """Stage execution resources on each device kind, and the hand-off between stages.
 
 - CUDA / NPU: each device stage of the dual-buffer pipeline has its own stream (:class:`StageStream`: ``h2d`` for
-  the dense inputs, ``retrieve`` for the copy of the owner's rows into the batch's device buffer). A stage enqueues
-  its copies on its stream (:meth:`StageStream.copy`: non-blocking, from pinned host staging memory, see
-  :class:`PinnedStaging`), records an event after them (:meth:`StageStream.handoff`) and passes the event along with
-  its outputs; the compute thread makes its current stream wait on the event (:func:`wait_handoff`) and marks the
-  tensors as used on its stream (``record_stream``) so the caching allocator does not recycle them early.
-  Collectives run on NCCL/HCCL's internal streams; the issuing thread waits on the work handle. None of this has run
-  on accelerator hardware yet (``benchmarks/gpu_check.py`` is the check that will).
+  the dense inputs, ``retrieve`` for the copy of the owner's rows into the batch's device buffer, ``writeback`` for
+  the copy of the updated rows back to host memory). A stage enqueues its copies on its stream (:meth:`StageStream.copy`:
+  non-blocking, from pinned host memory lent by a :class:`PinnedPool`; the retrieval gathers the store's rows
+  straight into it, :meth:`StageStream.host_buffer`), records an event after them (:meth:`StageStream.handoff`) and
+  passes the event along with its outputs; the compute thread makes its current stream wait on the event
+  (:func:`wait_handoff`) and marks the tensors as used on its stream (``record_stream``) so the caching allocator
+  does not recycle them early. The write-back runs the other way (:meth:`StageStream.write_back`): its stream waits
+  on an event recorded on the compute stream after the update, copies into pinned memory and records ``done``; the
+  host scatter into the store (:class:`PendingWriteBack`) waits on ``done`` and runs on the retrieval thread before
+  the next gather that may read those rows. Collectives run on NCCL/HCCL's internal streams; the issuing thread
+  waits on the work handle. None of this has run on accelerator hardware yet (``benchmarks/gpu_check.py`` is the
+  check that will).
 - CPU: a stage's thread *is* its stream. Everything a stage produces is complete when it is put on the bounded
   queue to the next stage, and the queue hand-off is the happens-before edge; events are ``None``, copies are the
-  plain ``.to(device)`` (a no-op for CPU tensors) and nothing is pinned (torch has no accelerator to pin for).
+  plain ``.to(device)`` (a no-op for CPU tensors), the update writes back at once and nothing is pinned (torch has
+  no accelerator to pin for).
 
 The backend (``torch.cuda``, ``torch.npu`` or none) is resolved from the device unless one is given: the test-only
 :class:`RecordingBackend` stands in for a device's stream API on CPU and records the order of every stream
-operation (copy, event record, wait), so the ordering the pipeline relies on is tested without a GPU.
+operation (copy, event record, wait, host synchronize), so the ordering the pipeline relies on is tested without a
+GPU (:func:`check_handoffs`, :func:`check_write_backs`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterable, List, Optional, Tuple
+from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -42,47 +49,92 @@ def accelerator_present() -> bool:
     return bool(npu is not None and getattr(npu, "is_available", lambda: False)())
 
 
-class PinnedStaging:
-    """Host staging memory for a stream's host-to-device copies: a small ring of page-locked buffers, reused.
+def _pinned_bytes(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8, pin_memory=True)
 
-    ``stage(t)`` copies ``t`` into the next slot (grown when too small) and returns a view of it; the slot is not
-    handed out again until the copy enqueued from it has completed (its event is waited first), so a slot is never
-    overwritten while a DMA reads it. Only where an accelerator exists: :meth:`make` returns None otherwise."""
 
-    def __init__(self, slots: int = 2):
-        self._buffers: List[Optional[torch.Tensor]] = [None] * slots
-        self._events: List[Optional[object]] = [None] * slots
-        self._next = 0
+class PinnedPool:
+    """Page-locked host buffers lent per transfer and reused: an H2D source goes back to the free list when the
+    event recorded after its copy has completed, a D2H target when the host work that read it returns it. Sizes
+    round up to a power of two (at least 1 MiB), so a handful of buffers serves every batch. Only where an
+    accelerator exists: :meth:`make` returns None otherwise (torch has nothing to pin for)."""
+
+    MIN_BYTES = 1 << 20
+
+    def __init__(self, pinned: bool = True):
+        self.pinned = pinned  # False: plain memory (the recording backend's stand-in on CPU)
+        self._free: List[torch.Tensor] = []
+        self._in_flight: List[Tuple[object, List[torch.Tensor]]] = []  # (event, buffers): back when event is done
         self._lock = threading.Lock()
+        self.allocated = 0
 
     @staticmethod
-    def make(device: torch.device, slots: int = 2) -> Optional["PinnedStaging"]:
-        return PinnedStaging(slots) if device.type != "cpu" and accelerator_present() else None
+    def make(device: torch.device) -> Optional["PinnedPool"]:
+        return PinnedPool() if device.type != "cpu" and accelerator_present() else None
 
-    def stage(self, t: torch.Tensor) -> Tuple[torch.Tensor, int]:
-        """``t``'s bytes in a pinned slot: (the pinned view, the slot to pass to :meth:`issued`)."""
+    def take(self, shape, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(a pinned view of ``shape`` / ``dtype``, the buffer to :meth:`give` back when it has been read)."""
+        nbytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
         with self._lock:
-            i = self._next
-            self._next = (i + 1) % len(self._buffers)
-        if self._events[i] is not None:
-            self._events[i].synchronize()  # the slot's previous copy has been read by the device
-            self._events[i] = None
-        nbytes = t.numel() * t.element_size()
-        buf = self._buffers[i]
-        if buf is None or buf.numel() < nbytes:
-            buf = self._buffers[i] = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
-        view = buf[:nbytes].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        return view, i
+            self._reclaim()
+            fits = [b for b in self._free if b.numel() >= nbytes]
+            buf = min(fits, key=lambda b: b.numel()) if fits else None
+            if buf is not None:
+                self._free = [b for b in self._free if b is not buf]
+        if buf is None:
+            size = max(self.MIN_BYTES, 1 << max(0, nbytes - 1).bit_length())
+            buf = _pinned_bytes(size) if self.pinned else torch.empty(size, dtype=torch.uint8)
+            self.allocated += 1
+        return buf[:nbytes].view(dtype).view(shape), buf
 
-    def issued(self, slot: int, event: object) -> None:
-        """The copy from ``slot`` was enqueued before ``event``: the slot is reused after it."""
-        self._events[slot] = event
+    def give(self, buffers: List[torch.Tensor], event: Optional[object] = None) -> None:
+        """Return ``buffers``: now (``event`` None: nothing reads them any more) or once ``event`` has completed."""
+        if not buffers:
+            return
+        with self._lock:
+            if event is None:
+                self._free.extend(buffers)
+            else:
+                self._in_flight.append((event, list(buffers)))
+
+    def _reclaim(self) -> None:
+        keep = []
+        for event, buffers in self._in_flight:
+            if event.query():
+                self._free.extend(buffers)
+            else:
+                keep.append((event, buffers))
+        self._in_flight = keep
+
+
+class PendingWriteBack:
+    """A batch's updated rows on their way to the host store: the device-to-host copies are enqueued on the
+    write-back stream after the update (``done`` is recorded after them); :meth:`finish` waits for ``done`` on
+    the host, then scatters the rows into the store (``apply``) and returns the pinned buffers. Until
+    :meth:`finish` returns the store does not hold the batch's update: whoever reads those rows from the store
+    next finishes it first (the retrieval stage, before its gather: :class:`~.dual_buffer.DualBuffer`)."""
+
+    def __init__(self, host: List[torch.Tensor], apply: Callable[[List[torch.Tensor]], None], done: Optional[object],
+                 pool: Optional[PinnedPool] = None, buffers: Optional[List[torch.Tensor]] = None):
+        self.host, self.apply, self.done = host, apply, done
+        self.pool, self.buffers = pool, buffers or []
+        self.finished = False
+
+    def finish(self) -> None:
+        if self.finished:
+            return
+        if self.done is not None:
+            self.done.synchronize()  # the copies into host memory have landed
+        self.apply(self.host)
+        self.finished = True
+        self.host = []
+        if self.pool is not None:
+            self.pool.give(self.buffers)
 
 
 class StageStream:
-    """One device stage's stream (``name``: h2d, retrieve, ...). On CPU without a backend every method is a no-op
-    and :meth:`copy` is ``t.to(device)``."""
+    """One device stage's stream (``name``: h2d, retrieve, writeback). On CPU without a backend every method is a
+    no-op, :meth:`copy` is ``t.to(device)`` and :meth:`host_buffer` gives None."""
 
     def __init__(self, device: torch.device, name: str = "", backend=None):
         self.device, self.name = device, name
@@ -90,7 +142,10 @@ class StageStream:
         self.stream = self.mod.Stream(device=device) if self.mod is not None else None
         if self.stream is not None and hasattr(self.mod, "label"):
             self.mod.label(self.stream, name)
-        self.staging = PinnedStaging.make(device) if self.stream is not None else None
+        # a recording backend (tests, CPU) lends plain memory through the same pool: the gather-into path runs
+        self.pool = (None if self.stream is None else PinnedPool.make(device) if backend is None
+                     else PinnedPool(pinned=False))
+        self._lent: List[torch.Tensor] = []  # pool buffers read by copies enqueued since the last handoff
 
     @contextlib.contextmanager
     def run(self):
@@ -101,29 +156,73 @@ class StageStream:
             with self.mod.stream(self.stream):
                 yield
 
+    def host_buffer(self, shape, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """Pinned host memory for a tensor this stage will :meth:`copy` to the device before its next
+        :meth:`handoff` (a gather writes straight into it: no second host copy); None where nothing is pinned."""
+        if self.pool is None:
+            return None
+        view, buf = self.pool.take(shape, dtype)
+        self._lent.append(buf)
+        return view
+
     def copy(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` on the device, the copy enqueued on this stream (call inside :meth:`run`): from pinned staging
-        memory and non-blocking where an accelerator exists; the plain ``.to(device)`` on CPU."""
+        """``t`` on the device, the copy enqueued on this stream (call inside :meth:`run`): non-blocking from
+        pinned memory where an accelerator exists (``t`` itself when it came from :meth:`host_buffer`, else staged
+        into a pooled pinned buffer); the plain ``.to(device)`` on CPU."""
         if self.stream is None:
             return t.to(self.device)
         if hasattr(self.mod, "copy"):  # a recording backend logs the copy
             return self.mod.copy(self.stream, t, self.device)
-        if self.staging is None or t.device.type != "cpu":
+        if self.pool is None or t.device.type != "cpu":
             return t.to(self.device, non_blocking=True)
-        pinned, slot = self.staging.stage(t)
-        out = pinned.to(self.device, non_blocking=True)
-        ev = self.mod.Event()
-        ev.record(self.stream)
-        self.staging.issued(slot, ev)
-        return out
+        if not t.is_pinned():
+            pinned, buf = self.pool.take(t.shape, t.dtype)
+            pinned.copy_(t)
+            self._lent.append(buf)
+            t = pinned
+        return t.to(self.device, non_blocking=True)
 
     def handoff(self) -> Optional[object]:
-        """An event marking the end of the work enqueued so far on this stream (None on CPU)."""
+        """An event marking the end of the work enqueued so far on this stream (None on CPU); the pinned buffers
+        its copies read go back to the pool once it has completed."""
         if self.stream is None:
             return None
         ev = self.mod.Event()
         ev.record(self.stream)
+        if self.pool is not None:
+            self.pool.give(self._lent, ev)
+        self._lent = []
         return ev
+
+    def write_back(self, tensors: List[torch.Tensor], apply: Callable[[List[torch.Tensor]], None]
+                   ) -> PendingWriteBack:
+        """Enqueue copies of the device ``tensors`` (updated by work already enqueued on the caller's current
+        stream) into pinned host memory on this stream, ordered after that work by an event; ``apply`` gets the
+        host copies when :meth:`PendingWriteBack.finish` is called. The device tensors are marked as used on this
+        stream, so freeing them on the compute stream cannot recycle their memory before the copies have run."""
+        if self.stream is None:
+            return PendingWriteBack(list(tensors), apply, None)
+        updated = self.mod.Event()
+        updated.record(self.mod.current_stream(self.device))
+        host, buffers = [], []
+        with self.run():
+            self.stream.wait_event(updated)
+            for t in tensors:
+                if hasattr(self.mod, "copy"):  # a recording backend logs the copy (a host clone)
+                    host.append(self.mod.copy(self.stream, t, torch.device("cpu")))
+                    continue
+                if self.pool is not None:
+                    view, buf = self.pool.take(t.shape, t.dtype)
+                    view.copy_(t, non_blocking=True)
+                    host.append(view)
+                    buffers.append(buf)
+                else:
+                    host.append(t.to("cpu"))
+                if t.device.type != "cpu":
+                    t.record_stream(self.stream)
+            done = self.mod.Event()
+            done.record(self.stream)
+        return PendingWriteBack(host, apply, done, self.pool, buffers)
 
 
 def wait_handoff(device: torch.device, event: Optional[object], tensors: Iterable[torch.Tensor] = (),
@@ -144,7 +243,8 @@ class RecordingBackend:
     """Stands in for ``torch.cuda``'s stream API on CPU (the pipeline's stage streams take it as ``backend``):
     streams, events and copies do nothing to the tensors, and every operation is appended to :attr:`log` as
     ``(op, stream, arg)`` in the order it happened across threads: ``("copy", stream, numel)``, ``("record", stream,
-    event)``, ``("wait", stream, event)``. The compute thread's current stream is ``"compute"``."""
+    event)``, ``("wait", stream, event)``, ``("sync", stream, event)`` (the host waited for an event recorded on
+    ``stream``). The compute thread's current stream is ``"compute"``."""
 
     def __init__(self):
         self.log: List[Tuple[str, str, object]] = []
@@ -183,7 +283,7 @@ class RecordingBackend:
 
     def copy(self, stream: "_RecordingStream", t: torch.Tensor, device: torch.device) -> torch.Tensor:
         self._add("copy", stream, t.numel())
-        return t.to(device)
+        return t.to(device, copy=True)  # a device copy is memory of its own
 
 
 class _RecordingStream:
@@ -197,12 +297,18 @@ class _RecordingStream:
 class _RecordingEvent:
     def __init__(self, backend: RecordingBackend, id_: int):
         self.backend, self.id = backend, id_
+        self.stream: Optional[_RecordingStream] = None
 
     def record(self, stream: _RecordingStream) -> None:
+        self.stream = stream
         self.backend._add("record", stream, self.id)
 
     def synchronize(self) -> None:
-        pass
+        """The host waits for the event: logged as ``("sync", the stream it was recorded on, id)``."""
+        self.backend._add("sync", self.stream or self.backend.compute, self.id)
+
+    def query(self) -> bool:
+        return True
 
 
 def check_handoffs(log: List[Tuple[str, str, object]], stages: Iterable[str], steps: int) -> List[str]:
@@ -231,4 +337,37 @@ def check_handoffs(log: List[Tuple[str, str, object]], stages: Iterable[str], st
             if not copies:
                 problems.append(f"{stage}: batch {k} copied nothing on its stream")
             prev = i
+    return problems
+
+
+def check_write_backs(log: List[Tuple[str, str, object]], steps: int) -> List[str]:
+    """The write-back's ordering, checked on a :class:`RecordingBackend` log: one ``done`` event per batch on the
+    ``writeback`` stream, after the batch's copies, which come after a wait on an event the compute stream recorded
+    (the update's kernels precede the copies); the host waits on every ``done`` (the scatter into the store follows
+    it) before the retrieval stream copies anything of batch k+2, the first batch that may gather those rows from
+    the store (batch k+1's shared rows come from the dual-buffer sync). Returns the violations (empty: it holds)."""
+    problems: List[str] = []
+    compute_events = {e: i for i, (op, s, e) in enumerate(log) if op == "record" and s == "compute"}
+    synced = {e: i for i, (op, s, e) in enumerate(log) if op == "sync" and s == "writeback"}
+    dones = [(i, e) for i, (op, s, e) in enumerate(log) if op == "record" and s == "writeback"]
+    retrieved = [i for i, (op, s, _) in enumerate(log) if op == "record" and s == "retrieve"]
+    if len(dones) != steps:
+        problems.append(f"writeback: {len(dones)} events recorded for {steps} batches")
+    prev = -1
+    for k, (i, e) in enumerate(dones):
+        span = log[prev + 1:i]
+        waits = [j for j, (op, s, ev) in enumerate(span, prev + 1) if op == "wait" and s == "writeback"]
+        copies = [j for j, (op, s, _) in enumerate(span, prev + 1) if op == "copy" and s == "writeback"]
+        if not copies:
+            problems.append(f"writeback: batch {k} copied nothing on its stream")
+        elif not any(j < copies[0] and compute_events.get(log[j][2], i) < j for j in waits):
+            problems.append(f"writeback: batch {k}'s copies are not ordered after the update on the compute stream")
+        if e not in synced:
+            problems.append(f"writeback: batch {k}'s copies are never waited on by the host")
+        elif k + 1 < len(retrieved):
+            first = next((j for j in range(retrieved[k + 1] + 1, len(log))
+                          if log[j][0] == "copy" and log[j][1] == "retrieve"), None)
+            if first is not None and synced[e] > first:
+                problems.append(f"writeback: batch {k} reached the store after batch {k + 2}'s retrieval")
+        prev = i
     return problems

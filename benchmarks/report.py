@@ -517,11 +517,36 @@ def scaling_summary(rec: Dict) -> str:
 
 def chaos_lines(rec: Dict) -> List[str]:
     f = rec["figures"]
-    rows = [[cls, s["trials"], s["ok"], s["refused"], s["silent_losses"], s["raw_tracebacks"], s["left_behind"]]
-            for cls, s in f["summary"].items()]
-    lines = _table(["fault class", "trials", "every verdict holds", "input refused (one message)", "silent losses",
-                    "raw tracebacks", "processes left behind"], rows)
+    rows = [[cls, s["trials"], s["ok"], s["refused"], s.get("skipped", 0), s["silent_losses"], s["raw_tracebacks"],
+             s["left_behind"]] for cls, s in f["summary"].items()]
+    return _table(["fault class", "trials", "every verdict holds", "run failed (one message)", "skipped",
+                   "silent losses", "raw tracebacks", "processes left behind"], rows)
+
+
+def chaos_training_lines(rec: Dict) -> List[str]:
+    lines = chaos_lines(rec)
+    stops = [t for t in rec["figures"]["trials"] if t["class"] == "stop_rank" and "peers_gave_up_after_s" in t]
+    if stops:
+        gave = sorted(t["peers_gave_up_after_s"] for t in stops)
+        lines += ["", f"A stopped rank's peers gave up {gave[0]:.0f} to {gave[-1]:.0f} s after the stop "
+                      f"(median {statistics.median(gave):.0f} s; `timeout_s = 10` plus the heartbeat read), naming it "
+                      "in the run's last line."]
     return lines
+
+
+def chaos_serving_lines(rec: Dict) -> List[str]:
+    rows = []
+    for t in rec["figures"]["trials"]:
+        fl, c = t["fault"], t.get("counts", {})
+        rows.append([t["seed"], f"{fl.get('capacity_rps', 0):.0f}", f"{fl.get('offered_rps', 0):.0f}",
+                     fl.get("requests", ""), c.get("valid_200", ""), c.get("valid_503", ""),
+                     f"{c.get('malformed_4xx', '')} / {c.get('malformed_503', '')}",
+                     t.get("p50_ms", ""), t.get("p99_ms", ""), t.get("wrong_count", ""),
+                     "yes" if t.get("keeps_answering") else "**no**", "yes" if t.get("history_intact") else "**no**",
+                     "holds" if t["ok"] else "**fails**"])
+    return _table(["seed", "capacity (req/s)", "offered (req/s)", "requests", "valid: 200", "valid: 503",
+                   "malformed: 4xx / 503", "p50 ms (200s)", "p99 ms (200s)", "wrong answers", "answers after the kill",
+                   "history intact after restart", "verdict"], rows)
 
 
 def chaos_summary(rec: Dict) -> str:
@@ -529,7 +554,10 @@ def chaos_summary(rec: Dict) -> str:
     n = len(f["trials"])
     ok = sum(t["ok"] for t in f["trials"])
     silent = sum(s["silent_losses"] for s in f["summary"].values())
-    return f"{ok} of {n} seeded ingest fault trials hold every verdict, {silent} silent losses"
+    left = sum(s["left_behind"] for s in f["summary"].values())
+    tb = sum(s["raw_tracebacks"] for s in f["summary"].values())
+    return (f"{ok} of {n} seeded fault trials hold every verdict; {silent} silent losses, {tb} raw tracebacks, "
+            f"{left} processes left behind")
 
 
 SECTIONS = [
@@ -647,19 +675,50 @@ SECTIONS = [
          render=kernels_tuning_lines, summary=kernels_tuning_summary,
          means="The choice holds for this record's host: the cache is keyed by the host's fingerprint, and another "
                "host measures again. Only equal paths are compared, so the choice changes time, never a result."),
-    dict(name="chaos", title="Faults on purpose", anchor="faults-on-purpose",
-         command="python benchmarks/chaos.py --trials-per-class 20",
-         what="Seeded faults in the ingest's input (the synthetic KuaiRand logs of `nestpipe synth --scale tiny`), one "
-              "per trial: a flipped byte, a truncation at a random byte, a duplicated, dropped, extra-field or "
-              "non-UTF-8 line. Verdict per trial: the ingest succeeds or fails with one message naming the file; a "
-              "second run on the same input writes the same bytes; for line-level faults the rows read change by "
-              "exactly the lines added or removed and a malformed line is in `rejects.csv` by file and line with a "
-              "reason; no process outlives the run.",
-         render=chaos_lines, summary=chaos_summary, libs=("polars", "pyarrow", "numpy"),
-         means="Every trial's seed is in the record (`--replay SEED --classes CLASS` runs one again). Input faults "
-               "only so far: kills, a full disk, training and serving faults are not in the campaign yet. A fault "
-               "that leaves the input valid (a flipped byte inside a number) holds when the run is deterministic "
-               "and clean."),
+    dict(name="chaos-ingest", title="Faults on purpose: ingest", anchor="faults-on-purpose-ingest",
+         command="python benchmarks/chaos.py --family ingest --trials-per-class 20",
+         what="Seeded faults against `nestpipe ingest --workers 2` on the synthetic KuaiRand logs (`nestpipe synth "
+              "--scale tiny`), one per trial (`benchmarks/chaos_ingest.py`): input fuzz (a flipped byte, a truncation, "
+              "a duplicated, dropped, extra-field or non-UTF-8 line in the CSVs; a flipped byte or a truncation of a "
+              "log as Parquet), SIGKILL of the driver or of one worker at a moment drawn over the clean run's "
+              "duration (local and Dask engines), the output on a tmpfs too small for it, an output under a "
+              "read-only filesystem or that is a file. Verdicts: a failed run says why in one message naming the "
+              "file or path; a second run on the same fuzzed input writes the same bytes; line-level faults change "
+              "the rows read by exactly the lines added or removed and a malformed line is in `rejects.csv` with a "
+              "reason; after a kill or a full disk the same command resumes to shards byte-identical to the clean "
+              "run's, and a shard present after the fault is a finished one; no process outlives the run.",
+         render=chaos_lines, summary=chaos_summary, libs=("polars", "pyarrow", "numpy", "dask"),
+         means="Every trial's seed is in the record (`--replay SEED --classes CLASS` runs one again). A fault that "
+               "leaves the input valid (a flipped byte inside a number) holds when the run is deterministic and "
+               "clean: no checksum travels with a CSV. The disk classes need root (a tmpfs mount); without it they "
+               "are counted as skipped."),
+    dict(name="chaos-training", title="Faults on purpose: training", anchor="faults-on-purpose-training",
+         command="python benchmarks/chaos.py --family training --trials-per-class 10",
+         what="Seeded faults against `nestpipe train` (hstu, world 2 over gloo, 12 steps, a checkpoint every 4, "
+              "`timeout_s = 10`) on the ingest's shards (`benchmarks/chaos_training.py`): SIGKILL of a drawn rank at "
+              "a moment drawn over the clean run's duration, or inside a drawn checkpoint's write; SIGSTOP of a rank "
+              "(a hang); a training shard cut at a random byte; a file of a finished run's checkpoint truncated or "
+              "changed, then `--resume --steps 16`. Verdicts: a failed run ends in one summary line naming the rank, "
+              "the shard or the damaged checkpoint file; `--resume` (or the run again when no checkpoint was "
+              "complete) exports every tensor bitwise equal to an uninterrupted run's; no process is left behind.",
+         render=chaos_training_lines, summary=chaos_summary, libs=("torch", "numpy"),
+         means="Bitwise equality is the reference: the same run uninterrupted. A damaged checkpoint is found by "
+               "the sha256 and size `meta.json` records for each of its files, and the one before it is used."),
+    dict(name="chaos-serving", title="Faults on purpose: serving", anchor="faults-on-purpose-serving",
+         command="python benchmarks/chaos.py --family serving --trials-per-class 10",
+         what="`nestpipe serve --replicas 2 --max-in-flight 16` with the trained hstu (`benchmarks/chaos_serving.py`): "
+              "capacity measured by 6 closed-loop clients for 4 s, then an open-loop generator on loopback at twice "
+              "that rate for 8 s (bounded requests, 30 s client timeout), one request in five malformed, one replica "
+              "SIGKILLed at a drawn moment; then every user ranked, the server restarted, every user ranked again "
+              "from the history store alone. Verdicts: valid requests get 200 with one score per candidate or 503 "
+              "with a reason, malformed ones a 4xx (or the overload's 503) with a reason, never a 200, another 5xx "
+              "or a dropped connection; "
+              "every user is answered after the kill; the restarted server's scores equal the running one's "
+              "(rtol = atol = 1e-4); no process left behind.",
+         render=chaos_serving_lines, summary=chaos_summary, libs=("torch", "numpy"),
+         means="Latency percentiles are of the valid requests answered 200 while the server was offered twice what "
+               "it can serve: the admission limit refuses the excess with 503 at once, so what it admits is answered "
+               "in bounded time. A 2-core host runs the load generator, the front and both replicas."),
     dict(name="simulator_validation", title="Simulator validation", anchor="simulator-validation",
          command="python benchmarks/simulator_validation.py --repeats 2 --steps 10",
          what="`nestpipe simulate --calibrate RUN` fitted on one measured `--pipeline off` run (world 2, 8 "

@@ -74,7 +74,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except BrokenPipeError:  # the reader of our output went away (`nestpipe plan ... | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
         return 141
-    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:  # OSError: a path that cannot be read or written, a full disk
         if getattr(args, "debug", False):
             raise
         print(f"nestpipe {args.command}: error: {e}", file=sys.stderr)

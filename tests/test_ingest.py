@@ -723,3 +723,33 @@ def test_a_line_that_is_not_utf8_is_rejected_by_name(quoted_any):
     assert "\ufffd" in rejects[0].raw and rejects[0].raw.startswith("2,caf")
     with pytest.raises(Exception):
         pl.read_csv(io.BytesIO(data), has_header=False, schema=schema)
+
+
+def test_an_output_that_cannot_be_written_fails_in_one_message_naming_it(raw, tmp_path, capsys):
+    """--out under a regular file (as under a read-only filesystem: an OSError from the first directory made) fails
+    with one line naming the path, not a traceback; nothing is written. Before, the OSError escaped the command."""
+    from nestpipe.cli import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n")
+    rc = main(["ingest", "--raw", raw, "--out", str(blocker / "out"), "--task", "gr", "--quiet", "--workers", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and str(blocker / "out") in err[0] and "Not a directory" in err[0], err
+    assert blocker.read_text() == "not a directory\n"
+
+
+def test_a_write_error_that_names_no_file_is_told_with_the_output(raw, tmp_path, capsys, monkeypatch):
+    """Arrow's write errors on a full disk name no file ("Error writing bytes to file ... No space left on
+    device"): the command's one line adds the output it was writing and how to resume."""
+    from nestpipe.cli import main
+    from nestpipe.ingest import stages
+
+    def full(*a, **k):
+        raise OSError("Error writing bytes to file. Detail: [errno 28] No space left on device")
+
+    monkeypatch.setattr(stages, "ingest", full)
+    out = str(tmp_path / "o")
+    rc = main(["ingest", "--raw", raw, "--out", out, "--task", "gr", "--quiet", "--workers", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1, err
+    assert "No space left on device" in err[0] and f"writing under {out}" in err[0] and "rerun" in err[0]

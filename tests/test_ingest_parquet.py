@@ -138,3 +138,36 @@ def test_a_parquet_table_without_a_published_column_is_refused_by_name(raw, tmp_
     video = _read_csv(os.path.join(raw, "video_features_basic_27k.csv"), kind)
     video.select(list(reversed(video.columns))).write_parquet(os.path.join(src, "video_features_basic_27k.parquet"))
     assert kuairand.discover(src).paths("video_features_basic")[0].endswith(".parquet")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "page"])
+def test_a_damaged_parquet_log_fails_in_one_message_naming_the_file(raw, tmp_path, capsys, damage):
+    """A Parquet log cut short (no footer) or with a data page that does not decompress: the command fails with
+    one line naming the file (Arrow's own errors name none). Control: the same file undamaged ingests."""
+    from nestpipe.cli import main
+
+    src = str(tmp_path / "raw")
+    shutil.copytree(raw, src)
+    log = sorted(n for n in os.listdir(src) if n.startswith("log_standard") and n.endswith(".csv"))[0]
+    pq = os.path.join(src, log[:-len(".csv")] + ".parquet")
+    _read_csv(os.path.join(src, log), kuairand.FILE_KINDS_BY_NAME["log_standard"]).write_parquet(pq)
+    os.remove(os.path.join(src, log))
+    args = ["ingest", "--raw", src, "--task", "gr", "--batch-size", "32", "--quiet", "--workers", "1"]
+    assert main(args + ["--out", str(tmp_path / "good")]) == 0
+    capsys.readouterr()
+    data = open(pq, "rb").read()
+    if damage == "truncated":
+        damaged = data[:len(data) // 2]
+    else:  # scribble over the middle of the user_id column's compressed pages
+        import pyarrow.parquet as papq
+
+        meta = papq.ParquetFile(pq).metadata
+        col = next(meta.row_group(0).column(i) for i in range(meta.num_columns)
+                   if meta.row_group(0).column(i).path_in_schema == "user_id")
+        mid = col.data_page_offset + col.total_compressed_size // 2
+        damaged = data[:mid] + bytes(b ^ 0x5A for b in data[mid:mid + 64]) + data[mid + 64:]
+    open(pq, "wb").write(damaged)
+    assert main(args + ["--out", str(tmp_path / "bad")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and os.path.basename(pq) in err[0] and "Parquet" in err[0], err
+    assert "Traceback" not in err[0]

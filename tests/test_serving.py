@@ -429,3 +429,68 @@ def test_budgets_hold_under_a_stream_of_new_users_and_the_spill_tier_serves_hits
     plain = Ranker.from_run(run, cache_mb=1.0)
     plain.history[spilled] = ranker.history[spilled]
     assert plain.rank(spilled, [], cands)[1] == "miss"
+
+
+def test_an_overloaded_server_refuses_at_once_with_503_and_a_reason():
+    """serving/admission.py, on a real uvicorn server: with --max-in-flight 1 a second request while one is in
+    service gets 503, the reason and Retry-After at once (it is not queued); GET endpoints are never refused.
+    Control: with a limit of 2 both are served."""
+    import asyncio
+    import threading
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from nestpipe.serving.admission import Admission
+
+    def serve(limit):
+        app, gate = FastAPI(), threading.Event()
+        adm = Admission(limit)
+        adm.install(app)
+
+        @app.post("/v1/rank")
+        async def rank():
+            while not gate.is_set():
+                await asyncio.sleep(0.01)
+            return {"ok": True}
+
+        @app.get("/healthz")
+        def health():
+            return {"ok": True}
+
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        threading.Thread(target=server.run, daemon=True).start()
+        while not server.started:
+            time.sleep(0.01)
+        return f"http://127.0.0.1:{port}", gate, adm, server
+
+    for limit in (1, 2):
+        base, gate, adm, server = serve(limit)
+        got = {}
+        first = threading.Thread(target=lambda: got.update(first=_post(base + "/v1/rank", {})))
+        first.start()
+        while adm.in_flight < 1:
+            time.sleep(0.01)
+        second = threading.Thread(target=lambda: got.update(second=_post(base + "/v1/rank", {})))
+        second.start()
+        if limit == 1:
+            second.join(timeout=5)  # answered while the first is still held
+            assert not second.is_alive() and adm.in_flight == 1
+        else:
+            while adm.in_flight < 2:
+                time.sleep(0.01)
+        assert json.loads(urllib.request.urlopen(base + "/healthz", timeout=5).read()) == {"ok": True}
+        gate.set()
+        first.join()
+        second.join()
+        server.should_exit = True
+        assert got["first"][0] == 200
+        if limit == 1:
+            code, body = got["second"]
+            assert code == 503 and "overloaded" in body["detail"] and "--max-in-flight" in body["detail"]
+            assert adm.refused == 1
+        else:
+            assert got["second"][0] == 200 and adm.refused == 0
+    with pytest.raises(ValueError, match="--max-in-flight must be >= 1"):
+        Admission(0)

@@ -242,3 +242,29 @@ def test_cli_help_and_clear_errors(tmp_path):
         momentum_scale("adam", resolve(2, 4), 1)
     with pytest.raises(ValueError, match="leave embedding.momentum_scale_groups at 1"):
         momentum_scale("rowwise_adagrad_2dsp", resolve(2, 4), 3)
+
+
+def test_the_stage_groups_wait_the_runs_timeout(monkeypatch):
+    """Every stage group (plain and 2D-SP) is made with the run's timeout_s: a group made without one waits torch's
+    default (30 minutes for gloo), so a stopped peer hung its collectives that long whatever timeout_s said.
+    Control: without a timeout the groups are made with None (torch's default)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from nestpipe.trainer.distributed import process_groups, sparse_groups
+
+    made = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "new_group", lambda ranks, timeout=None: made.append(timeout) or object())
+    monkeypatch.setattr(process_groups, "_CACHE", {})
+    ten = datetime.timedelta(seconds=10)
+    sparse_groups.create_stage_groups(sparse_groups.resolve(None, 2, 0), ten)
+    assert len(made) == len(process_groups.STAGE_GROUPS) and set(made) == {ten}
+    made.clear()
+    sparse_groups.create_stage_groups(sparse_groups.resolve(2, 4, 1), ten)  # 2D-SP: groups, dense, replicas
+    assert len(made) >= 4 and set(made) == {ten}
+    made.clear()
+    process_groups._CACHE.clear()
+    process_groups.create(3)
+    assert set(made) == {None}

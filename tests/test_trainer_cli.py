@@ -284,6 +284,48 @@ def test_sigkill_mid_checkpoint_and_mid_step_then_resume_is_bitwise(gr, sigkill_
     assert moved, "one more step changed nothing the comparison reads"
 
 
+@pytest.mark.slow
+def test_a_damaged_checkpoint_is_refused_by_name_and_the_previous_one_used(sigkill_ref, tmp_path):
+    """Every file of a checkpoint is listed in its meta.json with its sha256 and size; a damaged newest checkpoint
+    (a rank file truncated, or one byte changed at the same size) is reported by name and skipped, and --resume
+    from the previous one trains to a bitwise-equal export. Control: the intact copy reports nothing, and loading
+    the truncated file directly fails (so skipping it is what saved the run)."""
+    import shutil
+
+    from nestpipe.trainer import checkpoint
+
+    out = str(tmp_path / "run")
+    shutil.copytree(sigkill_ref, out)
+    before = {n: open(os.path.join(sigkill_ref, n), "rb").read() for n in ("config.json", "scalars.jsonl")}
+    newest = checkpoint.latest(out)
+    assert newest.endswith("step-00000009") and checkpoint.damage(newest) == []
+    meta = checkpoint.read_meta(newest)
+    assert sorted(meta["files"]) == ["rank-00000.pt", "rank-00001.pt"]
+    rank1 = os.path.join(newest, "rank-00001.pt")
+    data = open(rank1, "rb").read()
+    with open(rank1, "wb") as f:  # one byte changed, same size: only the checksum sees it
+        f.write(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    assert checkpoint.damage(newest) == ["rank-00001.pt: sha256 differs from the recorded one"]
+    with open(rank1, "wb") as f:
+        f.write(data[:len(data) // 2])
+    assert checkpoint.damage(newest) == [f"rank-00001.pt: {len(data) // 2} bytes, {len(data)} recorded"]
+    with pytest.raises(Exception):
+        checkpoint.load_rank_file(newest, 1)
+    assert checkpoint.latest(out, quiet=True).endswith("step-00000006")
+    p = run("train", "--resume", out, "--nproc-per-node", "2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "step-00000009 is damaged, not used (rank-00001.pt:" in p.stderr, p.stderr[-2000:]
+    starts = [json.loads(x) for x in open(os.path.join(out, "scalars.jsonl")) if '"start"' in x]
+    assert starts[-1]["resumed_from_step"] == 6
+    a, b = assemble(sigkill_ref), assemble(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert checkpoint.damage(checkpoint.latest(out)) == []  # step 9 written again, intact
+    # the copy was resumed where it is: the run it was copied from is untouched (before, --resume continued in
+    # the directory config.json named, the original)
+    assert {n: open(os.path.join(sigkill_ref, n), "rb").read() for n in before} == before
+    assert json.load(open(os.path.join(out, "config.json")))["out"] == os.path.abspath(out)
+
+
 def test_config_validation_names_the_key_and_checks_types():
     from nestpipe.trainer.config import TrainConfig
 

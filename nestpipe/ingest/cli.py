@@ -153,7 +153,14 @@ def run_ingest(args) -> int:
     with make_executor(cfg, preload=("nestpipe.ingest.stages",)) as ex:
         from nestpipe.ingest.stages import ingest  # start-up time: after the pool started (see above)
 
-        m = ingest(cfg, executor=ex)
+        try:
+            m = ingest(cfg, executor=ex)
+        except OSError as e:
+            if e.filename or isinstance(e, FileNotFoundError):
+                raise  # it names its path
+            # Arrow's write errors name no file (a full disk: "Error writing bytes to file ... errno 28")
+            raise OSError(f"{e} (writing under {args.out}" + (f" and {args.work_dir}" if args.work_dir else "")
+                          + "; rerun the same command to resume once it can be written)") from e
     t = m.totals()
     print(
         f"{args.out}: task {m.task}, B={m.batch_size}, N={m.micro_batches}: "

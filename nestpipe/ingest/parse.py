@@ -12,6 +12,7 @@ fast path is Polars itself; the validating path is still Polars expressions, onl
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import io
@@ -357,10 +358,20 @@ def iter_file(
 # NaN write them) is checked cell by cell through the CSV path's conversion, so the same cell gives the same value
 # or the same reject in both formats.
 
+@contextlib.contextmanager
+def _reading_parquet(path: str):
+    """Arrow's errors on a damaged Parquet file (a bad footer, a page that does not decompress) name no file: name
+    it, in one message."""
+    try:
+        yield
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: cannot be read as Parquet ({type(e).__name__}: {e})") from e
+
+
 def plan_parquet_chunks(path: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> List[Chunk]:
     import pyarrow.parquet as pq  # only for Parquet inputs
 
-    with storage.open_read(path) as f:
+    with _reading_parquet(path), storage.open_read(path) as f:
         meta = pq.ParquetFile(f).metadata
     chunks: List[Chunk] = []
     start, size = 0, 0
@@ -393,8 +404,10 @@ def parse_parquet_chunk(chunk: Chunk, spec: ColumnSpec, *, first_line: int) -> T
     import pyarrow.parquet as pq  # only for Parquet inputs
 
     keep = list(spec.keep or spec.columns)
-    with storage.open_read(chunk.path) as f:
-        table = pq.ParquetFile(f).read_row_groups(list(range(chunk.start, chunk.end)), columns=list(spec.columns))
+    with _reading_parquet(chunk.path), storage.open_read(chunk.path) as f:
+        # pages written with a CRC (pyarrow's write_page_checksum) are checked; others have none to check
+        table = pq.ParquetFile(f, page_checksum_verification=True).read_row_groups(
+            list(range(chunk.start, chunk.end)), columns=list(spec.columns))
     df = pl.from_arrow(table)
     if isinstance(df, pl.Series):
         df = df.to_frame()

@@ -34,6 +34,9 @@ def add_parser(sub) -> None:
                    "memory-mapped copy of the model, each has its own --cache-mb and history file, and one that "
                    "exits is restarted")
     p.add_argument("--shards", default=None, help="where the run's shards are now, if they moved")
+    p.add_argument("--max-in-flight", type=int, default=64,
+                   help="ranking requests in service at once per replica; the next one is refused at once with 503 "
+                        "and Retry-After (an overloaded server answers what it admits in time)")
     p.add_argument("--shared", default=None, help=argparse.SUPPRESS)  # a replica: the model files of save_shared
     p.set_defaults(func=run_serve)
 
@@ -48,6 +51,8 @@ def run_serve(args) -> int:
 
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.max_in_flight < 1:
+        raise ValueError(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
     history = args.history or os.path.join(args.run, "serving", "history.sqlite")
     # uvicorn shuts down gracefully on SIGTERM and then raises the signal again for the previous handler: this
     # one makes that a normal exit (status 0) instead of death by the signal
@@ -59,11 +64,13 @@ def run_serve(args) -> int:
         shared = save_shared(args.run, args.shards)
         hist_dir = os.path.dirname(os.path.abspath(history)) if history != "none" else os.path.join(
             args.run, "serving")
-        replicas = Replicas(args.run, shared, args.replicas, args.cache_mb, hist_dir, args.spill_dir, args.spill_mb)
+        replicas = Replicas(args.run, shared, args.replicas, args.cache_mb, hist_dir, args.spill_dir, args.spill_mb,
+                            args.max_in_flight)
         print(f"serving {args.run} (hstu) with {args.replicas} replicas on http://{args.host}:{args.port}",
               flush=True)
         try:
-            uvicorn.run(create_front_app(replicas), host=args.host, port=args.port, log_level="warning")
+            uvicorn.run(create_front_app(replicas, args.max_in_flight), host=args.host, port=args.port,
+                        log_level="warning")
         finally:
             replicas.stop()
         print("stopped", flush=True)
@@ -76,6 +83,6 @@ def run_serve(args) -> int:
         ranker = Ranker.from_run(args.run, cache_mb=args.cache_mb, shards=args.shards, history=hist,
                                  spill_dir=args.spill_dir, spill_mb=args.spill_mb)
     print(f"serving {args.run} (hstu, window {ranker.window} events) on http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(create_app(ranker), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(create_app(ranker, args.max_in_flight), host=args.host, port=args.port, log_level="warning")
     print("stopped", flush=True)
     return 0

@@ -29,6 +29,8 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool  # FastAPI's own thread pool, for the blocking forward
 
+from nestpipe.serving.admission import MAX_IN_FLIGHT, Admission
+
 
 def jump_hash(key: int, buckets: int) -> int:
     """Jump consistent hash of a 64-bit key into ``[0, buckets)``."""
@@ -51,8 +53,9 @@ class Replicas:
     """N ``nestpipe serve`` processes on loopback ports, restarted when they exit."""
 
     def __init__(self, run: str, shared: str, n: int, cache_mb: float, history_dir: str,
-                 spill_dir: str = None, spill_mb: float = 4096.0):
+                 spill_dir: str = None, spill_mb: float = 4096.0, max_in_flight: int = MAX_IN_FLIGHT):
         self.run, self.shared, self.cache_mb, self.history_dir = run, shared, cache_mb, history_dir
+        self.max_in_flight = max_in_flight
         self.spill_dir, self.spill_mb = spill_dir, spill_mb
         self.ports = [free_port() for _ in range(n)]
         self.procs: List[subprocess.Popen] = [self._start(i) for i in range(n)]
@@ -66,7 +69,8 @@ class Replicas:
     def _start(self, i: int) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "nestpipe", "serve", "--run", self.run, "--port", str(self.ports[i]),
                "--cache-mb", str(self.cache_mb), "--shared", self.shared,
-               "--history", os.path.join(self.history_dir, f"history-{i}.sqlite")]
+               "--history", os.path.join(self.history_dir, f"history-{i}.sqlite"),
+               "--max-in-flight", str(self.max_in_flight)]
         if self.spill_dir:
             cmd += ["--spill-dir", os.path.join(self.spill_dir, f"replica-{i}"), "--spill-mb", str(self.spill_mb)]
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -122,8 +126,11 @@ def _forward(url: str, body: bytes, timeout: float = 120, retry_s: float = 60) -
             time.sleep(0.2)
 
 
-def create_front_app(replicas: Replicas) -> FastAPI:
+def create_front_app(replicas: Replicas, max_in_flight: int = MAX_IN_FLIGHT) -> FastAPI:
+    """``max_in_flight``: per replica (the front admits N times it, see server.Admission)."""
     app = FastAPI(title="NestPipe ranking front", description="routes each user to the replica holding its prefix")
+    admission = Admission(max_in_flight * len(replicas.procs))
+    admission.install(app)
 
     async def routed(request: Request, path: str) -> Response:
         body = await request.body()
@@ -152,7 +159,9 @@ def create_front_app(replicas: Replicas) -> FastAPI:
                     per.append(json.loads(r.read()))
             except OSError as e:
                 per.append({"error": str(e)})
-        return {"replicas": per, "restarts": replicas.restarts}
+        return {"replicas": per, "restarts": replicas.restarts,
+                "admission": {"limit": admission.limit, "in_flight": admission.in_flight,
+                              "refused": admission.refused}}
 
     @app.get("/healthz")
     def health():

@@ -9,6 +9,10 @@ and maintained, so the service needs no HTTP code of its own. Endpoints:
   ``{"scores": [...], "cache": "hit" | "miss"}``; 404 for a user with no stored history and no events
 - ``GET /v1/stats``: users, hits and misses, the cache's bytes and evictions; ``GET /healthz``;
 - ``GET /metrics``: the same in Prometheus text format (prometheus_client), with latency histograms per endpoint.
+
+Admission (:class:`Admission`): at most ``--max-in-flight`` ranking requests are in service at once; the next one is
+answered at once with 503, a reason and ``Retry-After``, so an overloaded server keeps the latency of what it admits
+bounded instead of queueing everything until nobody is answered in time.
 """
 
 from __future__ import annotations
@@ -23,11 +27,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from nestpipe.serving.admission import MAX_IN_FLIGHT, Admission
 from nestpipe.serving.ranker import Ranker
 
 MAX_CANDIDATES = 10_000  # per request: a larger list is a 422 (score it in several requests)
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")  # an unknown field is a 422 that names it
 
@@ -81,8 +84,9 @@ class _RankerCollector:
                                 value=st["users"])
 
 
-def create_app(ranker: Ranker) -> FastAPI:
+def create_app(ranker: Ranker, max_in_flight: int = MAX_IN_FLIGHT) -> FastAPI:
     app = FastAPI(title="NestPipe ranking", description="HSTU scores with each user's prefix K/V kept resident")
+    admission = Admission(max_in_flight)
     registry = CollectorRegistry()
     latency = Histogram("nestpipe_request_seconds", "request latency by endpoint", ["endpoint"], registry=registry,
                         buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0))
@@ -94,6 +98,8 @@ def create_app(ranker: Ranker) -> FastAPI:
         response = await call_next(request)
         latency.labels(request.url.path).observe(time.perf_counter() - t)
         return response
+
+    admission.install(app)  # the outer middleware: a refused request is not timed as served
 
     @app.get("/metrics")
     def metrics():
@@ -123,7 +129,8 @@ def create_app(ranker: Ranker) -> FastAPI:
 
     @app.get("/v1/stats")
     def stats():
-        return ranker.stats()
+        return {**ranker.stats(), "admission": {"limit": admission.limit, "in_flight": admission.in_flight,
+                                                "refused": admission.refused}}
 
     @app.get("/healthz")
     def health():

@@ -10,6 +10,11 @@ Atomicity: ranks write into ``.tmp-step-SSSSSSSS/`` (each file via a temporary n
 barrier, rank 0 writes ``meta.json`` and renames the directory. A directory without ``meta.json`` or still named
 ``.tmp-*`` is ignored (and removed) on resume, so a run killed during a write resumes from the previous one.
 Checkpoints are taken between steps only: no batch is in flight. Files load with ``torch.load(weights_only=True)``.
+
+Integrity: every rank hashes the files it wrote (its rank file, and a memory-mapped store's row files) and rank 0
+lists them in ``meta.json`` (``files``: name -> sha256 and bytes). :func:`latest` returns the newest checkpoint
+whose every listed file is present with its recorded size and sha256; a damaged one (a file truncated, changed or
+missing after the checkpoint completed) is reported by name on stderr and the previous complete one is used.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 import time
 from typing import Dict, List, Optional
 
@@ -84,10 +90,19 @@ def save(run: str, state, step: int, sleep_s: float = 0.0) -> str:
     with open(part, "rb") as f:
         os.fsync(f.fileno())
     os.replace(part, path)
+    written = [os.path.basename(path)] + [n for s in state.emb.stores.values() if not s.in_dram
+                                          for n in s.snapshot_names()]
+    write_json_atomic(os.path.join(tmp, f".files-{state.rank:05d}.json"), {n: file_digest(os.path.join(tmp, n))
+                                                                           for n in written})
     _barrier(state)
     if state.rank == 0:
         emb = state.emb
-        meta = {"format": FORMAT, "step": step, "world": state.world, "seed": state.cfg.seed,
+        files: Dict[str, Dict] = {}
+        for r in range(state.world):
+            listed = os.path.join(tmp, f".files-{r:05d}.json")
+            files.update(read_json(listed, "checkpoint file list", expect=dict))
+            os.remove(listed)
+        meta = {"format": FORMAT, "step": step, "world": state.world, "seed": state.cfg.seed, "files": files,
                 "model": state.cfg.model,
                 "placement": {t: {"table_id": s.placement.table_id, "vocab": s.placement.vocab,
                                   "world": s.placement.world, "a": s.placement.a, "b": s.placement.b,
@@ -107,14 +122,55 @@ def _barrier(state) -> None:
         dist.barrier(group=state.group)
 
 
-def latest(run: str) -> Optional[str]:
-    """The newest complete checkpoint directory of ``run``, or None."""
+def file_digest(path: str) -> Dict:
+    """{"sha256", "bytes"} of a file, read in 8 MiB blocks."""
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(8 << 20), b""):
+            h.update(block)
+            n += len(block)
+    return {"sha256": h.hexdigest(), "bytes": n}
+
+
+def damage(ckpt: str) -> List[str]:
+    """What is wrong with a complete checkpoint's files: each file ``meta.json`` lists that is missing, or whose
+    size or sha256 differs from the recorded one (empty: intact). A checkpoint without a file list (written before
+    checksums were recorded) has nothing to check."""
+    try:
+        meta = read_meta(ckpt)
+    except (OSError, ValueError) as e:
+        return [f"meta.json unreadable: {e}"]
+    out = []
+    for name, want in sorted(meta.get("files", {}).items()):
+        path = os.path.join(ckpt, name)
+        if not os.path.exists(path):
+            out.append(f"{name}: missing")
+            continue
+        size = os.path.getsize(path)
+        if size != want["bytes"]:
+            out.append(f"{name}: {size} bytes, {want['bytes']} recorded")
+        elif file_digest(path)["sha256"] != want["sha256"]:
+            out.append(f"{name}: sha256 differs from the recorded one")
+    return out
+
+
+def latest(run: str, quiet: bool = False) -> Optional[str]:
+    """The newest complete and intact checkpoint directory of ``run`` (:func:`damage` finds nothing), or None. A
+    damaged newer one is reported on stderr by name (unless ``quiet``) and skipped."""
     root = ckpt_root(run)
     if not os.path.isdir(root):
         return None
     done = sorted(d for d in os.listdir(root)
                   if d.startswith("step-") and os.path.exists(os.path.join(root, d, "meta.json")))
-    return os.path.join(root, done[-1]) if done else None
+    for d in reversed(done):
+        ckpt = os.path.join(root, d)
+        problems = damage(ckpt)
+        if not problems:
+            return ckpt
+        if not quiet:
+            print(f"checkpoint {ckpt} is damaged, not used ({'; '.join(problems)}); trying the one before it",
+                  file=sys.stderr, flush=True)
+    return None
 
 
 def read_meta(ckpt: str) -> Dict:

@@ -255,6 +255,8 @@ def _resume(args) -> int:
         raise ValueError("--resume continues RUN as it was configured: --shards, --config, --model, --seed and "
                          "--sparse-groups cannot change (start a new --out instead)")
     d = cfg.to_dict()
+    # the run is where it is now: a copied or moved run continues there, never in the directory it was made in
+    d["out"] = os.path.abspath(args.resume)
     flags = {"pipeline": args.pipeline, "checkpoint_every": args.checkpoint_every, "timeout_s": args.timeout,
              "device": args.device}
     if args.steps is not None or args.epochs is not None:  # one of them replaces the other

@@ -17,7 +17,7 @@ from typing import List, Optional
 
 import torch.distributed as dist
 from nestpipe.trainer import dense_optim, testing_hooks
-from nestpipe.trainer.distributed import device as devmod
+from nestpipe.trainer.distributed import device as devmod, liveness
 from nestpipe.trainer.config import load_run_config
 from nestpipe.trainer.loop import train_worker
 
@@ -93,15 +93,23 @@ def worker_main(argv: Optional[List[str]] = None) -> int:
         cfg = load_run_config(a.worker_run)
         dev = devmod.resolve(cfg.device, devmod.local_rank(), cfg.dist_backend)
         devmod.set_flush_denormal(cfg.flush_denormal)  # before any thread starts: they inherit the mode
-        rank, world = devmod.init_distributed(dev, cfg.timeout_s)
+        # a failed collective names the peers that stopped answering (distributed/liveness.py)
+        beat = liveness.Heartbeat.from_env(interval_s=min(1.0, max(0.05, cfg.timeout_s / 10)))
+        rank = int(os.environ.get("RANK", "0"))
         try:
+            rank, world = devmod.init_distributed(dev, cfg.timeout_s)
             train_worker(cfg, dev, rank, world, a.worker_resume, hooks=testing_hooks.from_env())
             if world > 1:
                 dist.barrier()  # nobody tears down gloo while a peer still talks to it
-        except Exception:
+        except Exception as e:
             print(f"[rank {rank}] error:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            named = liveness.name_silent_peers(e, beat)
+            if named is not None:
+                raise named from e
             raise
         finally:
+            if beat is not None:
+                beat.stop()
             if dist.is_initialized():
                 dist.destroy_process_group()
         return 0

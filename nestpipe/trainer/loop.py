@@ -13,6 +13,7 @@ checkpoints (and export and eval, which read checkpoints) never see a batch in f
 
 from __future__ import annotations
 
+import datetime
 import dataclasses
 import os
 import time
@@ -166,7 +167,8 @@ def set_up(cfg: TrainConfig, device: Device, rank: int, world: int,
     early = (early_stop.start(cfg, stream.manifest.task, stream.batches_per_rank)
              if early_stop.wanted(cfg, stream.manifest) else None)
     steps = total_steps(cfg, stream.batches_per_rank, early is not None)
-    groups = sparse_groups.create_stage_groups(sparse_groups.resolve(cfg.sparse_groups, world, rank))
+    groups = sparse_groups.create_stage_groups(sparse_groups.resolve(cfg.sparse_groups, world, rank),
+                                               datetime.timedelta(seconds=float(cfg.timeout_s)))
     state = build_state(cfg, stream.manifest, rank, world, device.torch, groups=groups, hooks=hooks)
     schedule = auto.choose(cfg.pipeline, device.torch, world, micro_batching=cfg.pipe.micro_batching,
                            partition_invariant=model_spec(cfg.model).partition_invariant(cfg),
@@ -186,7 +188,7 @@ def set_up(cfg: TrainConfig, device: Device, rank: int, world: int,
 
 def resume_step(run: RankRun) -> int:
     """Load the latest complete checkpoint into the state (rank 0 removes partial ones); its step, or 0."""
-    ck = checkpoint.latest(run.cfg.out)
+    ck = checkpoint.latest(run.cfg.out, quiet=run.rank != 0)  # every rank picks the same one (rank 0 reports)
     if run.rank == 0:
         checkpoint.clean_partial(run.cfg.out)
     return checkpoint.load(ck, run.state) if ck is not None else 0

@@ -16,6 +16,7 @@ refuses any other thread. The default group is used only by the main thread whil
 
 from __future__ import annotations
 
+import datetime
 import threading
 from typing import Dict, Optional
 
@@ -80,14 +81,16 @@ class StageGroups:
 _CACHE: Dict[tuple, Dict[str, object]] = {}
 
 
-def create(world: int) -> StageGroups:
-    """Create (once per process and world) the stage groups, in :data:`STAGE_GROUPS` order on every rank."""
+def create(world: int, timeout: Optional[datetime.timedelta] = None) -> StageGroups:
+    """Create (once per process and world) the stage groups, in :data:`STAGE_GROUPS` order on every rank.
+    ``timeout``: how long their collectives wait for a peer (the run's ``timeout_s``; a group made without one
+    waits torch's default, 30 minutes for gloo, whatever the world group's timeout is)."""
     if world <= 1 or not dist.is_initialized():
         return StageGroups({s: None for s in STAGE_GROUPS})
     key = (world, id(dist.group.WORLD))
     if key not in _CACHE:
         ranks = list(range(world))
-        _CACHE[key] = {s: dist.new_group(ranks=ranks) for s in STAGE_GROUPS}
+        _CACHE[key] = {s: dist.new_group(ranks=ranks, timeout=timeout) for s in STAGE_GROUPS}
     return StageGroups(dict(_CACHE[key]))
 
 

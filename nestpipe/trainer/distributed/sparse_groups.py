@@ -27,6 +27,7 @@ update runs there in every mode).
 
 from __future__ import annotations
 
+import datetime
 import dataclasses
 from typing import List, Optional
 
@@ -101,24 +102,26 @@ def momentum_scale(optimizer: str, layout: SparseLayout, explicit: int) -> int:
     return layout.num_groups
 
 
-def create_stage_groups(layout: SparseLayout) -> process_groups.StageGroups:
+def create_stage_groups(layout: SparseLayout,
+                        timeout: Optional[datetime.timedelta] = None) -> process_groups.StageGroups:
     """The stage groups of this rank: plain (:func:`process_groups.create`) when 2D-SP is off, else the group's
     ``route``/``embed``/``grad``, the world's ``dense`` and the shard's ``replica`` (see the module docstring).
-    Created once per process and layout, in the same order on every rank."""
+    Created once per process and layout, in the same order on every rank; ``timeout``: their collectives' (the
+    run's ``timeout_s``)."""
     if not layout.enabled:
-        return process_groups.create(layout.world)
+        return process_groups.create(layout.world, timeout)
     key = ("sparse", layout.world, layout.group_size, id(dist.group.WORLD))
     cache = process_groups._CACHE  # forgotten together with the plain groups (process_groups.forget)
     if key not in cache:
         mine = {}
         for stage in ("route", "embed", "grad"):
             for g in range(layout.num_groups):
-                pg = dist.new_group(ranks=layout.group_ranks(g))
+                pg = dist.new_group(ranks=layout.group_ranks(g), timeout=timeout)
                 if g == layout.group:
                     mine[stage] = pg
-        mine["dense"] = dist.new_group(ranks=list(range(layout.world)))
+        mine["dense"] = dist.new_group(ranks=list(range(layout.world)), timeout=timeout)
         for j in range(layout.group_size):
-            pg = dist.new_group(ranks=layout.replica_ranks(j))
+            pg = dist.new_group(ranks=layout.replica_ranks(j), timeout=timeout)
             if j == layout.local_rank:
                 mine["replica"] = pg
         cache[key] = mine

@@ -35,7 +35,7 @@ import mmap
 import os
 import shutil
 import threading
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -367,6 +367,10 @@ class TieredRowStore:
             self.release_pages()
 
     # -- checkpoints (row file snapshots; a DRAM store's rows load too) and export ------------------------------
+    def snapshot_names(self) -> List[str]:
+        """The names of the files :meth:`snapshot` writes into a checkpoint directory."""
+        return [os.path.basename(p) for p in self.paths]
+
     def snapshot(self, directory: str) -> Dict[str, object]:
         """A checkpoint of this store that never holds the table in memory: every updated cached row written to the
         files, the files copied into ``directory`` (streamed by the kernel), and which rows are materialised."""

@@ -28,15 +28,18 @@ import chaos_serving  # noqa: E402
 import chaos_training  # noqa: E402
 from record import Recorder  # noqa: E402
 
-FAMILIES = {"ingest": chaos_ingest.CLASSES, "training": chaos_training.CLASSES, "serving": chaos_serving.CLASSES}
+FAMILIES = {"ingest": chaos_ingest.CLASSES, "formats": chaos_ingest.FORMAT_CLASSES,
+            "training": chaos_training.CLASSES, "serving": chaos_serving.CLASSES}
 CLASSES = tuple(c for classes in FAMILIES.values() for c in classes)
 VERDICTS = ("one_message", "deterministic", "no_process_left", "accounted")
 
 
 def run_trial(work: str, ctx: Dict, cls: str, seed: int) -> Dict:
-    if "ingest" not in ctx:  # the clean input and its shards: every family starts from them
+    if cls in chaos_ingest.FORMAT_CLASSES:  # their own small inputs
+        return chaos_ingest.format_trial(work, cls, seed)
+    if "ingest" not in ctx:  # the clean input and its shards: every other family starts from them
         ctx["ingest"] = chaos_ingest.References(work)
-    if cls in chaos_ingest.CLASSES:
+    if cls in chaos_ingest.CLASSES + chaos_ingest.FORMAT_CLASSES:
         return chaos_ingest.run_trial(work, ctx["ingest"], cls, seed)
     if cls in chaos_training.CLASSES:
         if "training" not in ctx:
@@ -97,7 +100,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials-per-class", type=int, default=20)
     ap.add_argument("--family", choices=sorted(FAMILIES), default=None,
-                    help="run every class of one family (ingest, training, serving), recorded as chaos-FAMILY")
+                    help="run every class of one family (ingest, formats, training, serving), recorded as "
+                         "chaos-FAMILY")
     ap.add_argument("--classes", nargs="+", default=None, choices=CLASSES, metavar="CLASS",
                     help=f"the classes to run (default: all): {', '.join(CLASSES)}")
     ap.add_argument("--seed", type=int, default=0, help="campaign seed: trial k of a class uses seed*1000 + k")

@@ -12,7 +12,8 @@ Input fuzz, one fault per trial in a file and at a place drawn from the trial's 
     parquet_byte_flip  an interaction log as Parquet, a random byte of it replaced
     parquet_truncate   an interaction log as Parquet, cut at a random byte
 
-Verdicts: the ingest succeeds, or fails with one message whose last line names the file (never a traceback); a
+Verdicts: the ingest succeeds, or fails with one message whose last line names the file or says what is wrong with
+the input as a whole (too little data left, too many rows rejected: see rejects.csv), never a traceback; a
 second run on the same fuzzed input writes byte-identical shards, manifest rows and rejects.csv; for the line-level
 classes the rows read differ from the clean input's by exactly the lines added or removed, and a line given an
 extra field or a bad byte is in ``rejects.csv`` with a reason, named by file and line.
@@ -23,6 +24,11 @@ Process and disk faults (``--workers 2``):
     kill_worker, kill_worker_dask   SIGKILL of one of its worker processes (drawn) at such a moment
     full_disk                       the output on a tmpfs of a size drawn below what the run needs
     unwritable_output               the output under a read-only filesystem, or a path that is a regular file
+
+The other public formats (a format drawn per trial among MovieLens 100K / 1M / CSV, atomic files, Amazon ratings CSV
+and review JSON lines 2014 / 2023, written by ``nestpipe.ingest.formats.samples``): ``format_byte_flip``,
+``format_truncate`` (a drawn file) and ``format_bad_line`` (a line of the interactions file replaced by one that is
+not a record: rejected by file and line with its raw text, or the run fails naming the file).
 
 Verdicts: a run that fails says so in one message (a killed driver prints nothing: it was killed); the rerun of the
 same command (after the disk is grown again) writes shards and rejects.csv byte-identical to a clean uninterrupted
@@ -54,6 +60,14 @@ KILL_CLASSES = {"kill_driver": ("local", "driver"), "kill_worker": ("local", "wo
                 "kill_driver_dask": ("dask", "driver"), "kill_worker_dask": ("dask", "worker")}
 DISK_CLASSES = ("full_disk", "unwritable_output")
 CLASSES = FUZZ_CLASSES + tuple(KILL_CLASSES) + DISK_CLASSES
+# a failure about the input as a whole names no one file: too little data left, or too many rows rejected (the
+# message points to rejects.csv, which names each file and line)
+WHOLE_INPUT = ("provide more data", "--max-reject-fraction")
+# the other public formats (nestpipe.ingest.formats.samples: MovieLens, atomic, Amazon), a format drawn per trial
+FORMAT_CLASSES = ("format_byte_flip", "format_truncate", "format_bad_line")
+# the samples hold ~530 interactions: one bad record is 0.2% of them (above the default reject bound of 0.1%)
+FORMAT_INGEST = ["--task", "gr", "--batch-size", "16", "--micro-batches", "2", "--max-seq-len", "12", "--quiet",
+                 "--workers", "2", "--max-reject-fraction", "0.05"]
 LINE_CLASSES = {"duplicate_line": 1, "drop_line": -1, "extra_column": 0, "latin1_line": 0}
 MUST_REJECT = ("extra_column", "latin1_line")
 INGEST = ["--task", "gr", "--batch-size", "32", "--micro-batches", "4", "--quiet", "--workers", "2"]
@@ -181,7 +195,7 @@ def trial(work: str, clean_raw: str, clean_rows: int, cls: str, seed: int) -> Di
     if ra["rc"] == 0:
         v["one_message"] = True
     else:
-        msg = one_message(ra["stderr"], [what["file"]])
+        msg = one_message(ra["stderr"], [what["file"], *WHOLE_INPUT])
         v["one_message"], v["message"] = msg["ok"], msg["message"]
     v["deterministic"] = ra["rc"] == rb["rc"] and (ra["rc"] != 0 or _digest(a) == _digest(b))
     v["no_process_left"] = not ra["left_behind"] and not rb["left_behind"]
@@ -334,8 +348,76 @@ def disk_trial(work: str, refs: References, cls: str, seed: int) -> Dict:
     return v
 
 
+def format_trial(work: str, cls: str, seed: int) -> Dict:
+    """A drawn public format's sample files (``formats.samples``) with one fault: a flipped byte or a cut in a
+    drawn file, or a line of the interactions file replaced by one that is not a record. Verdicts: the ingest
+    succeeds deterministically or fails in one message naming the file; a bad line that does not fail the run is
+    in rejects.csv by file and line with a reason and its raw text."""
+    from nestpipe.ingest.formats.samples import WRITERS, sample_events
+
+    rng = random.Random(seed)
+    key = sorted(WRITERS)[rng.randrange(len(WRITERS))]
+    raw = os.path.join(work, f"raw-{cls}-{seed}")
+    shutil.rmtree(raw, ignore_errors=True)
+    WRITERS[key](raw, sample_events(7))
+    names = sorted(os.listdir(raw))
+    inter = [n for n in names if not n.startswith("meta_")
+             and any(t in n for t in ("u.data", "ratings", ".inter", "reviews_", "Mini.jsonl"))]
+    name = rng.choice(names if cls != "format_bad_line" else inter)
+    path = os.path.join(raw, name)
+    data = open(path, "rb").read()
+    what: Dict = {"format": "/".join(key), "file": name}
+    if cls == "format_byte_flip":
+        at = rng.randrange(len(data))
+        data = data[:at] + bytes([rng.randrange(256)]) + data[at + 1:]
+        what["byte"] = at
+    elif cls == "format_truncate":
+        at = rng.randrange(1, len(data))
+        data, what["byte"] = data[:at], at
+    else:
+        import gzip
+
+        packed = name.endswith(".gz")
+        lines = (gzip.decompress(data) if packed else data).split(b"\n")
+        body = [i for i in range(1 if b":token" in lines[0] or b"userId" in lines[0] else 0, len(lines)) if lines[i]]
+        i = rng.choice(body)
+        lines[i] = b"this is not a record"
+        what["line"] = i + 1
+        data = b"\n".join(lines)
+        data = gzip.compress(data, mtime=0) if packed else data
+    with open(path, "wb") as f:
+        f.write(data)
+    outs = [os.path.join(work, f"out-{cls}-{seed}-{k}") for k in "ab"]
+    runs = []
+    for out in outs:
+        shutil.rmtree(out, ignore_errors=True)
+        runs.append(run_tracked([sys.executable, "-m", "nestpipe", "ingest", "--raw", raw, "--out", out,
+                                 *FORMAT_INGEST], 300, grace=10.0))
+    ra, rb = runs
+    v: Dict = {"class": cls, "seed": seed, "fault": what, "rc": ra["rc"]}
+    if ra["rc"] == 0:
+        v["one_message"] = True
+    else:
+        msg = one_message(ra["stderr"], [name, *WHOLE_INPUT])
+        v["one_message"], v["message"] = msg["ok"], msg["message"]
+    v["deterministic"] = ra["rc"] == rb["rc"] and (ra["rc"] != 0 or _digest(outs[0]) == _digest(outs[1]))
+    v["no_process_left"] = not ra["left_behind"] and not rb["left_behind"]
+    v["accounted"] = None
+    if cls == "format_bad_line" and ra["rc"] == 0:
+        hit = [r for r in _rejects(outs[0])
+               if name in (r.get("file") or "") and str(r.get("line")) == str(what["line"])]
+        v["accounted"] = bool(hit) and bool((hit[0].get("reason") or "").strip()) and \
+            hit[0].get("raw") == "this is not a record"
+    v["ok"] = all(v[k] is not False for k in ("one_message", "deterministic", "no_process_left", "accounted"))
+    for d in [raw] + outs:
+        shutil.rmtree(d, ignore_errors=True)
+    return v
+
+
 def run_trial(work: str, refs: References, cls: str, seed: int) -> Dict:
     """One trial of any ingest class."""
+    if cls in FORMAT_CLASSES:
+        return format_trial(work, cls, seed)
     if cls in KILL_CLASSES:
         return kill_trial(work, refs, cls, seed)
     if cls in DISK_CLASSES:

@@ -71,7 +71,8 @@ def campaign(out: str, classes, trials: int, seed: int, replay: Optional[int] = 
         res["clean_input_rows"] = ref["rows"]
         res["clean_ingest_s"] = {e: r["seconds"] for e, r in ctx["ingest"]._refs.items()}
     if "training" in ctx:
-        res["clean_training_s"] = {str(k): r["seconds"] for k, r in ctx["training"].runs.items()}
+        res["clean_training"] = {str(k): {kk: vv for kk, vv in r.items() if kk != "out"}
+                                 for k, r in ctx["training"].runs.items()}
     return res
 
 

@@ -3,10 +3,12 @@ shard truncated, a checkpoint damaged. The run: ``hstu`` at world 2 over gloo on
 synthetic KuaiRand logs (``chaos_ingest.References``), 12 steps, a checkpoint every 4; its uninterrupted export is
 the reference (``nestpipe.trainer.export.assemble``: every table row and dense tensor).
 
-    kill_rank           SIGKILL of a random rank at a moment drawn over the clean run's measured duration
+    kill_rank           SIGKILL of a random rank at a moment drawn over the ranks' life in the clean run (from
+                        their start to their exit, as measured)
     kill_in_checkpoint  SIGKILL of a random rank while a drawn checkpoint is being written (each rank pauses 0.5 s
                         inside the write: the ``checkpoint_sleep_s`` testing hook), at a drawn delay into it
-    stop_rank           SIGSTOP of a random rank at a drawn moment (a hang), with ``timeout_s = 10``
+    stop_rank           SIGSTOP of a random rank at a moment drawn over the clean run's training (a hang), with
+                        ``timeout_s = 10``
     truncate_shard      a random training shard cut at a random byte before the run
     damage_checkpoint   a finished run's random checkpoint file truncated or one byte changed, then ``--resume
                         --steps 16``
@@ -91,15 +93,21 @@ class Reference:
             out = os.path.join(self.work, f"train-ref-{steps}")
             shutil.rmtree(out, ignore_errors=True)
             started = os.path.join(out, "scalars.jsonl")  # rank 0 logs the start once the ranks are up
+            window: Dict[str, float] = {}
 
-            def start(elapsed, root, procs):
-                return {"started_at_s": round(elapsed, 2)} if os.path.exists(started) else None
+            def observe(elapsed, root, procs):
+                """When the ranks run (the moments a rank can be killed or stopped) and when training starts."""
+                if len(_ranks(procs)) >= 2:
+                    window.setdefault("ranks_up_s", elapsed)
+                    window["ranks_last_s"] = elapsed
+                if "started_s" not in window and os.path.exists(started):
+                    window["started_s"] = elapsed
+                return None
 
-            r = run_tracked(train_cmd(self.shards, out, steps), timeout=600, grace=10.0, env=_env(), act=start)
-            if r["rc"] != 0:
+            r = run_tracked(train_cmd(self.shards, out, steps), timeout=600, grace=10.0, env=_env(), act=observe)
+            if r["rc"] != 0 or "ranks_last_s" not in window:
                 raise SystemExit(f"the clean training run fails:\n{r['stderr'][-3000:]}")
-            self.runs[steps] = {"out": out, "seconds": r["seconds"],
-                                "started_s": (r["fault"] or {}).get("started_at_s", 0.0)}
+            self.runs[steps] = {"out": out, "seconds": r["seconds"], **{k: round(v, 2) for k, v in window.items()}}
         return self.runs[steps]
 
 
@@ -151,8 +159,8 @@ def kill_trial(work: str, ref: Reference, cls: str, seed: int) -> Dict:
     shutil.rmtree(out, ignore_errors=True)
     hooks: Dict = {}
     when = None
-    if cls == "kill_rank":
-        at = rng.uniform(0.05, 0.95) * base["seconds"]
+    if cls == "kill_rank":  # a moment over the ranks' life in the clean run: start-up, steps, checkpoints, exit
+        at = rng.uniform(base["ranks_up_s"], base["ranks_last_s"])
         planned = {"at_s": round(at, 2)}
     else:  # inside a checkpoint write: each rank sleeps 0.5 s between writing its file and renaming it
         hooks = {"checkpoint_sleep_s": 0.5}
@@ -191,7 +199,7 @@ def stop_trial(work: str, ref: Reference, cls: str, seed: int) -> Dict:
     shutil.rmtree(out, ignore_errors=True)
     started = os.path.join(out, "scalars.jsonl")
     # a moment drawn over the clean run's training (after the ranks are up and the first step is logged)
-    delay = rng.uniform(0.05, 0.7) * max(0.5, base["seconds"] - base["started_s"])
+    delay = rng.uniform(0.0, 0.9) * max(0.5, base["ranks_last_s"] - base.get("started_s", base["ranks_up_s"]))
     seen: Dict = {}
 
     def training():

@@ -525,6 +525,12 @@ def chaos_lines(rec: Dict) -> List[str]:
 
 def chaos_training_lines(rec: Dict) -> List[str]:
     lines = chaos_lines(rec)
+    timed = [t for t in rec["figures"]["trials"] if t["class"] in ("kill_rank", "kill_in_checkpoint", "stop_rank")]
+    hit = [t for t in timed if t["fault"].get("rank") is not None]
+    if timed:
+        lines += ["", f"{len(hit)} of {len(timed)} kill and stop trials reached a running rank (in the others the "
+                      "drawn moment came after the ranks had exited; such a run is compared with the reference as it "
+                      "is)."]
     stops = [t for t in rec["figures"]["trials"] if t["class"] == "stop_rank" and "peers_gave_up_after_s" in t]
     if stops:
         gave = sorted(t["peers_gave_up_after_s"] for t in stops)

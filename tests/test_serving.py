@@ -494,3 +494,80 @@ def test_an_overloaded_server_refuses_at_once_with_503_and_a_reason():
             assert got["second"][0] == 200 and adm.refused == 0
     with pytest.raises(ValueError, match="--max-in-flight must be >= 1"):
         Admission(0)
+
+
+def test_the_front_retries_only_what_was_not_sent_and_answers_503_with_a_reason():
+    """front._forward against replicas that fail in each way: refused connections (restarting) and connections
+    dropped before any answer are retried until the replica answers (or 503 once retry_s is spent); an answer cut
+    short and a replica that never answers are not sent again (the replica had the request) but answered with 503
+    and the reason. Before, the cut answer escaped as a 500 without a reason."""
+    import socket
+    import threading
+
+    from fastapi import HTTPException
+
+    from nestpipe.serving.front import _forward
+
+    def replica(behaviour):
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(8)
+        seen = []
+
+        def loop():
+            while True:
+                try:
+                    conn, _ = srv.accept()
+                except OSError:
+                    return
+                conn.recv(65536)
+                seen.append(1)
+                if behaviour == "cut":
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+                elif behaviour == "ok":
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+                elif behaviour == "silent":
+                    time.sleep(1.5)
+                conn.close()
+
+        threading.Thread(target=loop, daemon=True).start()
+        return f"http://127.0.0.1:{srv.getsockname()[1]}/v1/rank", srv, seen
+
+    for behaviour, words in (("cut", "IncompleteRead"), ("silent", "timed out")):
+        url, srv, seen = replica(behaviour)
+        with pytest.raises(HTTPException) as e:
+            _forward(url, b"{}", timeout=0.5, retry_s=5)
+        srv.close()
+        assert e.value.status_code == 503 and words in e.value.detail and "may have been applied" in e.value.detail
+        assert len(seen) == 1, behaviour  # sent once, not again
+    url, srv, seen = replica("drop")  # closed without a byte of answer: sent again until retry_s is spent
+    with pytest.raises(HTTPException) as e:
+        _forward(url, b"{}", timeout=0.5, retry_s=0.6)
+    srv.close()
+    assert e.value.status_code == 503 and "unavailable" in e.value.detail and len(seen) >= 2
+    # nothing listening yet: retried until the replica is up, then answered
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/v1/rank"
+    later = threading.Timer(0.5, lambda: started.append(replica_on(port)))
+    started = []
+
+    def replica_on(p):
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", p))
+        srv.listen(8)
+
+        def one():
+            conn, _ = srv.accept()
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+            conn.close()
+            srv.close()
+        threading.Thread(target=one, daemon=True).start()
+        return srv
+
+    later.start()
+    r = _forward(url, b"{}", timeout=5, retry_s=10)
+    assert r.status_code == 200 and r.body == b"{}"
+    with pytest.raises(HTTPException) as e:  # and never up: 503 once retry_s is spent
+        _forward(f"http://127.0.0.1:{free_port()}/v1/rank", b"{}", timeout=1, retry_s=0.5)
+    assert e.value.status_code == 503 and "unavailable" in e.value.detail

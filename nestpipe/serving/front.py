@@ -13,6 +13,7 @@ thread pool.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -111,7 +112,10 @@ class Replicas:
 
 
 def _forward(url: str, body: bytes, timeout: float = 120, retry_s: float = 60) -> Response:
-    """POST ``body`` to ``url``; while the replica is restarting (connection refused), retry for ``retry_s``."""
+    """POST ``body`` to ``url``. While the replica cannot be reached or drops the connection without a byte of
+    answer (it is restarting, or died before it answered), retry for ``retry_s``. A replica whose answer is cut short
+    or never comes within ``timeout`` had the request: it is not sent again, and the client gets 503 with the
+    reason (before, such a failure escaped as a 500 without one)."""
     deadline = time.time() + retry_s
     while True:
         req = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
@@ -119,11 +123,17 @@ def _forward(url: str, body: bytes, timeout: float = 120, retry_s: float = 60) -
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return Response(r.read(), status_code=r.status, media_type="application/json")
         except urllib.error.HTTPError as e:
-            return Response(e.read(), status_code=e.code, media_type="application/json")
-        except (urllib.error.URLError, ConnectionError) as e:
+            try:
+                return Response(e.read(), status_code=e.code, media_type="application/json")
+            except (OSError, http.client.HTTPException) as cut:
+                raise HTTPException(503, f"replica at {url} failed while answering {e.code}: {cut!r}")
+        except (urllib.error.URLError, ConnectionError) as e:  # refused, reset or closed before any answer
             if time.time() > deadline:
-                raise HTTPException(503, f"replica at {url} unavailable: {e}")
+                raise HTTPException(503, f"replica at {url} unavailable: {getattr(e, 'reason', e)}")
             time.sleep(0.2)
+        except (OSError, http.client.HTTPException) as e:  # an answer cut short, or none in time
+            raise HTTPException(503, f"replica at {url} failed while answering ({type(e).__name__}: {e}); the "
+                                     "request may have been applied: rank without new events to see the state")
 
 
 def create_front_app(replicas: Replicas, max_in_flight: int = MAX_IN_FLIGHT) -> FastAPI:

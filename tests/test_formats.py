@@ -244,3 +244,23 @@ def test_no_public_dataset_is_vendored():
     found = [os.path.join(d, n) for d, _, files in os.walk(root) if ".venv" not in d and ".git" not in d
              for n in files if n in names or n.endswith(".inter")]
     assert found == []
+
+
+@pytest.mark.parametrize("damage", ["flipped", "cut"])
+def test_a_damaged_gzip_input_fails_in_one_message_naming_the_file(events, tmp_path, capsys, damage):
+    """An Amazon 2023 review file (JSON lines, gzipped) with bytes changed inside the stream (a bad CRC or a corrupt
+    block) or cut short: the command fails with one line naming the file (gzip's and zlib's errors name none, and
+    zlib's escaped as a traceback). Control: the same files undamaged ingest."""
+    raw = WRITERS[("amazon", "reviews-jsonl-2023")](str(tmp_path / "raw"), events)
+    args = ["ingest", "--raw", raw, "--task", "gr", "--batch-size", "16", "--micro-batches", "2", "--max-seq-len",
+            "12", "--quiet", "--workers", "1"]
+    assert main(args + ["--out", str(tmp_path / "good")]) == 0
+    capsys.readouterr()
+    path = os.path.join(raw, "Mini.jsonl.gz")
+    data = open(path, "rb").read()
+    mid = len(data) // 2
+    open(path, "wb").write(data[:mid] + bytes(b ^ 0x55 for b in data[mid:mid + 16]) + data[mid + 16:]
+                           if damage == "flipped" else data[:mid])
+    assert main(args + ["--out", str(tmp_path / "bad")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Mini.jsonl.gz: cannot be read, the file is damaged or cut short" in err[0], err

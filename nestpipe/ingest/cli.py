@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -156,8 +157,10 @@ def run_ingest(args) -> int:
         try:
             m = ingest(cfg, executor=ex)
         except OSError as e:
-            if e.filename or isinstance(e, FileNotFoundError):
-                raise  # it names its path
+            text = str(e)
+            if e.filename or not (e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS) or "errno 28" in text
+                                  or "Error writing" in text):
+                raise  # it names its path, or it is not a write error
             # Arrow's write errors name no file (a full disk: "Error writing bytes to file ... errno 28")
             raise OSError(f"{e} (writing under {args.out}" + (f" and {args.work_dir}" if args.work_dir else "")
                           + "; rerun the same command to resume once it can be written)") from e

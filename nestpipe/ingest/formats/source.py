@@ -15,10 +15,12 @@ never dropped in silence.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
 import io
 import json
+import zlib
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import polars as pl
@@ -93,11 +95,21 @@ def open_text(path: str, encoding: str = "utf-8") -> io.TextIOBase:
     return io.TextIOWrapper(raw, encoding=encoding, errors="replace", newline="")
 
 
+@contextlib.contextmanager
+def _reading(path: str):
+    """A damaged gzip file (a bad CRC, a cut stream, a corrupt block) fails in gzip or zlib with an error that names
+    no file: name it, in one message."""
+    try:
+        yield
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise FormatError(f"{path}: cannot be read, the file is damaged or cut short ({type(e).__name__}: {e})") from e
+
+
 def line_chunks(path: str, chunk_bytes: int, encoding: str = "utf-8",
                 skip: int = 0) -> Iterator[Tuple[int, List[str]]]:
     """(first line number, lines without their line ends) of consecutive chunks of about ``chunk_bytes`` characters;
     the first ``skip`` lines (a header) are not returned. Chunks depend only on the file and ``chunk_bytes``."""
-    with open_text(path, encoding) as f:
+    with _reading(path), open_text(path, encoding) as f:
         line_no = 1
         for _ in range(skip):
             if not f.readline():
@@ -112,7 +124,7 @@ def line_chunks(path: str, chunk_bytes: int, encoding: str = "utf-8",
 
 
 def first_line(path: str, encoding: str = "utf-8") -> str:
-    with open_text(path, encoding) as f:
+    with _reading(path), open_text(path, encoding) as f:
         return f.readline().rstrip("\r\n")
 
 

@@ -62,7 +62,7 @@ DISK_CLASSES = ("full_disk", "unwritable_output")
 CLASSES = FUZZ_CLASSES + tuple(KILL_CLASSES) + DISK_CLASSES
 # a failure about the input as a whole names no one file: too little data left, or too many rows rejected (the
 # message points to rejects.csv, which names each file and line)
-WHOLE_INPUT = ("provide more data", "--max-reject-fraction")
+WHOLE_INPUT = ("provide more data", "no complete training batch", "--max-reject-fraction")
 # the other public formats (nestpipe.ingest.formats.samples: MovieLens, atomic, Amazon), a format drawn per trial
 FORMAT_CLASSES = ("format_byte_flip", "format_truncate", "format_bad_line")
 # the samples hold ~530 interactions: one bad record is 0.2% of them (above the default reject bound of 0.1%)

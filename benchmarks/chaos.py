@@ -111,7 +111,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args(argv)
     classes = a.classes or (FAMILIES[a.family] if a.family else CLASSES)
-    name = f"chaos-{a.family}" if a.family and not a.classes else "chaos"
+    if a.family and a.classes and set(a.classes) - set(FAMILIES[a.family]):
+        ap.error(f"--classes outside the {a.family} family: {sorted(set(a.classes) - set(FAMILIES[a.family]))}")
+    name = f"chaos-{a.family}" if a.family else "chaos"  # --family F --classes ...: F's classes in that order
     rec = None if (a.no_record or a.replay is not None) else Recorder(name, argv, __file__)
     res = campaign(a.out, classes, a.trials_per_class, a.seed, a.replay)
     print_table(res["summary"])

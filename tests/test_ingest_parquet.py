@@ -140,10 +140,11 @@ def test_a_parquet_table_without_a_published_column_is_refused_by_name(raw, tmp_
     assert kuairand.discover(src).paths("video_features_basic")[0].endswith(".parquet")
 
 
-@pytest.mark.parametrize("damage", ["truncated", "page"])
+@pytest.mark.parametrize("damage", ["truncated", "page", "footer"])
 def test_a_damaged_parquet_log_fails_in_one_message_naming_the_file(raw, tmp_path, capsys, damage):
-    """A Parquet log cut short (no footer) or with a data page that does not decompress: the command fails with
-    one line naming the file (Arrow's own errors name none). Control: the same file undamaged ingests."""
+    """A Parquet log cut short (no footer), with a data page that does not decompress, or with its footer's
+    metadata scrambled: the command fails with one line naming the file (Arrow's own errors name none, and the
+    metadata's spans two lines). Control: the same file undamaged ingests."""
     from nestpipe.cli import main
 
     src = str(tmp_path / "raw")
@@ -158,6 +159,8 @@ def test_a_damaged_parquet_log_fails_in_one_message_naming_the_file(raw, tmp_pat
     data = open(pq, "rb").read()
     if damage == "truncated":
         damaged = data[:len(data) // 2]
+    elif damage == "footer":  # the thrift-encoded metadata just before its length and the closing magic
+        damaged = data[:-48] + bytes(b ^ 0x5A for b in data[-48:-8]) + data[-8:]
     else:  # scribble over the middle of the user_id column's compressed pages
         import pyarrow.parquet as papq
 

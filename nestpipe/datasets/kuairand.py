@@ -189,7 +189,7 @@ def read_header(path: str) -> List[str]:
             with storage.open_read(path) as f:
                 return list(pq.read_schema(f).names)
         except Exception as e:  # pyarrow raises ArrowInvalid / OSError for files that are not Parquet
-            raise SchemaError(f"{path}: not a readable Parquet file ({e})") from e
+            raise SchemaError(f"{path}: not a readable Parquet file ({' '.join(str(e).split())})") from e
     with storage.open_read(path) as f:
         line = f.readline().decode("utf-8", errors="replace")
     return [c.strip().strip('"') for c in line.rstrip("\r\n").split(",")] if line else []

@@ -365,7 +365,7 @@ def _reading_parquet(path: str):
     try:
         yield
     except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"{path}: cannot be read as Parquet ({type(e).__name__}: {e})") from e
+        raise ValueError(f"{path}: cannot be read as Parquet ({type(e).__name__}: {' '.join(str(e).split())})") from e
 
 
 def plan_parquet_chunks(path: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> List[Chunk]:

@@ -3,11 +3,11 @@ shard truncated, a checkpoint damaged. The run: ``hstu`` at world 2 over gloo on
 synthetic KuaiRand logs (``chaos_ingest.References``), 12 steps, a checkpoint every 4; its uninterrupted export is
 the reference (``nestpipe.trainer.export.assemble``: every table row and dense tensor).
 
-    kill_rank           SIGKILL of a random rank at a moment drawn over the ranks' life in the clean run (from
-                        their start to their exit, as measured)
+    kill_rank           SIGKILL of a random rank at a moment drawn by progress: during the ranks' start-up or a
+                        drawn fraction of a step time after a drawn step was logged
     kill_in_checkpoint  SIGKILL of a random rank while a drawn checkpoint is being written (each rank pauses 0.5 s
                         inside the write: the ``checkpoint_sleep_s`` testing hook), at a drawn delay into it
-    stop_rank           SIGSTOP of a random rank at a moment drawn over the clean run's training (a hang), with
+    stop_rank           SIGSTOP of a random rank at a moment drawn by progress among the steps (a hang), with
                         ``timeout_s = 10``
     truncate_shard      a random training shard cut at a random byte before the run
     damage_checkpoint   a finished run's random checkpoint file truncated or one byte changed, then ``--resume
@@ -138,10 +138,10 @@ def _verdict(v: Dict) -> Dict:
 def _signal_rank(sig: int, at: float, rng: random.Random, when=None):
     """A fault for run_tracked: at ``at`` seconds (and once ``when()`` holds), ``sig`` to a drawn rank."""
     def act(elapsed, root, procs):
-        if elapsed < at or (when is not None and not when()):
+        if elapsed < at:
             return None
         ranks = _ranks(procs)
-        if len(ranks) < 2:
+        if len(ranks) < 2 or (when is not None and not when()):
             return None
         r = rng.choice(sorted(ranks))
         try:
@@ -152,6 +152,32 @@ def _signal_rank(sig: int, at: float, rng: random.Random, when=None):
     return act
 
 
+def _steps_logged(out: str) -> int:
+    """Steps the run has logged so far (``scalars.jsonl``: a start line, then a line per step)."""
+    try:
+        with open(os.path.join(out, "scalars.jsonl")) as f:
+            return sum(1 for line in f if '"event"' not in line)
+    except OSError:
+        return -1
+
+
+def _moment(rng: random.Random, base: Dict, out: str, first_step: int = -1):
+    """A moment of the run drawn by progress, not by the clock (the load on the machine changes how long a run
+    takes): a step k (``-1``: the ranks' start-up, before the first step) and a fraction of the clean run's time for
+    that phase to wait after k's step was logged. Returns (what was drawn, a ``when()`` for :func:`_signal_rank`)."""
+    k = rng.randrange(first_step, STEPS)
+    frac = rng.random()
+    step_s = max(0.05, (base["ranks_last_s"] - base.get("started_s", base["ranks_up_s"])) / STEPS)
+    wait = frac * (max(0.1, base.get("started_s", base["ranks_up_s"]) - base["ranks_up_s"]) if k < 0 else step_s)
+    seen: Dict = {}
+
+    def when():  # called while both ranks run (_signal_rank)
+        if "t" not in seen and (k < 0 or _steps_logged(out) >= k + 1):
+            seen["t"] = time.time()
+        return "t" in seen and time.time() - seen["t"] >= wait
+    return {"after_step": k, "wait_s": round(wait, 2)}, when
+
+
 def kill_trial(work: str, ref: Reference, cls: str, seed: int) -> Dict:
     rng = random.Random(seed)
     base = ref.get()
@@ -159,9 +185,9 @@ def kill_trial(work: str, ref: Reference, cls: str, seed: int) -> Dict:
     shutil.rmtree(out, ignore_errors=True)
     hooks: Dict = {}
     when = None
-    if cls == "kill_rank":  # a moment over the ranks' life in the clean run: start-up, steps, checkpoints, exit
-        at = rng.uniform(base["ranks_up_s"], base["ranks_last_s"])
-        planned = {"at_s": round(at, 2)}
+    at = 0.0
+    if cls == "kill_rank":  # a moment over the ranks' life: start-up, any step, checkpoints
+        planned, when = _moment(rng, base, out)
     else:  # inside a checkpoint write: each rank sleeps 0.5 s between writing its file and renaming it
         hooks = {"checkpoint_sleep_s": 0.5}
         k = rng.choice(range(EVERY, STEPS, EVERY))
@@ -173,7 +199,6 @@ def kill_trial(work: str, ref: Reference, cls: str, seed: int) -> Dict:
             if "t" not in seen and os.path.isdir(tmp):
                 seen["t"] = time.time()
             return "t" in seen and time.time() - seen["t"] >= delay
-        at = 0.0
         planned = {"checkpoint_step": k, "delay_s": round(delay, 2)}
     first = run_tracked(train_cmd(ref.shards, out), timeout=600, grace=10.0, env=_env(**hooks),
                         act=_signal_rank(signal.SIGKILL, at, rng, when))
@@ -182,6 +207,7 @@ def kill_trial(work: str, ref: Reference, cls: str, seed: int) -> Dict:
     if first["fault"] is None:  # the run ended before the moment came: it must be the reference
         v["one_message"] = first["rc"] == 0
         v["deterministic"] = first["rc"] == 0 and export_equal(base["out"], out)
+        shutil.rmtree(out, ignore_errors=True)
         return _verdict(v)
     msg = one_message(first["stderr"], [f"rank {first['fault']['rank']}"], "nestpipe train")
     v["one_message"], v["message"] = first["rc"] != 0 and msg["ok"], msg["message"]
@@ -197,15 +223,7 @@ def stop_trial(work: str, ref: Reference, cls: str, seed: int) -> Dict:
     base = ref.get()
     out = os.path.join(work, f"train-{cls}-{seed}")
     shutil.rmtree(out, ignore_errors=True)
-    started = os.path.join(out, "scalars.jsonl")
-    # a moment drawn over the clean run's training (after the ranks are up and the first step is logged)
-    delay = rng.uniform(0.0, 0.9) * max(0.5, base["ranks_last_s"] - base.get("started_s", base["ranks_up_s"]))
-    seen: Dict = {}
-
-    def training():
-        if "t" not in seen and os.path.exists(started):
-            seen["t"] = time.time()
-        return "t" in seen and time.time() - seen["t"] >= delay
+    planned, training = _moment(rng, base, out, first_step=0)  # during the steps: collectives in flight
 
     def peers_gone(elapsed, root, procs, fault):
         """When every rank but the stopped one has exited (they gave up on it)."""
@@ -215,11 +233,19 @@ def stop_trial(work: str, ref: Reference, cls: str, seed: int) -> Dict:
     first = run_tracked(train_cmd(ref.shards, out), timeout=300, grace=10.0, env=_env(),
                         act=_signal_rank(signal.SIGSTOP, 0.0, rng, training), watch=peers_gone)
     v: Dict = {"class": cls, "seed": seed,
-               "fault": first["fault"] or {"stopped": None, "planned_delay_s": round(delay, 2)},
+               "fault": dict(planned, **(first["fault"] or {"stopped": None})),
                "rc": first["rc"], "left": list(first["left_behind"])}
     if first["fault"] is None:
         v["one_message"] = first["rc"] == 0
         v["deterministic"] = first["rc"] == 0 and export_equal(base["out"], out)
+        shutil.rmtree(out, ignore_errors=True)
+        return _verdict(v)
+    r = first["fault"]["rank"]
+    if first["rc"] == 0:  # stopped after the last collective: the launcher ends it once the run is complete
+        v["one_message"] = f"rank {r} did not exit" in first["stderr"]
+        v["message"] = next((x for x in first["stderr"].splitlines() if "did not exit" in x), "")[-300:]
+        v["deterministic"] = export_equal(base["out"], out)
+        shutil.rmtree(out, ignore_errors=True)
         return _verdict(v)
     gone = first["fault"].get("peers_gone_at_s", first["seconds"])
     v["peers_gave_up_after_s"] = round(gone - first["fault"]["at_s"], 1)

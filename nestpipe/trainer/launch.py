@@ -5,6 +5,11 @@ or any torchrun option passed through) and runs ``python -m nestpipe.trainer.lau
 rank. The worker reads ``RUN/config.json``, joins the process group through the device layer with the configured
 timeout, trains, and exits non-zero on any error; torchrun then stops the other ranks, so a failing rank ends the
 whole job within about the monitor interval, and a dead peer within the process-group timeout.
+
+One case no collective sees: a rank that stops (SIGSTOP, a hung host) after the run's last collective, when its peers
+have finished and exited. torchrun would wait for it forever. :class:`ExitWatch` waits ``timeout_s`` after the run
+wrote its final ``metrics.json``, then SIGKILLs the rank processes still there and says so; the run's outputs are
+complete by then, so the command succeeds with that warning.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
+import time
 import traceback
 from typing import List, Optional
 
@@ -40,14 +47,70 @@ def launch_training(run: str, nproc_per_node: int, resume: bool, torchrun_args: 
     # every collective); each rank gets the intra-op thread count.
     os.environ.setdefault("NUMBA_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
     os.environ.setdefault("TORCHELASTIC_ERROR_FILE", os.path.join(run, "error.json"))
+    watch = ExitWatch(run, max(5.0, load_run_config(run).timeout_s))
     try:
-        return _launch(args, run)
+        try:
+            return _launch(args, run)
+        except RuntimeError:
+            if not watch.killed:
+                raise
+            return 0  # every output was written before the stray ranks were ended (the watch said so)
     finally:
+        watch.stop()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+class ExitWatch:
+    """A thread of the launching process: once ``RUN/metrics.json`` is written by this launch (the run's end: every
+    rank passed its last gather), rank processes still alive ``timeout_s`` later are SIGKILLed and named on stderr
+    (:attr:`killed`: their ranks)."""
+
+    def __init__(self, run: str, timeout_s: float, poll_s: float = 0.5):
+        self.run, self.timeout_s, self.poll_s = run, float(timeout_s), poll_s
+        self.started = time.time()
+        self.killed: List[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="exit-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _ended(self) -> bool:
+        try:
+            return os.path.getmtime(os.path.join(self.run, "metrics.json")) >= self.started
+        except OSError:
+            return False
+
+    def _watch(self) -> None:
+        while not self._ended():
+            if self._stop.wait(self.poll_s):
+                return
+        if self._stop.wait(self.timeout_s):
+            return
+        self.killed = self.kill_stray_ranks()
+        if self.killed:
+            print(f"nestpipe train: warning: the run finished (metrics.json), but "
+                  f"{', '.join(f'rank {r}' for r in self.killed)} did not exit within {self.timeout_s:.0f} s "
+                  "(stopped or hung): killed", file=sys.stderr, flush=True)
+
+    @staticmethod
+    def kill_stray_ranks() -> List[int]:
+        import psutil
+
+        ranks = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if "--worker-run" in " ".join(p.cmdline()):
+                    ranks.append(int(p.environ().get("RANK", "-1")))
+                    p.kill()  # SIGKILL: a stopped process takes no other signal
+            except (psutil.Error, ValueError):
+                continue
+        return sorted(ranks)
 
 
 def _launch(args: List[str], run: str) -> int:

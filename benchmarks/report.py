@@ -737,8 +737,10 @@ SECTIONS = [
               "(rtol = atol = 1e-4); no process left behind.",
          render=chaos_serving_lines, summary=chaos_summary, libs=("torch", "numpy"),
          means="Latency percentiles are of the valid requests answered 200 while the server was offered twice what "
-               "it can serve: the admission limit refuses the excess with 503 at once, so what it admits is answered "
-               "in bounded time. A 2-core host runs the load generator, the front and both replicas."),
+               "it can serve: the admission limit refuses the excess with 503 at once. The p99 is the killed "
+               "replica's restart: the front holds its users' requests (retrying) until it is back, seconds on this "
+               "host; p50 is the admitted requests' time under overload. A 2-core host runs the load generator, the "
+               "front and both replicas, beside other work (the record's load)."),
     dict(name="simulator_validation", title="Simulator validation", anchor="simulator-validation",
          command="python benchmarks/simulator_validation.py --repeats 2 --steps 10",
          what="`nestpipe simulate --calibrate RUN` fitted on one measured `--pipeline off` run (world 2, 8 "

@@ -59,6 +59,7 @@ FUZZ_CLASSES = ("byte_flip", "truncate", "duplicate_line", "drop_line", "extra_c
 KILL_CLASSES = {"kill_driver": ("local", "driver"), "kill_worker": ("local", "worker"),
                 "kill_driver_dask": ("dask", "driver"), "kill_worker_dask": ("dask", "worker")}
 DISK_CLASSES = ("full_disk", "unwritable_output")
+KILL_WINDOW = (0.02, 0.98)  # the kill moment, as fractions of the clean run's duration
 CLASSES = FUZZ_CLASSES + tuple(KILL_CLASSES) + DISK_CLASSES
 # a failure about the input as a whole names no one file: too little data left, or too many rows rejected (the
 # message points to rejects.csv, which names each file and line)
@@ -267,7 +268,7 @@ def kill_trial(work: str, refs: References, cls: str, seed: int) -> Dict:
     engine, target = KILL_CLASSES[cls]
     ref = refs.get(engine)
     rng = random.Random(seed)
-    at = rng.uniform(0.02, 0.98) * ref["seconds"]
+    at = rng.uniform(*KILL_WINDOW) * ref["seconds"]
     out = os.path.join(work, f"out-{cls}-{seed}")
     first = ingest(refs.raw, out, engine=engine, act=_kill_at(at, target, rng))
     v: Dict = {"class": cls, "seed": seed, "fault": first["fault"] or {"killed": None, "planned_at_s": round(at, 2)},

@@ -38,7 +38,8 @@ def test_pruning_keeps_the_best_and_the_latest_then_only_the_best(tmp_path):
     root = checkpoint.ckpt_root(run)
     for step in (5, 10, 15, 20):
         os.makedirs(os.path.join(root, f"step-{step:08d}"))
-        open(os.path.join(root, f"step-{step:08d}", "meta.json"), "w").close()
+        with open(os.path.join(root, f"step-{step:08d}", "meta.json"), "w") as f:
+            json.dump({"format": checkpoint.FORMAT, "step": step, "files": {}}, f)  # complete, nothing to check
     es = _es([0.1, 0.2, 0.15, 0.19])
     early_stop.prune(es, run, final=False)
     assert sorted(os.listdir(root)) == ["step-00000010", "step-00000020"]

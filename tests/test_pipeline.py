@@ -665,6 +665,11 @@ def test_export_refuses_diverged_data_parallel_replicas(runs, tmp_path):
     payload["dense"][name] = payload["dense"][name].clone()
     payload["dense"][name].view(-1)[0] += 1e-6
     torch.save(payload, path)
+    # written so at checkpoint time (the replicas diverged in training), not damaged later: its checksum is recorded
+    meta = json.load(open(os.path.join(ckpt, "meta.json")))
+    meta["files"]["rank-00000.pt"] = checkpoint.file_digest(path)
+    json.dump(meta, open(os.path.join(ckpt, "meta.json"), "w"))
+    assert checkpoint.latest(run) == ckpt
     with pytest.raises(ValueError, match=r"rank\(s\) \[0, 1\] differs from the one rank 0 saved"):
         _export(run)
 

@@ -264,6 +264,21 @@ def _kill_at(at: float, target: str, rng: random.Random):
     return act
 
 
+def _rerun_after_fault(v: Dict, raw: str, out: str, ref: Dict, first: Dict, engine: str, before=None) -> None:
+    """The verdicts after a fault that interrupted a run into ``out``: every shard it left is a finished one (the
+    clean run's bytes); the same command again (after ``before()``, e.g. growing the disk) gives the clean run's
+    shards and rejects.csv byte for byte and leaves no temporary file or working directory; no process left."""
+    finished = {n: d for n, d in shard_digests(out).items() if n.endswith(".tar")}
+    v["partial_shards"] = sorted(n for n, d in finished.items() if ref["digests"].get(n) != d)
+    if before is not None:
+        before()
+    again = ingest(raw, out, engine=engine, fresh=False)
+    v["rerun_rc"] = again["rc"]
+    v["deterministic"] = again["rc"] == 0 and shard_digests(out) == ref["digests"] and not v["partial_shards"]
+    v["leftovers"] = _leftovers(out)
+    v["no_process_left"] = not first["left_behind"] and not again["left_behind"] and not v["leftovers"]
+
+
 def kill_trial(work: str, refs: References, cls: str, seed: int) -> Dict:
     engine, target = KILL_CLASSES[cls]
     ref = refs.get(engine)
@@ -278,13 +293,7 @@ def kill_trial(work: str, refs: References, cls: str, seed: int) -> Dict:
     else:
         msg = one_message(first["stderr"])
         v["one_message"], v["message"] = msg["ok"], msg["message"]
-    finished = {n: d for n, d in shard_digests(out).items() if n.endswith(".tar")}
-    v["partial_shards"] = sorted(n for n, d in finished.items() if ref["digests"].get(n) != d)
-    again = ingest(refs.raw, out, engine=engine, fresh=False)
-    v["rerun_rc"] = again["rc"]
-    v["deterministic"] = again["rc"] == 0 and shard_digests(out) == ref["digests"] and not v["partial_shards"]
-    v["leftovers"] = _leftovers(out)
-    v["no_process_left"] = not first["left_behind"] and not again["left_behind"] and not v["leftovers"]
+    _rerun_after_fault(v, refs.raw, out, ref, first, engine)
     v["accounted"] = None
     v["ok"] = all(v[k] is not False for k in ("one_message", "deterministic", "no_process_left"))
     shutil.rmtree(out, ignore_errors=True)
@@ -316,14 +325,8 @@ def disk_trial(work: str, refs: References, cls: str, seed: int) -> Dict:
             else:
                 msg = one_message(first["stderr"], [out, "space", "No space"])
                 v["one_message"], v["message"] = msg["ok"], msg["message"]
-            done = {n: d for n, d in shard_digests(out).items() if n.endswith(".tar")}
-            v["partial_shards"] = sorted(n for n, d in done.items() if ref["digests"].get(n) != d)
-            resize(mnt, 4 * ref["bytes"] + (64 << 20))
-            again = ingest(refs.raw, out, fresh=False)
-            v["rerun_rc"] = again["rc"]
-            v["deterministic"] = again["rc"] == 0 and shard_digests(out) == ref["digests"] and not v["partial_shards"]
-            v["leftovers"] = _leftovers(out)
-            v["no_process_left"] = not first["left_behind"] and not again["left_behind"] and not v["leftovers"]
+            _rerun_after_fault(v, refs.raw, out, ref, first, "local",
+                               before=lambda: resize(mnt, 4 * ref["bytes"] + (64 << 20)))
     else:
         variant = rng.choice(["missing_under_read_only", "empty_read_only", "regular_file"])
         v["fault"] = {"variant": variant}

@@ -41,13 +41,14 @@ def launch_training(run: str, nproc_per_node: int, resume: bool, torchrun_args: 
     # The ranks inherit this process's environment; it is set for the launch only and restored after, so a Python
     # session that calls nestpipe.train keeps its own (Numba refuses a thread count changed after it started).
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "TORCHELASTIC_ERROR_FILE")}
-    os.environ.setdefault("OMP_NUM_THREADS", str(load_run_config(run).threads))  # the config's intra-op threads
+    cfg = load_run_config(run)
+    os.environ.setdefault("OMP_NUM_THREADS", str(cfg.threads))  # the config's intra-op threads
     # Numba's parallel kernels default to an all-core OpenMP pool: with several ranks per machine that
     # oversubscribes the cores (every rank's pool contends for all of them, and the ranks wait for the slowest at
     # every collective); each rank gets the intra-op thread count.
     os.environ.setdefault("NUMBA_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
     os.environ.setdefault("TORCHELASTIC_ERROR_FILE", os.path.join(run, "error.json"))
-    watch = ExitWatch(run, max(5.0, load_run_config(run).timeout_s))
+    watch = ExitWatch(run, max(5.0, cfg.timeout_s))
     try:
         try:
             return _launch(args, run)

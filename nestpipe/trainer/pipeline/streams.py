@@ -74,7 +74,7 @@ class PinnedPool:
 
     def take(self, shape, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         """(a pinned view of ``shape`` / ``dtype``, the buffer to :meth:`give` back when it has been read)."""
-        nbytes = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
         with self._lock:
             self._reclaim()
             fits = [b for b in self._free if b.numel() >= nbytes]
